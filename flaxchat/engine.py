@@ -130,8 +130,8 @@ def sample_next_token(logits, key, temperature=1.0, top_k=None, top_p=None):
 def repeat_rows(cache: KVCache, n: int) -> KVCache:
     """A batch-1 cache copied into n rows (one prefill shared by n samples)."""
     return KVCache(
-        k=jnp.repeat(cache.k, n, axis=1),
-        v=jnp.repeat(cache.v, n, axis=1),
+        k=tuple(jnp.repeat(k, n, axis=0) for k in cache.k),
+        v=tuple(jnp.repeat(v, n, axis=0) for v in cache.v),
         pos=jnp.repeat(cache.pos, n, axis=0),
         prev_embedding=jnp.repeat(cache.prev_embedding, n, axis=0),
     )
@@ -193,8 +193,7 @@ def _prefill(graphdef, params, tokens, lengths, key, *, num_rows, capacity):
     model = nnx.merge(graphdef, params)
     Bp = tokens.shape[0]
     cache = model.init_cache(Bp, capacity)
-    logits, cache = model.forward_cached(tokens, cache)  # (Bp, T, V)
-    logits = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # each row's last real token
+    logits, cache = model.forward_cached(tokens, cache, logits_at=lengths - 1)  # (Bp, V): each row's last real token
     cache = dataclasses.replace(cache, pos=lengths.astype(jnp.int32))
     if num_rows != Bp:
         cache, logits = repeat_rows(cache, num_rows), jnp.repeat(logits, num_rows, axis=0)
@@ -492,8 +491,8 @@ def speculative_program(model, draft_model, *, max_tokens, draft_steps=4, temper
     d_graph, d_params = nnx.split(draft_model)
 
     def prefill(m, prompt, length):
-        logits, cache = m.forward_cached(prompt[None], m.init_cache(1, capacity))
-        return logits[0, length - 1], dataclasses.replace(cache, pos=jnp.reshape(length, (1,)).astype(jnp.int32))
+        logits, cache = m.forward_cached(prompt[None], m.init_cache(1, capacity), logits_at=jnp.reshape(length - 1, (1,)))
+        return logits[0], dataclasses.replace(cache, pos=jnp.reshape(length, (1,)).astype(jnp.int32))
 
     def run(tp, dp, prompt, length, key):
         target, draft = nnx.merge(t_graph, tp), nnx.merge(d_graph, dp)

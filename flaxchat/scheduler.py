@@ -48,7 +48,7 @@ from flax import nnx
 
 from flaxchat.engine import bucket_length
 from flaxchat.execution import use_calculator
-from flaxchat.gpt import KVCache
+from flaxchat.gpt import KVCache, write_cache
 
 log = logging.getLogger(__name__)
 
@@ -288,31 +288,43 @@ def _prefill(graphdef, params, state: SlotState, slot, tokens, length) -> SlotSt
     """Prefill one padded prompt (1, T) into row `slot` of the batched cache."""
     model = nnx.merge(graphdef, params)
     T = tokens.shape[1]
-    logits, row = model.forward_cached(tokens, model.init_cache(1, T, dtype=state.cache.k.dtype))
+    logits, row = model.forward_cached(tokens, model.init_cache(1, T, dtype=state.cache.k[0].dtype),
+                                       logits_at=jnp.reshape(length - 1, (1,)))
     cache = state.cache
-    at = (0, slot, 0, 0, 0)
+    put = lambda layers, new: tuple(jax.lax.dynamic_update_slice(c, n, (slot, 0, 0, 0)) for c, n in zip(layers, new))
     cache = KVCache(
-        k=jax.lax.dynamic_update_slice(cache.k, row.k, at),  # stale entries past T are never attended to
-        v=jax.lax.dynamic_update_slice(cache.v, row.v, at),
+        k=put(cache.k, row.k),  # stale entries past T are never attended to
+        v=put(cache.v, row.v),
         pos=cache.pos.at[slot].set(length),
         prev_embedding=cache.prev_embedding.at[slot].set(row.prev_embedding[0]),  # padding repeats the last token
     )
     return SlotState(
-        cache=cache, logits=state.logits.at[slot].set(logits[0, length - 1]), forced=state.forced,
+        cache=cache, logits=state.logits.at[slot].set(logits[0]), forced=state.forced,
         forced_len=state.forced_len.at[slot].set(0), forced_pos=state.forced_pos.at[slot].set(0),
     )
 
 
 def _take_rows(cache: KVCache, rows: int, span: int) -> KVCache:
     """The first `rows` slots and the first `span` positions of the cache (what a decode chunk touches)."""
-    return KVCache(k=cache.k[:, :rows, :span], v=cache.v[:, :rows, :span], pos=cache.pos[:rows],
-                   prev_embedding=cache.prev_embedding[:rows])
+    take = lambda layers: tuple(c[:rows, :, :span] for c in layers)
+    return KVCache(k=take(cache.k), v=take(cache.v), pos=cache.pos[:rows], prev_embedding=cache.prev_embedding[:rows])
 
 
-def _put_rows(cache: KVCache, part: KVCache) -> KVCache:
-    rows, span = part.k.shape[1], part.k.shape[2]
-    return KVCache(k=cache.k.at[:, :rows, :span].set(part.k), v=cache.v.at[:, :rows, :span].set(part.v),
-                   pos=cache.pos.at[:rows].set(part.pos), prev_embedding=cache.prev_embedding.at[:rows].set(part.prev_embedding))
+def _put_rows(cache: KVCache, part: KVCache, start, width: int) -> KVCache:
+    """Write a decode chunk's work back: for each row, only the `width` positions from `start` (B,) on, which
+    hold everything the chunk wrote (copying the whole working part back would cost as much as the chunk's
+    attention). The window is clamped inside the part; positions it covers that the chunk did not write hold
+    the values taken from the cache, so writing them back changes nothing."""
+    rows, span = part.pos.shape[0], part.k[0].shape[2]
+    width = min(width, span)
+    start = jnp.clip(start, 0, span - width)
+    cols = start[:, None] + jnp.arange(width)[None, :]  # (rows, width)
+
+    def put_layers(layers, new):  # each layer: gather (rows, width, Hkv, D) from the part, scatter it in place
+        return tuple(write_cache(c, n[jnp.arange(rows)[:, None], :, cols], start) for c, n in zip(layers, new))
+
+    return KVCache(k=put_layers(cache.k, part.k), v=put_layers(cache.v, part.v), pos=cache.pos.at[:rows].set(part.pos),
+                   prev_embedding=cache.prev_embedding.at[:rows].set(part.prev_embedding))
 
 
 def _decode(graphdef, params, state: SlotState, ctl: Controls, limit, *, rows, span, chunk, stop_tokens, tool_end):
@@ -360,7 +372,7 @@ def _decode(graphdef, params, state: SlotState, ctl: Controls, limit, *, rows, s
     init = (_take_rows(state.cache, rows, span), state.logits[r], forced_pos[r], out, jnp.int32(0), live, jnp.bool_(False))
     cache, logits, f_pos, out, steps, _, _ = jax.lax.while_loop(cond, body, init)
     new_state = SlotState(
-        cache=_put_rows(state.cache, cache), logits=state.logits.at[r].set(logits), forced=forced,
+        cache=_put_rows(state.cache, cache, state.cache.pos[r], chunk), logits=state.logits.at[r].set(logits), forced=forced,
         forced_len=forced_len, forced_pos=forced_pos.at[r].set(f_pos),
     )
     return new_state, out, steps

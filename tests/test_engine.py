@@ -165,12 +165,14 @@ class ScriptedModel(nnx.Module):
         self.script = nnx.Variable(jnp.asarray(script + [script[-1]] * (sequence_len + 1 - len(script)), jnp.int32))
 
     def init_cache(self, batch_size, max_len):
-        z = jnp.zeros((1, batch_size, max_len, 1, 1))
+        z = (jnp.zeros((batch_size, 1, max_len, 1)),)  # one layer, (B, Hkv, S, D)
         return KVCache(k=z, v=z, pos=jnp.zeros((batch_size,), jnp.int32), prev_embedding=jnp.zeros((batch_size, 2)))
 
-    def forward_cached(self, idx, cache):
+    def forward_cached(self, idx, cache, logits_at=None):
         B, T = idx.shape
         positions = cache.pos[:, None] + jnp.arange(T)[None, :]
+        if logits_at is not None:
+            positions = jnp.take_along_axis(positions, logits_at[:, None], axis=1)[:, 0]
         logits = 100.0 * jax.nn.one_hot(self.script[...][positions + 1], self.config.vocab_size)
         return logits, dataclasses.replace(cache, pos=cache.pos + T)
 

@@ -143,6 +143,20 @@ def test_cached_decode_equals_full_forward():
     assert np.all(np.asarray(cache.pos) == 40)
 
 
+def test_cached_logits_at_selects_each_rows_position():
+    """forward_cached(..., logits_at=i) returns exactly row b's logits at index i[b] (prefill without (T, V) logits)."""
+    config = GPTConfig(sequence_len=32, vocab_size=100, n_layer=2, n_head=2, n_kv_head=1, n_embd=64, window_pattern="L")
+    model = make(config)
+    idx = jax.random.randint(jax.random.key(7), (3, 12), 0, 100)
+    full, cache_full = model.forward_cached(idx, model.init_cache(3, 32))
+    at = jnp.array([11, 4, 0], jnp.int32)
+    picked, cache = model.forward_cached(idx, model.init_cache(3, 32), logits_at=at)
+    np.testing.assert_allclose(np.asarray(picked), np.asarray(full[jnp.arange(3), at]), atol=1e-6)
+    for a, b in zip(cache.k + cache.v, cache_full.k + cache_full.v):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert cache.k[0].shape == (3, 1, 32, 32)  # per layer (B, Hkv, S, D)
+
+
 def test_estimate_flops_and_param_counts():
     config = GPTConfig.from_depth(4, max_seq_len=512, vocab_size=1000)  # C=256, H=2, D=128, SSSL
     model = nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0)))
