@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole pipeline on a CPU box (no GPU), offline: synthetic stories, a depth-4 model, SFT, RL, eval.
 # Expect ~1 hour on 2 cores (most of it pretraining); more cores go proportionally faster.
-# For a 15-minute version use the laptop demo: python -m scripts.run_tinystories
+# For a 7-minute version use the laptop demo: python -m scripts.run_tinystories
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export FLAXCHAT_BASE_DIR=${FLAXCHAT_BASE_DIR:-$HOME/.cache/flaxchat/cpu}
@@ -18,7 +18,7 @@ python -m scripts.eval --model base --tasks bpb,core --max-per-task 100
 
 python -m scripts.sft --mixture offline --num-iterations 600 --eval-every 200 --eval-tokens 262144 --chatcore-every 300
 python -m scripts.eval --model sft --tasks chat --max-per-task 100
-python -m scripts.rl --task arithmetic --num-steps 100 --eval-every 25
+python -m scripts.rl --config configs/rl_cpu.yaml
 python -m scripts.eval --model rl --tasks gsm8k --max-per-task 100
 
 python -c "from flaxchat.report import Report; print(Report().generate())"

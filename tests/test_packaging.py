@@ -1,6 +1,7 @@
 """Keep pixi.toml, .ci/run and the README honest: pixi cannot be installed here, so we check its tasks."""
 
 import os
+import pathlib
 import re
 import shlex
 import subprocess
@@ -67,3 +68,15 @@ def test_pyproject_declares_the_stack():
     for pkg in ["jax", "flax", "optax", "orbax-checkpoint", "grain", "tiktoken", "rustbpe", "datasets",
                 "fastapi", "uvicorn", "pyarrow"]:
         assert re.search(rf"(^|\s|\"){re.escape(pkg)}>=", deps), pkg
+
+
+@pytest.mark.parametrize("path", sorted(pathlib.Path(ROOT, "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_config_preset_parses_with_its_script(path):
+    """configs/<script>_<where>.yaml holds flag defaults for scripts/<script>.py: every key must be one of its flags."""
+    import importlib
+
+    from flaxchat.common import parse_args
+
+    script = importlib.import_module(f"scripts.{path.stem.split('_')[0]}")
+    args = parse_args(script.build_parser(), ["--config", str(path)])
+    assert args.config == str(path)
