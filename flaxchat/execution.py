@@ -26,6 +26,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import warnings
 from dataclasses import dataclass
 
 # The sandboxed program's own files (and its stdout/stderr files) may not exceed this size.
@@ -260,10 +261,12 @@ def use_calculator(expr: str) -> str | None:
         return None
     arith = expr.replace(",", "")
     try:
-        if set(arith) <= _ARITH_CHARS:
-            value = _eval_arith(ast.parse(arith.strip(), mode="eval"))
-        else:
-            value = _eval_count(ast.parse(expr.strip(), mode="eval").body)
+        with warnings.catch_warnings():  # model-written text like "3x" would print a SyntaxWarning per call
+            warnings.simplefilter("ignore", SyntaxWarning)
+            if set(arith) <= _ARITH_CHARS:
+                value = _eval_arith(ast.parse(arith.strip(), mode="eval"))
+            else:
+                value = _eval_count(ast.parse(expr.strip(), mode="eval").body)
         if type(value) not in (int, float):  # e.g. (-8) ** 0.5 is complex
             return None
         return str(value)

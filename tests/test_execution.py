@@ -152,3 +152,16 @@ def test_calculator_evaluates(expr, expected):
 ])
 def test_calculator_refuses(expr):
     assert use_calculator(expr) is None
+
+
+def test_calculator_is_quiet_on_malformed_numbers():
+    """Text like "2and 3" makes Python's parser warn ("invalid decimal literal"); a model writes such things
+    often, and the warning must not spill into every RL or chat log."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert use_calculator("2and 3") is None
+        assert use_calculator("5if 1 else 2") is None
+        assert use_calculator("2+3") == "5"
+    assert not [w for w in caught if issubclass(w.category, SyntaxWarning)]
