@@ -23,20 +23,48 @@ def read_jsonl(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def plot_training(rows: list[dict], path: str, title: str = "") -> str | None:
-    """2x2 chart of train loss, val bpb, learning-rate multiplier and MFU against step; None if nothing to plot."""
-    panels = [("loss", "train loss"), ("val_bpb", "val bits per byte"), ("lrm", "learning-rate multiplier"), ("mfu", "MFU (%)")]
-    series = {key: [(r["step"], r[key]) for r in rows if r.get(key) is not None] for key, _ in panels}
+TRAINING_PANELS = [(["loss"], "train loss"), (["val_bpb"], "val bits per byte"), (["lrm"], "learning-rate multiplier"),
+                   (["mfu"], "MFU (%)")]
+
+
+def metrics_logger(metrics_path: str, run: str, project: str, config: dict):
+    """log(row): append the row to metrics_path on the main process, and to wandb when a run name is given
+    ('dummy' = local only, nanochat's convention)."""
+    from flaxchat.common import is_main_process, print0
+
+    wandb_run = None
+    if run != "dummy" and is_main_process():
+        try:
+            import wandb
+
+            wandb_run = wandb.init(project=project, name=run, config=config)
+        except ImportError:
+            print0("warning: --run given but wandb is not installed (pip install wandb); logging locally only")
+
+    def log(row: dict) -> None:
+        if is_main_process():
+            append_jsonl(metrics_path, row)
+            if wandb_run is not None:
+                wandb_run.log(row)
+
+    return log
+
+
+def plot_panels(rows: list[dict], path: str, panels, title: str = "") -> str | None:
+    """2x2 chart: each panel plots its metric keys (a legend when several) against step; None if nothing to plot."""
+    series = {key: [(r["step"], r[key]) for r in rows if r.get(key) is not None] for keys, _ in panels for key in keys}
     if not any(series.values()):
         return None
     fig, axes = plt.subplots(2, 2, figsize=(10, 7))
-    for ax, (key, label) in zip(axes.flat, panels):
-        points = series[key]
-        if points:
-            xs, ys = zip(*points)
-            ax.plot(xs, ys, marker="o" if len(points) < 30 else None, markersize=3)
-        else:
+    for ax, (keys, label) in zip(axes.flat, panels):
+        keys = list(dict.fromkeys(keys))
+        for key in keys:
+            if series[key]:
+                ax.plot(*zip(*series[key]), marker="o" if len(series[key]) < 30 else None, markersize=3, label=key)
+        if not any(series[key] for key in keys):
             ax.text(0.5, 0.5, "no data yet", ha="center", va="center", transform=ax.transAxes, color="gray")
+        elif len(keys) > 1:
+            ax.legend()
         ax.set_title(label)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
@@ -48,6 +76,11 @@ def plot_training(rows: list[dict], path: str, title: str = "") -> str | None:
     plt.close(fig)
     os.replace(tmp, path)  # readers never see a half-written chart
     return path
+
+
+def plot_training(rows: list[dict], path: str, title: str = "") -> str | None:
+    """Train loss, val bpb, learning-rate multiplier and MFU against step; None if nothing to plot."""
+    return plot_panels(rows, path, TRAINING_PANELS, title)
 
 
 # -----------------------------------------------------------------------------

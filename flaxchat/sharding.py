@@ -67,6 +67,22 @@ def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices=None) -> j
     return jax.make_mesh(tuple(shape), MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3, devices=devices)
 
 
+def add_mesh_flags(parser) -> None:
+    """The scripts' --data/--fsdp/--tensor flags (the axes of make_mesh)."""
+    parser.add_argument("--data", type=int, default=-1, help="data-parallel mesh axis (-1 = all remaining devices)")
+    parser.add_argument("--fsdp", type=int, default=1, help="FSDP mesh axis (parameters and optimizer state sharded)")
+    parser.add_argument("--tensor", type=int, default=1, help="tensor-parallel mesh axis (heads / MLP split)")
+
+
+def mesh_from_args(parser, args) -> jax.sharding.Mesh:
+    """Join the other processes (if any), then the mesh the flags ask for; a shape that does not fit is a CLI error."""
+    init_distributed()
+    try:
+        return make_mesh(args.data, args.fsdp, args.tensor)
+    except ValueError as e:
+        parser.error(str(e))
+
+
 def logical_to_spec(axes) -> P:
     """Logical axis names -> PartitionSpec under LOGICAL_RULES (a mesh axis is used at most once)."""
     return P(*core_spmd.from_sharding_rules(tuple(axes), LOGICAL_RULES))

@@ -32,13 +32,13 @@ from tqdm.auto import tqdm
 
 from flaxchat import sharding
 from flaxchat.checkpoint import Checkpointer, checkpoint_dir, git_commit
-from flaxchat.common import quiet_library_logs, compute_dtype, get_base_dir, is_main_process, parse_args, peak_flops_per_device, print0
+from flaxchat.common import quiet_library_logs, compute_dtype, is_main_process, parse_args, peak_flops_per_device, print0
 from flaxchat.config import GPTConfig, add_model_flags, config_from_flags, derive_training
 from flaxchat.dataloader import make_loader, make_val_loader
 from flaxchat.gpt import GPT
 from flaxchat.loss_eval import evaluate_bpb
 from flaxchat.optim import Schedule, build_optimizer, optimizer_stats
-from flaxchat.report import Report, append_jsonl, plot_training, read_jsonl
+from flaxchat.report import Report, metrics_logger, plot_training, read_jsonl
 from flaxchat.tokenizer import get_token_bytes, get_tokenizer
 from flaxchat.training import train_step
 
@@ -94,9 +94,7 @@ def build_parser():
     p.add_argument("--model-tag", type=str, default=None, help="checkpoint directory name (default d<depth>)")
     p.add_argument("--source", type=str, default=None, help="folder of parquet shards (default $FLAXCHAT_BASE_DIR/base_data)")
     # mesh
-    p.add_argument("--data", type=int, default=-1, help="data-parallel mesh axis (-1 = all remaining devices)")
-    p.add_argument("--fsdp", type=int, default=1, help="FSDP mesh axis (parameters and optimizer state sharded)")
-    p.add_argument("--tensor", type=int, default=1, help="tensor-parallel mesh axis (heads / MLP split)")
+    sharding.add_mesh_flags(p)
     return p
 
 
@@ -135,11 +133,7 @@ def main(argv=None):
     # -------------------------------------------------------------------------
     # Devices, tokenizer, model config
 
-    sharding.init_distributed()
-    try:
-        mesh = sharding.make_mesh(args.data, args.fsdp, args.tensor)
-    except ValueError as e:
-        parser.error(str(e))
+    mesh = sharding.mesh_from_args(parser, args)
     dp = mesh.shape["data"] * mesh.shape["fsdp"]
     dtype = compute_dtype(args.dtype)
     print0(f"devices: {jax.device_count()} x {jax.devices()[0].device_kind} | processes: {jax.process_count()} | mesh: {dict(mesh.shape)} | dtype: {jnp.dtype(dtype).name}")
@@ -226,20 +220,7 @@ def main(argv=None):
     flops_per_token = abstract_model.estimate_flops()
     peak, peak_source = peak_flops_per_device()
     print0(f"peak FLOP/s per device: {peak:.3e} ({peak_source})")
-    wandb_run = None
-    if args.run != "dummy" and is_main_process():
-        try:
-            import wandb
-
-            wandb_run = wandb.init(project="flaxchat", name=args.run, config=user_config)
-        except ImportError:
-            print0("warning: --run given but wandb is not installed (pip install wandb); logging locally only")
-
-    def log(row):
-        if is_main_process():
-            append_jsonl(metrics_path, row)
-            if wandb_run is not None:
-                wandb_run.log(row)
+    log = metrics_logger(metrics_path, args.run, "flaxchat", user_config)
 
     def evaluate():
         eval_steps = max(1, args.eval_tokens // tokens_per_micro)

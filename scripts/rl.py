@@ -35,7 +35,7 @@ from flaxchat import sharding
 from flaxchat.checkpoint import Checkpointer, checkpoint_dir, find_model_tag, git_commit, load_model
 from flaxchat.common import compute_dtype, is_main_process, parse_args, print0
 from flaxchat.optim import build_optimizer
-from flaxchat.report import append_jsonl, read_jsonl
+from flaxchat.report import metrics_logger, plot_panels, read_jsonl
 from scripts.sft import drop_earlier_run
 
 SEQ_BUCKET = 32  # rollout batches are padded to a multiple of this many tokens: a few shapes, a few compiles
@@ -82,9 +82,7 @@ def build_parser():
     p.add_argument("--eval-greedy", type=int, default=0, choices=[0, 1], help="also report greedy accuracy (temperature 0) in each eval")
     p.add_argument("--save-every", type=int, default=60, help="checkpoint every N steps and at the end")
     # mesh
-    p.add_argument("--data", type=int, default=-1, help="data-parallel mesh axis (-1 = all remaining devices)")
-    p.add_argument("--fsdp", type=int, default=1, help="FSDP mesh axis")
-    p.add_argument("--tensor", type=int, default=1, help="tensor-parallel mesh axis")
+    sharding.add_mesh_flags(p)
     return p
 
 
@@ -224,30 +222,10 @@ def evaluate_pass_at_k(engine, tokenizer, task, num_examples, k, max_new_tokens,
 
 def plot_rl(rows, path, title=""):
     """2x2 chart: mean reward, pass@1 and pass@k, LR multiplier, mean sampled length."""
-    from flaxchat import report  # noqa: F401  (selects matplotlib's file-only backend)
-    import matplotlib.pyplot as plt
-
     k_keys = sorted({key for r in rows for key in r if key.startswith("pass@")}, key=lambda s: int(s[5:]))
     panels = [(["reward"], "mean reward (train rollouts)"), ([k_keys[0], k_keys[-1]] if k_keys else [], "held-out pass@k"),
               (["lrm"], "learning-rate multiplier"), (["sequence_length"], "mean rollout length (tokens)")]
-    fig, axes = plt.subplots(2, 2, figsize=(10, 7))
-    for ax, (keys, label) in zip(axes.flat, panels):
-        for key in dict.fromkeys(keys):
-            points = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
-            if points:
-                ax.plot(*zip(*points), marker="o" if len(points) < 30 else None, markersize=3, label=key)
-        if len(set(keys)) > 1:
-            ax.legend()
-        ax.set_title(label)
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    tmp = path + ".tmp.png"
-    fig.savefig(tmp, dpi=100)
-    plt.close(fig)
-    os.replace(tmp, path)
+    return plot_panels(rows, path, panels, title)
 
 
 # -----------------------------------------------------------------------------
@@ -261,13 +239,9 @@ def main(argv=None):
     user_config = vars(args).copy()
     k = args.eval_samples if args.eval_samples > 0 else args.device_batch_size
 
-    sharding.init_distributed()
+    mesh = sharding.mesh_from_args(parser, args)
     if jax.process_count() > 1:
         sys.exit("error: scripts.rl samples rollouts in one process; run it on one host (any number of local devices)")
-    try:
-        mesh = sharding.make_mesh(args.data, args.fsdp, args.tensor)
-    except ValueError as e:
-        parser.error(str(e))
     dp = mesh.shape["data"] * mesh.shape["fsdp"]
     if args.device_batch_size % dp:
         parser.error(f"--device-batch-size {args.device_batch_size} must be a multiple of the mesh's data x fsdp size {dp}")
@@ -301,19 +275,7 @@ def main(argv=None):
         if os.path.exists(metrics_path):
             os.remove(metrics_path)
     ckpt = Checkpointer(out_dir, keep=2, keep_best=0)
-    wandb_run = None
-    if args.run != "dummy" and is_main_process():
-        try:
-            import wandb
-
-            wandb_run = wandb.init(project="flaxchat-rl", name=args.run, config=user_config)
-        except ImportError:
-            print0("warning: --run given but wandb is not installed (pip install wandb); logging locally only")
-
-    def log(row):
-        append_jsonl(metrics_path, row)
-        if wandb_run is not None:
-            wandb_run.log(row)
+    log = metrics_logger(metrics_path, args.run, "flaxchat-rl", user_config)
 
     def evaluate(step):
         result = evaluate_pass_at_k(engine, tokenizer, eval_task, args.eval_examples, k, args.max_new_tokens,

@@ -27,7 +27,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
@@ -39,7 +38,7 @@ from flaxchat.config import GPTConfig
 from flaxchat.gpt import GPT
 from flaxchat.loss_eval import evaluate_bpb
 from flaxchat.optim import Schedule, build_optimizer
-from flaxchat.report import append_jsonl, plot_training, read_jsonl
+from flaxchat.report import metrics_logger, plot_training, read_jsonl
 from flaxchat.tokenizer import get_token_bytes, get_tokenizer
 from flaxchat.training import train_step
 
@@ -99,9 +98,7 @@ def build_parser():
     p.add_argument("--val-size", type=int, default=200, help="offline: val conversations per synthetic task")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic conversations and of sampling")
     # mesh
-    p.add_argument("--data", type=int, default=-1, help="data-parallel mesh axis (-1 = all remaining devices)")
-    p.add_argument("--fsdp", type=int, default=1, help="FSDP mesh axis")
-    p.add_argument("--tensor", type=int, default=1, help="tensor-parallel mesh axis")
+    sharding.add_mesh_flags(p)
     return p
 
 
@@ -332,11 +329,7 @@ def main(argv=None):
     check_args(parser, args)
     user_config = vars(args).copy()
 
-    sharding.init_distributed()
-    try:
-        mesh = sharding.make_mesh(args.data, args.fsdp, args.tensor)
-    except ValueError as e:
-        parser.error(str(e))
+    mesh = sharding.mesh_from_args(parser, args)
     dp = mesh.shape["data"] * mesh.shape["fsdp"]
     dtype = compute_dtype(args.dtype)
     print0(f"devices: {jax.device_count()} x {jax.devices()[0].device_kind} | mesh: {dict(mesh.shape)} | dtype: {jnp.dtype(dtype).name}")
@@ -397,20 +390,7 @@ def main(argv=None):
             os.remove(metrics_path)
     flops_per_token = model.estimate_flops()
     peak, _ = peak_flops_per_device()
-    wandb_run = None
-    if args.run != "dummy" and is_main_process():
-        try:
-            import wandb
-
-            wandb_run = wandb.init(project="flaxchat-sft", name=args.run, config=user_config)
-        except ImportError:
-            print0("warning: --run given but wandb is not installed (pip install wandb); logging locally only")
-
-    def log(row):
-        if is_main_process():
-            append_jsonl(metrics_path, row)
-            if wandb_run is not None:
-                wandb_run.log(row)
+    log = metrics_logger(metrics_path, args.run, "flaxchat-sft", user_config)
 
     def evaluate_val():
         steps = max(1, args.eval_tokens // (global_batch * args.max_seq_len))
