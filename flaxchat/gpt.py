@@ -20,8 +20,11 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
+from flaxchat import sharding
 from flaxchat.common import compute_dtype
 from flaxchat.config import GPTConfig
 
@@ -116,7 +119,10 @@ class Embedding(nnx.Module):
         self.weight = _param(init, rngs.params(), (num, dim), axes)
 
     def __call__(self, idx, dtype):
-        return jnp.take(self.weight[...], idx, axis=0).astype(dtype)
+        # the table's FSDP shards are gathered before the lookup (its vocab split stays): a lookup into a table
+        # split along its width crashes XLA's partitioner inside the data-parallel shard_map of the train step
+        table = sharding.constrain(self.weight[...], ("vocab", None))
+        return jnp.take(table, idx, axis=0).astype(dtype)
 
 
 def attention(q, k, v, window):
@@ -173,12 +179,14 @@ class CausalSelfAttention(nnx.Module):
 
     def qkv(self, x, ve, cos, sin):
         B, T, _ = x.shape
-        q = self.c_q(x).reshape(B, T, self.n_head, self.head_dim)  # (B, T, H, D)
-        k = self.c_k(x).reshape(B, T, self.n_kv_head, self.head_dim)  # (B, T, Hkv, D)
-        v = self.c_v(x).reshape(B, T, self.n_kv_head, self.head_dim)
+        heads, kv_heads = ("batch", None, "heads", None), ("batch", None, "kv_heads", None)
+        q = sharding.constrain(self.c_q(x).reshape(B, T, self.n_head, self.head_dim), heads)  # (B, T, H, D)
+        k = sharding.constrain(self.c_k(x).reshape(B, T, self.n_kv_head, self.head_dim), kv_heads)  # (B, T, Hkv, D)
+        v = sharding.constrain(self.c_v(x).reshape(B, T, self.n_kv_head, self.head_dim), kv_heads)
         if ve is not None:  # value residual (ResFormer), gated per kv head in (0, 3)
             gate = 3.0 * jax.nn.sigmoid(self.ve_gate(x[..., :VE_GATE_CHANNELS]))  # (B, T, Hkv)
-            v = v + gate[..., None] * ve.reshape(B, T, self.n_kv_head, self.head_dim)
+            ve = sharding.constrain(ve.reshape(B, T, self.n_kv_head, self.head_dim), kv_heads)
+            v = v + gate[..., None] * ve
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         q, k = rms_norm(q) * QK_SCALE, rms_norm(k) * QK_SCALE
         return q, k, v
@@ -187,7 +195,7 @@ class CausalSelfAttention(nnx.Module):
         B, T, _ = x.shape
         q, k, v = self.qkv(x, ve, cos, sin)
         if cache is None:
-            y = attention(q, k, v, window)
+            y = sharding.constrain(attention(q, k, v, window), ("batch", None, "heads", None))
             new_cache = None
         else:
             k_cache, v_cache, pos = cache  # (B, Hkv, S, D), (B, Hkv, S, D), (B,)
@@ -204,7 +212,8 @@ class MLP(nnx.Module):
         self.c_proj = Linear(4 * C, C, init=init["mlp.c_proj"], axes=("embed", "mlp"), rngs=rngs)
 
     def __call__(self, x):
-        return self.c_proj(jnp.square(jax.nn.relu(self.c_fc(x))))
+        h = sharding.constrain(self.c_fc(x), ("batch", None, "mlp"))  # (B, T, 4C)
+        return self.c_proj(jnp.square(jax.nn.relu(h)))
 
 
 class Block(nnx.Module):
@@ -232,6 +241,8 @@ class Transformer(nnx.Module):
 # Materialising (B*T, vocab) logits dominates a small model's step (a 4096 x 32768 fp32 tensor is 512 MB,
 # written and re-read several times). Computing them chunk by chunk, and producing the gradients of x and
 # lm_head in the same pass (as Liger's fused linear cross-entropy does), keeps every pass cache-sized.
+# On a mesh each device runs this on its own rows only (a shard_map over the batch axes): chunking the
+# global rows instead would put the sharding on the chunk axis and make every device compute every chunk.
 
 LOSS_CHUNK_BYTES = 64 * 2**20  # logits bytes per chunk; see scripts/bench.py
 
@@ -263,21 +274,35 @@ def _split_rows(x, t, chunk):
     return x.reshape(-1, chunk, x.shape[-1]), t.reshape(-1, chunk)
 
 
-def token_losses(x, w, targets, vocab_size):
-    """Per-token cross-entropy (N,) of rows x (N, C) against lm_head w (Vp, C); computed chunk by chunk."""
+def _over_rows(f, x, targets, w, row_outputs):
+    """f(x, targets, w, axes) on each device's own rows; row_outputs flags which outputs are per row."""
+    axes = sharding.free_axes(sharding.BATCH_AXES)
+    rows = P(axes)
+    out_specs = tuple(rows if r else P() for r in row_outputs)
+    return sharding.per_shard(functools.partial(f, axes=axes), axes, (rows, rows, P()), out_specs)(x, targets, w)
+
+
+def _local_token_losses(x, targets, w, vocab_size, axes):
     chunk = _chunk_rows(x.shape[0], vocab_size)
     xs, ts = _split_rows(x, targets, chunk)
     losses = jax.lax.map(lambda a: _token_losses(_softcapped_logits(a[0], w, vocab_size), a[1])[0], (xs, ts))
-    return losses.reshape(-1)[: x.shape[0]]
+    return (losses.reshape(-1)[: x.shape[0]],)
+
+
+def token_losses(x, w, targets, vocab_size):
+    """Per-token cross-entropy (N,) of rows x (N, C) against lm_head w (Vp, C); computed chunk by chunk."""
+    f = functools.partial(_local_token_losses, vocab_size=vocab_size)
+    return _over_rows(f, x, targets, w, (True,))[0]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def loss_sum(x, w, targets, vocab_size):
     """Sum of per-token losses; its gradient is computed in the forward pass (see module comment above)."""
-    return jnp.sum(token_losses(x, w, targets, vocab_size))
+    return _loss_sum_fwd(x, w, targets, vocab_size)[0]
 
 
-def _loss_sum_fwd(x, w, targets, vocab_size):
+def _local_loss_and_grads(x, targets, w, vocab_size, axes):
+    """Loss sum and the gradients of x and w over this device's rows; sums over devices via psum."""
     n, C = x.shape
     chunk = _chunk_rows(n, vocab_size)
     xs, ts = _split_rows(x, targets, chunk)
@@ -297,16 +322,21 @@ def _loss_sum_fwd(x, w, targets, vocab_size):
         dw = dw + jnp.einsum("nv,nc->vc", dlogits, xc.astype(jnp.float32))
         return (total + jnp.sum(losses), dw), dx
 
-    init = (jnp.zeros((), jnp.float32), jnp.zeros(w.shape, jnp.float32))
+    # the accumulators vary across devices as the rows do (jax's shard_map type rules)
+    init = sharding.varying_like((jnp.zeros((), jnp.float32), jnp.zeros(w.shape, jnp.float32)), x)
     (total, dw), dxs = jax.lax.scan(step, init, (xs, ts))
     dx = dxs.reshape(-1, C)[:n]
-    return total, (dx, dw.astype(w.dtype), targets)
+    return sharding.psum(total, axes), dx, sharding.psum(dw.astype(w.dtype), axes)
+
+
+def _loss_sum_fwd(x, w, targets, vocab_size):
+    f = functools.partial(_local_loss_and_grads, vocab_size=vocab_size)
+    total, dx, dw = _over_rows(f, x, targets, w, (False, True, False))
+    return total, (dx, dw, targets)
 
 
 def _loss_sum_bwd(vocab_size, res, g):
     dx, dw, targets = res
-    import numpy as np
-
     return (g * dx).astype(dx.dtype), g * dw, np.zeros(targets.shape, dtype=jax.dtypes.float0)
 
 
@@ -369,6 +399,7 @@ class GPT(nnx.Module):
         new_k, new_v = [], []
         for i, block in enumerate(self.transformer.h):
             x = self.resid_lambdas[i].astype(x.dtype) * x + self.x0_lambdas[i].astype(x.dtype) * x0
+            x = sharding.constrain(x, ("batch", None, None))  # the residual stream: rows split, width whole
             ve = self.value_embeds[str(i)](idx, x.dtype) if str(i) in self.value_embeds else None
             layer_cache = None if cache is None else (cache.k[i], cache.v[i], cache.pos)
             x, kv = block(x, ve, cos, sin, self.window_sizes[i], layer_cache)

@@ -68,24 +68,141 @@ def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices=None) -> j
 
 
 def add_mesh_flags(parser) -> None:
-    """The scripts' --data/--fsdp/--tensor flags (the axes of make_mesh)."""
+    """The scripts' --data/--fsdp/--tensor flags (the axes of make_mesh) and --expect-backend."""
     parser.add_argument("--data", type=int, default=-1, help="data-parallel mesh axis (-1 = all remaining devices)")
     parser.add_argument("--fsdp", type=int, default=1, help="FSDP mesh axis (parameters and optimizer state sharded)")
     parser.add_argument("--tensor", type=int, default=1, help="tensor-parallel mesh axis (heads / MLP split)")
+    parser.add_argument("--expect-backend", type=str, default=None, choices=["cpu", "gpu", "tpu"],
+                        help="stop at start-up unless JAX runs on this backend (catches a silent fall-back to CPU)")
+
+
+def check_backend(expected: str | None) -> None:
+    """Raise if JAX's backend is not `expected` (JAX falls back to CPU, with one log line, when CUDA is missing)."""
+    actual = jax.default_backend()
+    if expected and actual != expected:
+        raise ValueError(f"--expect-backend {expected}: JAX is running on {actual} ({jax.devices()[0].device_kind}); "
+                         f"check the jax[cuda12|cuda13] or jax[tpu] install (pip install -e '.[gpu]')")
 
 
 def mesh_from_args(parser, args) -> jax.sharding.Mesh:
     """Join the other processes (if any), then the mesh the flags ask for; a shape that does not fit is a CLI error."""
     init_distributed()
     try:
+        check_backend(getattr(args, "expect_backend", None))
         return make_mesh(args.data, args.fsdp, args.tensor)
     except ValueError as e:
         parser.error(str(e))
 
 
+BATCH_AXES = dict(LOGICAL_RULES)["batch"]
+# Batch axes that no parameter is split over: parameters are whole copies along them (pure data parallelism).
+REPLICA_AXES = tuple(a for a in BATCH_AXES if not any(
+    a == m or (isinstance(m, tuple) and a in m) for name, m in LOGICAL_RULES if name != "batch"))
+
+
 def logical_to_spec(axes) -> P:
     """Logical axis names -> PartitionSpec under LOGICAL_RULES (a mesh axis is used at most once)."""
     return P(*core_spmd.from_sharding_rules(tuple(axes), LOGICAL_RULES))
+
+
+# -----------------------------------------------------------------------------
+# Inside jitted code: the mesh of the enclosing `jax.set_mesh`, activation constraints, per-shard functions.
+# Model code calls these with logical names only; without a mesh (one device, or none set) they do nothing.
+
+
+def context_mesh():
+    """The abstract mesh of the enclosing `jax.set_mesh`, or None outside one (or for a single device)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return None if mesh.empty or mesh.size == 1 else mesh
+
+
+def free_axes(candidates) -> tuple[str, ...]:
+    """The mesh axes among `candidates` of size > 1 that are not already manual (inside a shard_map)."""
+    mesh = context_mesh()
+    if mesh is None:
+        return ()
+    return tuple(a for a in candidates if mesh.shape[a] > 1 and a not in set(mesh.manual_axes))
+
+
+def stack_layouts(axes) -> list[P]:
+    """Layouts that take a stack (K, ...) of matrices laid out by logical `axes` to a split along K alone.
+
+    Used to share out same-shape matrices among devices (Muon): mesh axes the matrices are copied along
+    come first (a local slice), then each axis a matrix is split along moves onto K one at a time, which
+    XLA does with an all-to-all; asked for in one jump from a 2-D split, XLA gathers everything instead.
+    The first layout is the matrices' own: walk the list forwards to stack, backwards to unstack.
+    [] without a mesh.
+    """
+    mesh = context_mesh()
+    if mesh is None:
+        return []
+    manual = set(mesh.manual_axes)
+    free = lambda n: n is not None and n not in manual and mesh.shape[n] > 1
+    dims = [[n for n in (e if isinstance(e, tuple) else (e,)) if free(n)] for e in logical_to_spec(axes)]
+    used = {n for d in dims for n in d}
+    k = [n for n in mesh.axis_names if free(n) and n not in used]
+    spec = lambda: P(tuple(k) or None, *(tuple(d) or None for d in dims))
+    chain = [P(None, *(tuple(d) or None for d in dims)), spec()]  # the first: as the matrices lie
+    for d in dims:
+        while d:
+            k.append(d.pop(0))
+            chain.append(spec())
+    return chain
+
+
+def stack_size() -> int:
+    """How many devices a stack split by `stack_layouts` is shared among (1 without a mesh)."""
+    mesh = context_mesh()
+    if mesh is None:
+        return 1
+    return int(np.prod([mesh.shape[n] for n in mesh.axis_names if n not in set(mesh.manual_axes)]))
+
+
+def constrain(x, axes):
+    """Pin activation x to the sharding its logical axis names give (with_sharding_constraint).
+
+    Without it XLA guesses activation layouts from the parameters', e.g. splits attention over heads *and*
+    head_dim under FSDP and then rematerialises whole tensors to undo it. Axes already manual, and axes
+    that do not divide their dimension, are left out; no mesh, no constraint.
+    """
+    mesh = context_mesh()
+    if mesh is None:
+        return x
+    manual = set(mesh.manual_axes)
+    entries = []
+    for dim, entry in zip(x.shape, logical_to_spec(axes)):
+        names = tuple(n for n in (entry if isinstance(entry, tuple) else (entry,)) if n is not None and n not in manual)
+        size = int(np.prod([mesh.shape[n] for n in names])) if names else 1
+        entries.append(names if names and dim % size == 0 else None)
+    return jax.lax.with_sharding_constraint(x, P(*entries))
+
+
+def vary(tree, axes):
+    """Mark values as differing across the manual `axes` (so their gradients stay local, unreduced)."""
+    return jax.tree.map(lambda x: jax.lax.pcast(x, axes, to="varying"), tree) if axes else tree
+
+
+def _varying_axes(x) -> set:
+    return set(jax.typeof(x).manual_axis_type.varying)
+
+
+def varying_like(tree, like):
+    """tree (e.g. zero accumulators) typed as varying over the same manual axes as the array `like`."""
+    return jax.tree.map(lambda x: vary(x, tuple(sorted(_varying_axes(like) - _varying_axes(x)))), tree)
+
+
+def psum(tree, axes):
+    return jax.lax.psum(tree, axes) if axes else tree
+
+
+def per_shard(f, axes, in_specs, out_specs):
+    """f run once per shard of the manual `axes` (jax.shard_map); the other mesh axes stay automatic.
+
+    Specs name mesh axes as PartitionSpecs do; with no axes, f itself.
+    """
+    if not axes:
+        return f
+    return jax.shard_map(f, in_specs=in_specs, out_specs=out_specs, axis_names=set(axes))
 
 
 def batch_sharding(mesh) -> NamedSharding:
@@ -131,3 +248,4 @@ def create_sharded(make_model, mesh):
 
     with jax.set_mesh(mesh):
         return init()
+
