@@ -1,27 +1,49 @@
-"""The training step shared by pretraining, SFT and the benchmarks: one jit, gradient accumulation inside."""
+"""The training step shared by pretraining, SFT and the benchmarks: one jit, gradient accumulation inside.
+
+On a mesh with a pure data-parallel axis ('data': parameters are whole copies along it) the micro-step loop
+runs per shard of that axis (shard_map): each device accumulates the gradients of its own rows locally and
+they are summed across devices once, after the last micro-step, instead of once per micro-step. The other
+axes ('fsdp', 'tensor') stay with XLA's automatic partitioner, which gathers FSDP-sharded weights as layers
+need them and reduce-scatters their gradients.
+"""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from flaxchat import sharding
 
 
 def _accumulate_grads(model, xs, ys):
-    """Mean loss and mean gradient over micro-batches xs/ys (A, B, T), via lax.scan (one compile for any A)."""
+    """Mean loss and mean gradient over micro-batches xs/ys (A, B, T), via lax.scan (one compile for any A).
+
+    Each micro-step's loss is its mean over the non-ignored targets of the whole (global) micro-batch, and
+    the step's loss and gradient are the means over micro-steps, as nanochat's loss / grad_accum_steps.
+    """
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    axes = sharding.free_axes(sharding.REPLICA_AXES)
 
-    def loss_fn(p, x, y):
-        return nnx.merge(graphdef, p, rest)(x, y)
+    def local(params, rest, xs, ys):
+        params = sharding.vary(params, axes)  # gradients of these stay per device until the psum below
+        counts = sharding.psum(jnp.sum(ys >= 0, axis=(1, 2)), axes)  # (A,) valid targets per global micro-batch
 
-    def micro(acc, xy):
-        loss, g = jax.value_and_grad(loss_fn)(params, *xy)
-        return jax.tree.map(jnp.add, acc, g), loss
+        def loss_fn(p, x, y, n):
+            return nnx.merge(graphdef, p, rest)(x, y, loss_reduction="sum") / jnp.maximum(n, 1)
 
-    grads, losses = jax.lax.scan(micro, jax.tree.map(jnp.zeros_like, params), (xs, ys))
-    n = xs.shape[0]
-    # mean over micro-steps, as nanochat's loss / grad_accum_steps before each backward
-    return jnp.mean(losses), jax.tree.map(lambda g: g / n, grads)
+        def micro(acc, xyn):
+            loss, g = jax.value_and_grad(loss_fn)(params, *xyn)
+            return jax.tree.map(jnp.add, acc, g), loss
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        grads, losses = jax.lax.scan(micro, zeros, (xs, ys, counts))
+        n = xs.shape[0]
+        return sharding.psum(jnp.mean(losses), axes), jax.tree.map(lambda g: g / n, sharding.psum(grads, axes))
+
+    rows = P(None, axes)
+    return sharding.per_shard(local, axes, (P(), P(), rows, rows), (P(), P()))(params, rest, xs, ys)
 
 
 @nnx.jit(donate_argnums=(0, 1))
@@ -29,7 +51,28 @@ def train_step(model, optimizer, xs, ys):
     """One optimizer step over micro-batches: xs, ys are sequences of (B, T) arrays (inputs, targets -1 = ignore).
 
     The model and optimizer buffers are donated (updated in place on device). Returns the mean loss.
+    Run it under `jax.set_mesh(mesh)` when the arrays live on a mesh.
     """
     loss, grads = _accumulate_grads(model, jnp.stack(xs), jnp.stack(ys))
     optimizer.update(model, grads)
     return loss
+
+
+def compile_train_step(config, mesh, batch_size: int, grad_accum: int = 1, dtype=None):
+    """The train step for a GPT of `config` compiled on `mesh` from abstract arrays (nothing is allocated).
+
+    batch_size is global (rows per micro-step). For reading the program XLA makes at any scale on any
+    machine: `.as_text()` (see `sharding.collective_stats`), `.cost_analysis()`, `.memory_analysis()`.
+    """
+    from flaxchat.checkpoint import abstract_state
+    from flaxchat.gpt import GPT
+    from flaxchat.optim import build_optimizer
+
+    model = nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0), dtype=dtype))
+    polar_dtype = jnp.bfloat16 if dtype == jnp.bfloat16 else jnp.float32
+    optimizer = nnx.eval_shape(lambda m: build_optimizer(m, polar_dtype=polar_dtype, verbose=False), model)
+    nnx.update(model, abstract_state(model, mesh))
+    nnx.update(optimizer, abstract_state(optimizer, mesh))
+    x = jax.ShapeDtypeStruct((batch_size, config.sequence_len), jnp.int32, sharding=sharding.batch_sharding(mesh))
+    with jax.set_mesh(mesh):
+        return train_step.lower(model, optimizer, (x,) * grad_accum, (x,) * grad_accum).compile()
