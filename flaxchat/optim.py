@@ -3,17 +3,17 @@
 Matrices inside the transformer blocks are trained with Muon; embeddings, lm_head and the
 per-layer / smear scalars with AdamW, each group with nanochat's learning rate and betas.
 
-Muon, one step per matrix (each a pure function below, each wrapped as an Optax transform):
+Muon, one step per matrix (each a pure function below; `muon` chains them into one Optax transform):
 
     Nesterov momentum -> MuonEq row equilibration -> Polar Express orthogonalisation
     -> Muon+ Frobenius renormalisation -> NorMuon variance reduction
     -> learning rate (shape-scaled) with cautious weight decay
 
-nanochat stacks same-shaped matrices so one fused kernel updates them together; every reduction
-in that kernel runs over the last two axes only, so the update of each matrix is independent of
-its neighbours in the stack. Here each matrix is its own leaf (its optimizer state keeps the
-parameter's sharding annotation) with the same per-matrix arithmetic; the functions accept
-leading batch axes, so stacked leaves work too.
+Every reduction after the momentum runs over a matrix's last two axes only, so the functions take
+stacks (K, rows, cols) and update each matrix independently of its neighbours. Like nanochat's
+DistMuonAdamW, `muon` stacks same-shape matrices and splits the stack across the devices of the
+mesh, so each device orthogonalises only its share; the optimizer state stays one leaf per
+parameter (the checkpoint layout does not depend on the mesh).
 
 Using it in a train step (see `build_optimizer`):
 
@@ -33,7 +33,9 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
+from flaxchat import sharding
 from flaxchat.common import compute_dtype, print0
 
 # Polar Express coefficients for 5 iterations (safety factor 2e-2, cushion 2), from
@@ -162,15 +164,22 @@ def cautious_weight_decay_update(g, param, lr, weight_decay):
 
 
 # -----------------------------------------------------------------------------
-# Muon steps as Optax transforms
+# Muon as an Optax transform, distributed over the devices of the mesh
+#
+# The momentum is elementwise and stays in each parameter's own layout. Everything after it costs
+# O(rows * cols * min(rows, cols)) per matrix, so it is split across devices the way nanochat's
+# DistMuonAdamW splits it across ranks: same-shape matrices are stacked (K, rows, cols), the stack is
+# padded to a multiple of the device count and sharded along K ('stack' in flaxchat.sharding), each
+# device orthogonalises its own matrices, and XLA gathers the finished updates back into the
+# parameters' layouts (one all-gather per shape). Padding matrices are zero and give zero updates.
 
 
-class MomentumState(NamedTuple):
-    momentum_buffer: Any
+SHARE_OUT_MIN_SIZE = 2**14  # smaller matrices are orthogonalised whole on every device: moving them costs more
 
 
-class NorMuonState(NamedTuple):
-    second_momentum_buffer: Any
+class MuonState(NamedTuple):
+    momentum_buffer: Any  # per matrix, the parameter's shape
+    second_momentum_buffer: Any  # per matrix, NorMuon's factored shape (one entry per row or column)
 
 
 def _value(x):
@@ -181,92 +190,95 @@ def _is_variable(x) -> bool:
     return isinstance(x, nnx.Variable)
 
 
-def _map_with_state(step, updates, buffers):
-    """Apply step(g, buffer) -> (g, buffer) leaf by leaf; returns the two trees."""
-    leaves, treedef = jax.tree.flatten(updates)
-    results = [step(g, b) for g, b in zip(leaves, treedef.flatten_up_to(buffers))]
-    return treedef.unflatten([r[0] for r in results]), treedef.unflatten([r[1] for r in results])
+def orthogonalized_update(g, param, second_momentum_buffer, *, learning_rate, weight_decay, beta2, ns_steps,
+                          polar_dtype):
+    """Muon's steps after the momentum, for g of shape (..., rows, cols); returns (update, new NorMuon buffer).
+
+    Equilibration and Polar Express run in polar_dtype (bf16 when that is the compute dtype, as nanochat),
+    the rest in the parameter dtype.
+    """
+    g = equilibrate_rows(g.astype(polar_dtype))
+    g = polar_express(g, ns_steps).astype(param.dtype)
+    g = renormalize(g)
+    g, second_momentum_buffer = normuon_variance_reduction(g, second_momentum_buffer, beta2)
+    lr = learning_rate * muon_lr_scale(g.shape)
+    return cautious_weight_decay_update(g, param, lr, weight_decay), second_momentum_buffer
 
 
-def scale_by_nesterov_momentum(momentum) -> optax.GradientTransformation:
+def _stack(arrays, size, layouts):
+    """Stack same-shape arrays into (size, ...) with zero padding, then share the stack out over the mesh."""
+    x = jnp.stack(arrays)
+    x = jnp.pad(x, ((0, size - len(arrays)),) + ((0, 0),) * (x.ndim - 1))
+    for spec in layouts:
+        x = jax.lax.with_sharding_constraint(x, spec)
+    return x
+
+
+def _unstack(x, n, layouts):
+    for spec in layouts[-2::-1]:
+        x = jax.lax.with_sharding_constraint(x, spec)
+    return [x[i] for i in range(n)]
+
+
+def muon(
+    learning_rate, momentum=0.95, weight_decay=0.0, beta2=0.9, ns_steps: int = 5, polar_dtype=jnp.float32,
+    param_axes: dict | None = None,
+) -> optax.GradientTransformation:
+    """nanochat's Muon for matrices (torch layout (out, in)); returns additive updates; needs params.
+
+    param_axes: {parameter path: logical axis names}, for sharing the orthogonalisations out over a mesh
+    without gathering whole stacks (see `sharding.stack_layouts`); unknown paths count as unsplit.
+    """
+    param_axes = param_axes or {}
+
     def init(params):
         def zeros(p):
             if p.ndim < 2:
                 raise ValueError(f"Muon needs matrices, got a parameter of shape {p.shape}")
             return jnp.zeros_like(p)
 
-        return MomentumState(jax.tree.map(zeros, params))
+        def factored(p):  # from the bare array: the buffer must not inherit the matrix's sharding
+            p = _value(p)  # annotation, which names an axis that the buffer has collapsed to size 1
+            return jnp.zeros(normuon_state_shape(p.shape), p.dtype)
+
+        # the momentum keeps each parameter's sharding annotation (tree.map rewraps nnx Variables)
+        return MuonState(jax.tree.map(zeros, params), jax.tree.map(factored, params, is_leaf=_is_variable))
 
     def update(updates, state, params=None):
-        del params
-        step = lambda g, buf: nesterov_momentum(g, buf, momentum)
-        new_updates, new_buffers = _map_with_state(step, updates, state.momentum_buffer)
-        return new_updates, MomentumState(new_buffers)
+        if params is None:
+            raise ValueError("Muon's cautious weight decay needs the parameters: pass params to update()")
+        with_paths, treedef = jax.tree_util.tree_flatten_with_path(updates)
+        grads = [g for _, g in with_paths]
+        params = [_value(p) for p in treedef.flatten_up_to(params)]
+        buffers = treedef.flatten_up_to(state.momentum_buffer)
+        second = treedef.flatten_up_to(state.second_momentum_buffer)
+        stepped = [nesterov_momentum(g, b, momentum) for g, b in zip(grads, buffers)]
+        directions = [s[0] for s in stepped]
+        out, new_second = [None] * len(grads), list(second)
+        # same shape, dtype and layout on the mesh -> one stack
+        groups: dict[tuple, list[int]] = {}
+        for i, (path, g) in enumerate(with_paths):
+            axes = tuple(param_axes.get(_path_names(path)) or (None,) * g.ndim)
+            if math.prod(g.shape) < SHARE_OUT_MIN_SIZE:  # tiny (ve_gate): every device does the whole stack
+                layouts = v_layouts = () if sharding.context_mesh() is None else (P(),)
+            else:
+                factored = list(axes)
+                factored[normuon_reduction_axis(g.shape)] = None  # NorMuon's collapsed axis is not split
+                layouts, v_layouts = tuple(sharding.stack_layouts(axes)), tuple(sharding.stack_layouts(factored))
+            groups.setdefault((g.shape, g.dtype, layouts, v_layouts), []).append(i)
+        for (_, _, layouts, v_layouts), idx in groups.items():
+            shards = sharding.stack_size() if len(layouts) > 1 else 1
+            size = -(-len(idx) // shards) * shards
+            g, p = (_stack([xs[i] for i in idx], size, layouts) for xs in (directions, params))
+            v = _stack([second[i] for i in idx], size, v_layouts)
+            u, v = orthogonalized_update(g, p, v, learning_rate=learning_rate, weight_decay=weight_decay,
+                                         beta2=beta2, ns_steps=ns_steps, polar_dtype=polar_dtype)
+            for i, ui, vi in zip(idx, _unstack(u, len(idx), layouts), _unstack(v, len(idx), v_layouts)):
+                out[i], new_second[i] = ui, vi
+        new_state = MuonState(treedef.unflatten([s[1] for s in stepped]), treedef.unflatten(new_second))
+        return treedef.unflatten(out), new_state
 
     return optax.GradientTransformation(init, update)
-
-
-def scale_by_row_equilibration(dtype) -> optax.GradientTransformation:
-    """Casts to the orthogonalisation dtype first: nanochat runs equilibration and Polar Express in
-    bf16 when that is the compute dtype, in the parameter dtype otherwise."""
-    return optax.stateless_with_tree_map(lambda g, _: equilibrate_rows(g.astype(dtype)))
-
-
-def scale_by_polar_express(ns_steps: int = 5) -> optax.GradientTransformation:
-    """Returns the update in the parameter dtype (fp32 when no params are given)."""
-
-    def f(g, p):
-        return polar_express(g, ns_steps).astype(jnp.float32 if p is None else p.dtype)
-
-    return optax.stateless_with_tree_map(f)
-
-
-def scale_by_renormalization() -> optax.GradientTransformation:
-    return optax.stateless_with_tree_map(lambda g, _: renormalize(g))
-
-
-def scale_by_normuon(beta2) -> optax.GradientTransformation:
-    def init(params):
-        # Built from the bare array: the factored buffer must not inherit the matrix's sharding
-        # annotation, which names an axis that the buffer has collapsed to size 1.
-        def zeros(p):
-            p = _value(p)
-            return p if isinstance(p, optax.MaskedNode) else jnp.zeros(normuon_state_shape(p.shape), p.dtype)
-
-        return NorMuonState(jax.tree.map(zeros, params, is_leaf=_is_variable))
-
-    def update(updates, state, params=None):
-        del params
-        step = lambda g, v: normuon_variance_reduction(g, v, beta2)
-        new_updates, new_buffers = _map_with_state(step, updates, state.second_momentum_buffer)
-        return new_updates, NorMuonState(new_buffers)
-
-    return optax.GradientTransformation(init, update)
-
-
-def cautious_weight_decay(learning_rate, weight_decay) -> optax.GradientTransformation:
-    """Final Muon step: shape-scaled learning rate and cautious weight decay; needs params."""
-
-    def f(g, p):
-        if p is None:
-            raise ValueError("cautious weight decay needs the parameters: pass params to update()")
-        return cautious_weight_decay_update(g, p, learning_rate * muon_lr_scale(g.shape), weight_decay)
-
-    return optax.stateless_with_tree_map(f)
-
-
-def muon(
-    learning_rate, momentum=0.95, weight_decay=0.0, beta2=0.9, ns_steps: int = 5, polar_dtype=jnp.float32
-) -> optax.GradientTransformation:
-    """nanochat's Muon for matrices (torch layout (out, in)); returns additive updates."""
-    return optax.chain(
-        scale_by_nesterov_momentum(momentum),
-        scale_by_row_equilibration(polar_dtype),
-        scale_by_polar_express(ns_steps),
-        scale_by_renormalization(),
-        scale_by_normuon(beta2),
-        cautious_weight_decay(learning_rate, weight_decay),
-    )
 
 
 # -----------------------------------------------------------------------------
@@ -345,6 +357,12 @@ def param_labels(params):
     """Group name of every parameter; works on nnx States with or without Variable wrappers."""
     label = lambda path, _: param_group(_path_names(path))
     return jax.tree_util.tree_map_with_path(label, params, is_leaf=_is_variable)
+
+
+def param_axes(model) -> dict:
+    """{parameter path: its logical axis names} (the `out_sharding` the model annotated it with)."""
+    leaves = jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param), is_leaf=_is_variable)[0]
+    return {_path_names(path): tuple(getattr(v, "out_sharding", None) or (None,) * v.ndim) for path, v in leaves}
 
 
 # -----------------------------------------------------------------------------
@@ -435,7 +453,7 @@ class Schedule:
 # The combined optimizer
 
 
-def muon_adamw(groups: dict, schedule: Schedule | None = None, polar_dtype=jnp.float32):
+def muon_adamw(groups: dict, schedule: Schedule | None = None, polar_dtype=jnp.float32, param_axes: dict | None = None):
     """MuonAdamW over nanochat's groups, with the three per-step knobs as injected hyperparameters.
 
     lr_multiplier scales every group's learning rate; muon_momentum and muon_weight_decay are
@@ -448,7 +466,8 @@ def muon_adamw(groups: dict, schedule: Schedule | None = None, polar_dtype=jnp.f
         txs = {}
         for name, g in groups.items():
             if isinstance(g, MuonGroup):
-                txs[name] = muon(g.lr * lr_multiplier, muon_momentum, muon_weight_decay, g.beta2, g.ns_steps, polar_dtype)
+                txs[name] = muon(g.lr * lr_multiplier, muon_momentum, muon_weight_decay, g.beta2, g.ns_steps, polar_dtype,
+                                 param_axes)
             else:
                 # optax.adamw is nanochat's AdamW up to float rounding: same EMA moments, bias
                 # corrections on both, eps outside the sqrt, decoupled decay lr*wd*p on the old params.
@@ -477,6 +496,7 @@ def build_optimizer(
     schedule: Schedule | None = None,
     *,
     polar_dtype=None,
+    verbose: bool = True,
 ) -> nnx.Optimizer:
     """nanochat's GPT.setup_optimizer: an nnx.Optimizer over the model's nnx.Params.
 
@@ -495,9 +515,10 @@ def build_optimizer(
     if polar_dtype is None:
         polar_dtype = jnp.bfloat16 if compute_dtype() == jnp.bfloat16 else jnp.float32
     n_embd = model.config.n_embd
-    print0(f"Scaling the AdamW learning rates by (n_embd/{REFERENCE_WIDTH})^-0.5 = {(n_embd / REFERENCE_WIDTH) ** -0.5:.6f}")
+    if verbose:
+        print0(f"Scaling the AdamW learning rates by (n_embd/{REFERENCE_WIDTH})^-0.5 = {(n_embd / REFERENCE_WIDTH) ** -0.5:.6f}")
     groups = param_groups(n_embd, unembedding_lr, embedding_lr, matrix_lr, weight_decay, scalar_lr)
-    return nnx.Optimizer(model, muon_adamw(groups, schedule, polar_dtype), wrt=nnx.Param)
+    return nnx.Optimizer(model, muon_adamw(groups, schedule, polar_dtype, param_axes(model)), wrt=nnx.Param)
 
 
 def optimizer_stats(optimizer: nnx.Optimizer) -> dict[str, jax.Array]:
