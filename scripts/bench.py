@@ -1,8 +1,13 @@
 """Benchmarks: print one JSON object (tokens/s, MFU against a measured peak, compile time, memory).
 
-Training step (random tokens, the real optimizer, median of --steps timed steps after warm-up):
+Training step (random tokens, the real optimizer, median of --steps timed steps after warm-up), on the mesh
+the --data/--fsdp/--tensor flags build (as scripts.pretrain does; default: data parallel over every device):
     python -m scripts.bench --what train --depth 4 --max-seq-len 512 --device-batch-size 8 \
         --window-pattern SSSL --vocab-size 32768
+Communication of the compiled train step (nothing runs; works for any model size on any machine, e.g. d20 on
+8 fake CPU devices): collectives per step, bytes each device sends, FLOPs per device:
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m scripts.bench --what comms --depth 20 \
+        --max-seq-len 2048 --device-batch-size 32 --vocab-size 65536 --dtype bfloat16 --fsdp 8
 Generation (KV-cache engine; batch 1 and 32 are the usual points):
     python -m scripts.bench --what generate --depth 4 --max-seq-len 512 --window-pattern SSSL \
         --vocab-size 32768 --prompt-len 16 --max-new-tokens 256 --batch-size 1
@@ -10,6 +15,7 @@ Data loader (needs a tokenizer and parquet shards in $FLAXCHAT_BASE_DIR):
     python -m scripts.bench --what data --device-batch-size 8 --max-seq-len 512
 Everything:
     python -m scripts.bench --what all --depth 4 --max-seq-len 512
+On a GPU or TPU add --expect-backend gpu|tpu so a silent fall-back to the CPU stops the run at once.
 """
 
 import argparse
@@ -25,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from flaxchat import sharding
 from flaxchat.common import quiet_library_logs, compute_dtype, parse_args, peak_flops_per_device
 from flaxchat.config import GPTConfig, add_model_flags, config_from_flags
 from flaxchat.gpt import GPT
@@ -32,7 +39,8 @@ from flaxchat.gpt import GPT
 
 def build_parser():
     p = argparse.ArgumentParser(description="Benchmark training, generation or data loading; prints JSON.")
-    p.add_argument("--what", choices=["train", "generate", "data", "all"], default="train", help="what to measure")
+    p.add_argument("--what", choices=["train", "comms", "generate", "data", "all"], default="train",
+                   help="what to measure (all = train, generate, data)")
     add_model_flags(p, depth=4, max_seq_len=512)
     p.add_argument("--vocab-size", type=int, default=32768, help="vocabulary size (random tokens)")
     p.add_argument("--device-batch-size", type=int, default=8, help="training sequences per device")
@@ -43,6 +51,8 @@ def build_parser():
     p.add_argument("--prompt-len", type=int, default=16, help="generation prompt tokens")
     p.add_argument("--max-new-tokens", type=int, default=256, help="generated tokens per row")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="compute dtype")
+    p.add_argument("--show-ops", action="store_true", help="comms: list every collective (kind, shape, times, source op)")
+    sharding.add_mesh_flags(p)
     return p
 
 
@@ -57,25 +67,33 @@ def make_config(args) -> GPTConfig:
     return config_from_flags(args, args.vocab_size)
 
 
-def bench_train(args) -> dict:
+def bench_train(args, mesh) -> dict:
     from flaxchat.optim import build_optimizer
     from flaxchat.training import train_step
 
     config = make_config(args)
-    model = GPT(config, rngs=nnx.Rngs(0), dtype=compute_dtype(args.dtype))
-    optimizer = build_optimizer(model)
-    B, T, A = args.device_batch_size * jax.device_count(), args.max_seq_len, args.grad_accum
+    model = sharding.create_sharded(lambda: GPT(config, rngs=nnx.Rngs(0), dtype=compute_dtype(args.dtype)), mesh)
+    with jax.set_mesh(mesh):
+        optimizer = build_optimizer(model)
+    dp = mesh.shape["data"] * mesh.shape["fsdp"]
+    B, T, A = args.device_batch_size * dp, args.max_seq_len, args.grad_accum
     rng = np.random.default_rng(0)
-    batches = [tuple(jnp.asarray(rng.integers(0, config.vocab_size, (B, T), dtype=np.int32)) for _ in range(A)) for _ in range(2)]
+    put = lambda a: jax.device_put(a, sharding.batch_sharding(mesh))
+    batches = [tuple(put(rng.integers(0, config.vocab_size, (B, T), dtype=np.int32)) for _ in range(A)) for _ in range(2)]
+
+    def step(i):
+        with jax.set_mesh(mesh):
+            return float(train_step(model, optimizer, batches[i % 2], batches[i % 2]))  # float() waits
+
     t0 = time.perf_counter()
-    float(train_step(model, optimizer, batches[0], batches[0]))
+    step(0)
     first_step_s = time.perf_counter() - t0  # tracing + compilation + one step
     for i in range(args.warmup):
-        float(train_step(model, optimizer, batches[i % 2], batches[i % 2]))
+        step(i)
     times = []
     for i in range(args.steps):
         t0 = time.perf_counter()
-        float(train_step(model, optimizer, batches[i % 2], batches[i % 2]))
+        step(i)
         times.append(time.perf_counter() - t0)
     step_s = statistics.median(times)
     tokens = B * T * A
@@ -91,7 +109,30 @@ def bench_train(args) -> dict:
     }
 
 
-def bench_generate(args) -> dict:
+def bench_comms(args, mesh) -> dict:
+    """Compile the train step from abstract arrays and read its collectives and per-device FLOPs."""
+    from flaxchat.hlo import program_stats
+    from flaxchat.training import compile_train_step
+
+    config = make_config(args)
+    dp = mesh.shape["data"] * mesh.shape["fsdp"]
+    t0 = time.perf_counter()
+    compiled = compile_train_step(config, mesh, args.device_batch_size * dp, args.grad_accum,
+                                  compute_dtype(args.dtype))
+    compile_s = time.perf_counter() - t0
+    stats = program_stats(compiled.as_text())
+    out = {
+        "what": "comms", "mesh": dict(mesh.shape), "grad_accum": args.grad_accum, "compile_s": compile_s,
+        "collectives_per_step": stats["collectives"], "bytes_sent_per_device": stats["bytes"],
+        "by_kind": {k: v for k, v in stats["by_kind"].items() if v["count"]},
+        "matmul_flops_per_device": stats["matmul_flops"], "unknown_trip_counts": stats["unknown_trip_counts"],
+    }
+    if args.show_ops:
+        out["ops"] = [{"kind": k, "shape": s, "times": n, "op": op} for k, s, n, op in stats["ops"]]
+    return out
+
+
+def bench_generate(args, mesh) -> dict:
     from flaxchat.engine import measure_generation
 
     config = make_config(args)
@@ -101,7 +142,7 @@ def bench_generate(args) -> dict:
     return {"what": "generate", **out, "peak_mem_gb": peak_mem_gb()}
 
 
-def bench_data(args) -> dict:
+def bench_data(args, mesh) -> dict:
     from flaxchat.dataloader import measure_throughput
     from flaxchat.tokenizer import get_tokenizer
 
@@ -118,15 +159,16 @@ def main(argv=None):
         make_config(args)
     except ValueError as e:
         parser.error(str(e))
-    runs = {"train": bench_train, "generate": bench_generate, "data": bench_data}
-    chosen = list(runs) if args.what == "all" else [args.what]
+    mesh = sharding.mesh_from_args(parser, args)
+    runs = {"train": bench_train, "comms": bench_comms, "generate": bench_generate, "data": bench_data}
+    chosen = ["train", "generate", "data"] if args.what == "all" else [args.what]
     env = {"device": jax.devices()[0].device_kind, "backend": jax.default_backend(), "num_devices": jax.device_count(),
-           "dtype": jnp.dtype(compute_dtype(args.dtype)).name, "jax": jax.__version__, "python": platform.python_version(),
-           "config": make_config(args).to_dict()}
+           "mesh": dict(mesh.shape), "dtype": jnp.dtype(compute_dtype(args.dtype)).name, "jax": jax.__version__,
+           "python": platform.python_version(), "config": make_config(args).to_dict()}
     results = {}
     for name in chosen:
         try:
-            results[name] = runs[name](args)
+            results[name] = runs[name](args, mesh)
         except FileNotFoundError as e:  # e.g. no tokenizer/data for --what data
             if args.what != "all":
                 sys.exit(f"error: {e}")

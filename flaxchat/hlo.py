@@ -1,0 +1,132 @@
+"""Reading a compiled program: the collectives and matmul FLOPs of one execution, loops unrolled.
+
+XLA prints no such summary, and `compiled.cost_analysis()` counts a loop body once whatever its trip count
+(the fused loss and the accumulation loop are scans). Tests and `scripts.bench --what comms` read these off
+the optimised HLO text instead: `program_stats(jitted.lower(...).compile().as_text())`.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f32": 4,
+                "s64": 8, "u64": 8, "f64": 8, "f8e4m3fn": 1, "f8e5m2": 1}
+_ARRAY = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%(\S+) = (.*?) ([a-z][a-z0-9\-]*)\((.*)$")
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%(\S+) .*\{\s*$")
+
+
+def _dims(shape: str) -> list[int]:
+    m = _ARRAY.search(shape)
+    return [int(d) for d in m.group(2).split(",") if d] if m else []
+
+
+def _shape_bytes(shape: str) -> int:
+    return sum(_DTYPE_BYTES.get(t, 0) * math.prod(int(d) for d in dims.split(",") if d) for t, dims in _ARRAY.findall(shape))
+
+
+def _group_size(attrs: str) -> int:
+    """Devices per replica group, from any of XLA's three spellings of replica_groups."""
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\][^{]*\{([^}]*)\}", attrs)
+    if m:
+        sizes = {k: int(v) for k, v in re.findall(r"'(\w+)'=(\d+)", m.group(1))}
+        return math.prod(sizes[a] for a in re.findall(r"'(\w+)'", m.group(2)))
+    m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=", attrs)
+    if m:
+        return int(m.group(2))
+    m = re.search(r"replica_groups=\{\{([0-9,]*)\}", attrs)
+    return len(m.group(1).split(",")) if m else 1
+
+
+def _wire_bytes(kind: str, result_bytes: int, n: int) -> float:
+    """Bytes each device sends for one collective under ring algorithms (the usual cost model)."""
+    if kind == "all-reduce":
+        return 2 * (n - 1) / n * result_bytes
+    if kind == "reduce-scatter":
+        return (n - 1) * result_bytes
+    if kind in ("all-gather", "all-to-all"):
+        return (n - 1) / n * result_bytes
+    return result_bytes  # collective-permute
+
+
+def _parse(hlo_text: str):
+    """{computation: [(name, shape, opcode, rest)]} and the entry computation's name."""
+    comps, current, entry = {}, None, None
+    for line in hlo_text.splitlines():
+        m = _COMPUTATION.match(line)
+        if m:
+            current = comps.setdefault(m.group(1), [])
+            entry = m.group(1) if line.startswith("ENTRY") else entry
+        elif line.startswith("}"):
+            current = None
+        elif current is not None and (i := _INSTRUCTION.match(line)):
+            current.append(i.groups())
+    return comps, entry
+
+
+def _executions(comps, entry):
+    """How many times each computation runs per execution of the entry (while bodies x known trip counts)."""
+    callers: dict[str, list] = {}
+    unknown = 0
+    for name, instructions in comps.items():
+        for _, _, opcode, rest in instructions:
+            if opcode == "while":
+                trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', rest)
+                unknown += trip is None
+                body = re.search(r"body=%([\w.\-]+)", rest).group(1)
+                callers.setdefault(body, []).append((name, int(trip.group(1)) if trip else 1))
+                continue
+            for group in re.findall(r"(?:calls|to_apply|branch_computations)=\{?([^}]*?)(?:\}|,\s*\w+=|$)", rest):
+                for callee in re.findall(r"%([\w.\-]+)", group):
+                    callers.setdefault(callee, []).append((name, 1))
+    memo = {entry: 1}
+
+    def times(name, depth=0):
+        if name not in memo:
+            memo[name] = 0 if depth > 64 else sum(t * times(c, depth + 1) for c, t in callers.get(name, []))
+        return memo[name]
+
+    return {name: times(name) for name in comps}, unknown
+
+
+def _dot_flops(shape: str, rest: str, shapes: dict) -> int:
+    """2 x (result elements) x (contracted elements) of a dot, from its lhs operand's shape."""
+    lhs = re.match(r"\s*%([\w.\-]+)", rest)
+    contracting = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", rest)
+    if not lhs or lhs.group(1) not in shapes:
+        return 0
+    lhs_dims = _dims(shapes[lhs.group(1)])
+    k = math.prod(lhs_dims[int(d)] for d in contracting.group(1).split(",") if d) if contracting else 1
+    return 2 * math.prod(_dims(shape)) * k
+
+
+def program_stats(hlo_text: str) -> dict:
+    """Per execution of a compiled program: collectives and matmul FLOPs (per device, for an SPMD program).
+
+    Returns {"collectives", "bytes" (sent per device, ring model), "by_kind": {kind: {"count", "bytes"}},
+    "matmul_flops", "ops": [(kind, shape, times, op_name)], "unknown_trip_counts"}.
+    """
+    comps, entry = _parse(hlo_text)
+    times, unknown = _executions(comps, entry)
+    by_kind = {k: {"count": 0, "bytes": 0.0} for k in COLLECTIVES}
+    ops, flops = [], 0
+    for comp, instructions in comps.items():
+        n = times[comp]
+        shapes = {name: shape for name, shape, _, _ in instructions}
+        for name, shape, opcode, rest in instructions:
+            if n and opcode == "dot":
+                flops += n * _dot_flops(shape, rest, shapes)
+            kind = opcode.removesuffix("-start")
+            if not n or kind not in COLLECTIVES:
+                continue
+            if opcode.endswith("-start") and shape.startswith("("):  # async: (operands..., results...)
+                arrays = _ARRAY.findall(shape)
+                shape = " ".join(f"{t}[{d}]" for t, d in arrays[len(arrays) // 2:])
+            by_kind[kind]["count"] += n
+            by_kind[kind]["bytes"] += n * _wire_bytes(kind, _shape_bytes(shape), _group_size(rest))
+            op_name = re.search(r'op_name="([^"]*)"', rest)
+            ops.append((kind, shape, n, op_name.group(1) if op_name else ""))
+    return {"collectives": sum(v["count"] for v in by_kind.values()), "bytes": sum(v["bytes"] for v in by_kind.values()),
+            "by_kind": by_kind, "matmul_flops": flops, "ops": ops, "unknown_trip_counts": unknown}
