@@ -73,9 +73,9 @@ def init_table(config: GPTConfig) -> dict:
     }
 
 
-def _param(init, key, shape, axes):
+def _param(init, key, shape, axes, dtype=jnp.float32):
     # eager_sharding=False: the model can be built with or without a mesh; flaxchat.sharding places it.
-    return nnx.Param(init(key, shape), out_sharding=axes, eager_sharding=False)
+    return nnx.Param(init(key, shape).astype(dtype), out_sharding=axes, eager_sharding=False)
 
 
 # -----------------------------------------------------------------------------
@@ -115,8 +115,8 @@ class Linear(nnx.Module):
 
 
 class Embedding(nnx.Module):
-    def __init__(self, num, dim, *, init, axes, rngs):
-        self.weight = _param(init, rngs.params(), (num, dim), axes)
+    def __init__(self, num, dim, *, init, axes, rngs, dtype=jnp.float32):
+        self.weight = _param(init, rngs.params(), (num, dim), axes, dtype)
 
     def __call__(self, idx, dtype):
         # the table's FSDP shards are gathered before the lookup (its vocab split stays): a lookup into a table
@@ -125,14 +125,72 @@ class Embedding(nnx.Module):
         return jnp.take(table, idx, axis=0).astype(dtype)
 
 
-def attention(q, k, v, window):
+ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn", "splash")
+
+
+def resolve_attention(name: str = "auto", backend: str | None = None, dtype=jnp.bfloat16, head_dim: int = 128) -> str:
+    """The attention kernel to use: "auto" picks cuDNN's fused kernel on GPU (bf16/fp16, head_dim <= 256),
+    Splash on TPU, XLA elsewhere. Asking for a kernel that cannot run here is an error."""
+    if name not in ATTENTION_IMPLEMENTATIONS:
+        raise ValueError(f"unknown attention {name!r}; choose one of {', '.join(ATTENTION_IMPLEMENTATIONS)}")
+    backend = backend or jax.default_backend()
+    cudnn_ok = backend == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and head_dim <= 256 and head_dim % 8 == 0
+    if name == "auto":
+        return "cudnn" if cudnn_ok else "splash" if backend == "tpu" else "xla"
+    if name == "cudnn" and not cudnn_ok:
+        raise ValueError(f"cuDNN attention needs a GPU, bf16/fp16 and head_dim <= 256 (a multiple of 8); "
+                         f"here: {backend}, {jnp.dtype(dtype).name}, head_dim {head_dim}")
+    return name  # "splash" off a TPU runs Pallas' interpreter: correct, slow (tests use it)
+
+
+def attention(q, k, v, window, implementation="xla"):
     """Causal attention with a left window (training and full forwards). q (B,T,H,D), k/v (B,T,Hkv,D) -> (B,T,H,D).
 
-    jax.nn.dot_product_attention handles the causal and local-window masks (and picks cuDNN on GPU where it applies).
+    Key j is visible to query i iff i - window <= j <= i. "xla" materialises the (B, H, T, T) scores (fine on a
+    CPU); "cudnn" and "splash" are fused kernels that never do, and skip the blocks a sliding window masks out.
     """
     T = q.shape[1]
     local = None if window >= T else (window, 0)
-    return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=local)
+    if implementation == "splash":
+        return splash_attention(q, k, v, window)
+    impl = "cudnn" if implementation == "cudnn" else "xla"
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=local, implementation=impl)
+
+
+def _splash_block(T: int) -> int:
+    return next((b for b in (512, 256, 128) if T % b == 0), T)
+
+
+def splash_attention(q, k, v, window):
+    """Splash attention (Pallas, TPU) with causal + local masks; GQA as one multi-query kernel per kv head.
+
+    On a mesh it runs per shard of the batch axes (and of the heads over 'tensor' when they divide): a Pallas
+    kernel is opaque to XLA's partitioner. Off a TPU it runs in Pallas' interpreter.
+    """
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+
+    B, T, H, D = q.shape
+    Hkv = k.shape[2]
+    heads = sharding.split_axes("kv_heads")
+    heads = heads if Hkv % sharding.axes_size(heads) == 0 and heads == sharding.split_axes("heads") else ()
+    axes = sharding.free_axes(sharding.BATCH_AXES)
+
+    def local(q, k, v):
+        b, _, hkv, _ = k.shape
+        g = q.shape[2] // hkv
+        mask = sm.CausalMask((T, T)) if window >= T else sm.LocalMask((T, T), (window, 0), 0)
+        blk = _splash_block(T)
+        sizes = sk.BlockSizes(block_q=blk, block_kv=blk, block_kv_compute=blk, block_q_dkv=blk, block_kv_dkv=blk,
+                              block_kv_dkv_compute=blk, block_q_dq=blk, block_kv_dq=blk)
+        kernel = sk.make_splash_mqa(sm.MultiHeadMask([mask] * g), block_sizes=sizes, head_shards=1, q_seq_shards=1,
+                                    interpret=jax.default_backend() != "tpu")
+        qg = (q * D**-0.5).reshape(b, T, hkv, g, D).transpose(0, 2, 3, 1, 4)  # (B, Hkv, G, T, D)
+        out = jax.vmap(jax.vmap(kernel))(qg, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3))
+        return out.transpose(0, 3, 1, 2, 4).reshape(b, T, hkv * g, D)
+
+    spec = P(axes or None, None, heads or None, None)
+    return sharding.per_shard(local, axes + heads, (spec, spec, spec), spec)(q, k, v)
 
 
 def cached_attention(q, k, v, q_pos, window):
@@ -191,11 +249,11 @@ class CausalSelfAttention(nnx.Module):
         q, k = rms_norm(q) * QK_SCALE, rms_norm(k) * QK_SCALE
         return q, k, v
 
-    def __call__(self, x, ve, cos, sin, window, cache=None):
+    def __call__(self, x, ve, cos, sin, window, cache=None, attention_impl="xla"):
         B, T, _ = x.shape
         q, k, v = self.qkv(x, ve, cos, sin)
         if cache is None:
-            y = sharding.constrain(attention(q, k, v, window), ("batch", None, "heads", None))
+            y = sharding.constrain(attention(q, k, v, window, attention_impl), ("batch", None, "heads", None))
             new_cache = None
         else:
             k_cache, v_cache, pos = cache  # (B, Hkv, S, D), (B, Hkv, S, D), (B,)
@@ -221,8 +279,8 @@ class Block(nnx.Module):
         self.attn = CausalSelfAttention(config, layer_idx, init, rngs)
         self.mlp = MLP(config, init, rngs)
 
-    def __call__(self, x, ve, cos, sin, window, cache=None):
-        y, new_cache = self.attn(rms_norm(x), ve, cos, sin, window, cache)
+    def __call__(self, x, ve, cos, sin, window, cache=None, attention_impl="xla"):
+        y, new_cache = self.attn(rms_norm(x), ve, cos, sin, window, cache, attention_impl)
         x = x + y
         x = x + self.mlp(rms_norm(x))
         return x, new_cache
@@ -231,8 +289,9 @@ class Block(nnx.Module):
 class Transformer(nnx.Module):
     """Holds wte and the blocks, so parameter paths read `transformer.wte.weight`, `transformer.h.0...` as nanochat."""
 
-    def __init__(self, config: GPTConfig, init: dict, rngs: nnx.Rngs):
-        self.wte = Embedding(config.padded_vocab_size, config.n_embd, init=init["wte"], axes=("vocab", "embed"), rngs=rngs)
+    def __init__(self, config: GPTConfig, init: dict, rngs: nnx.Rngs, embed_dtype=jnp.float32):
+        self.wte = Embedding(config.padded_vocab_size, config.n_embd, init=init["wte"], axes=("vocab", "embed"),
+                             rngs=rngs, dtype=embed_dtype)
         self.h = nnx.List([Block(config, i, init, rngs) for i in range(config.n_layer)])
 
 
@@ -244,12 +303,14 @@ class Transformer(nnx.Module):
 # On a mesh each device runs this on its own rows only (a shard_map over the batch axes): chunking the
 # global rows instead would put the sharding on the chunk axis and make every device compute every chunk.
 
-LOSS_CHUNK_BYTES = 64 * 2**20  # logits bytes per chunk; see scripts/bench.py
+# fp32 logits bytes per chunk: cache-sized on a CPU; on an accelerator thousands of rows per chunk keep the
+# matmuls large (the chunks' logits are transient, a few of them live at once)
+LOSS_CHUNK_BYTES = {"cpu": 64 * 2**20, "accelerator": 512 * 2**20}
 
 
 def _chunk_rows(n_rows, vocab_size):
-    rows = max(8, LOSS_CHUNK_BYTES // (4 * vocab_size))
-    return min(n_rows, rows)
+    budget = LOSS_CHUNK_BYTES["cpu" if jax.default_backend() == "cpu" else "accelerator"]
+    return min(n_rows, max(8, budget // (4 * vocab_size)))
 
 
 def _softcapped_logits(x, w, vocab_size):
@@ -317,13 +378,14 @@ def _local_loss_and_grads(x, targets, w, vocab_size, axes):
         dz = jnp.exp(z - lse[:, None])  # softmax
         dz = dz.at[jnp.arange(chunk), jnp.maximum(tc, 0)].add(-1.0)
         dlogits = jnp.where(valid, dz * (1.0 - jnp.square(z / SOFTCAP)), 0.0)  # through the tanh soft-cap
-        dlogits = jnp.pad(dlogits, ((0, 0), (0, pad_v)))  # padded vocab rows get zero gradient
-        dx = jnp.einsum("nv,vc->nc", dlogits, w).astype(x.dtype)
-        dw = dw + jnp.einsum("nv,nc->vc", dlogits, xc.astype(jnp.float32))
+        # padded vocab rows get zero gradient; the two gradient matmuls run in the compute dtype and
+        # accumulate in fp32 (as autocast's backward does), so bf16 runs do not pay for fp32 matmuls here
+        dlogits = jnp.pad(dlogits, ((0, 0), (0, pad_v))).astype(x.dtype)
+        dx = jnp.einsum("nv,vc->nc", dlogits, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
+        dw = dw + jnp.einsum("nv,nc->vc", dlogits, xc, preferred_element_type=jnp.float32)
         return (total + jnp.sum(losses), dw), dx
 
-    # the accumulators vary across devices as the rows do (jax's shard_map type rules)
-    init = sharding.varying_like((jnp.zeros((), jnp.float32), jnp.zeros(w.shape, jnp.float32)), x)
+    init = (jnp.zeros((), jnp.float32), jnp.zeros(w.shape, jnp.float32))
     (total, dw), dxs = jax.lax.scan(step, init, (xs, ts))
     dx = dxs.reshape(-1, C)[:n]
     return sharding.psum(total, axes), dx, sharding.psum(dw.astype(w.dtype), axes)
@@ -358,15 +420,36 @@ class KVCache:
     prev_embedding: jax.Array  # (B, C): normalised embedding of each row's last token (for smear)
 
 
+def _block_runner(window, attention_impl):
+    """block(x, ...) with its static arguments bound, for nnx.remat (which takes positional arguments only)."""
+    return lambda block, x, ve, cos, sin: block(x, ve, cos, sin, window, None, attention_impl)
+
+
+REMAT_POLICIES = {
+    "none": None,  # keep every activation the backward pass needs
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # keep projections, recompute the rest
+    "full": jax.checkpoint_policies.nothing_saveable,  # keep only each block's input
+}
+
+
 class GPT(nnx.Module):
-    def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs, dtype=None):
+    """nanochat's GPT. dtype: compute dtype (activations, matmuls; also the embedding tables' storage, as
+    nanochat stores them, except for fp16). attention: see `resolve_attention`. remat: what each block keeps
+    for the backward pass (REMAT_POLICIES); "dots" or "full" trade recomputation for activation memory."""
+
+    def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs, dtype=None, attention: str = "auto", remat: str = "none"):
+        if remat not in REMAT_POLICIES:
+            raise ValueError(f"unknown remat {remat!r}; choose one of {', '.join(REMAT_POLICIES)}")
         self.config = config
         self.dtype = dtype if dtype is not None else compute_dtype()
+        self.attention = resolve_attention(attention, dtype=self.dtype, head_dim=config.head_dim)
+        self.remat = remat
         self.window_sizes = config.window_sizes()
         init = init_table(config)
         Vp, C, L = config.padded_vocab_size, config.n_embd, config.n_layer
         kv_dim = config.n_kv_head * config.head_dim
-        self.transformer = Transformer(config, init, rngs)
+        embed_dtype = jnp.float32 if self.dtype == jnp.float16 else self.dtype
+        self.transformer = Transformer(config, init, rngs, embed_dtype)
         self.lm_head = Linear(C, Vp, init=init["lm_head"], axes=("vocab", "embed"), rngs=rngs)
         self.resid_lambdas = _param(init["resid_lambdas"], rngs.params(), (L,), (None,))
         self.x0_lambdas = _param(init["x0_lambdas"], rngs.params(), (L,), (None,))
@@ -375,7 +458,8 @@ class GPT(nnx.Module):
         self.backout_lambda = _param(init["backout_lambda"], rngs.params(), (1,), (None,))
         self.value_embeds = nnx.Dict(
             {
-                str(i): Embedding(Vp, kv_dim, init=init["value_embeds"], axes=("vocab", "embed"), rngs=rngs)
+                str(i): Embedding(Vp, kv_dim, init=init["value_embeds"], axes=("vocab", "embed"), rngs=rngs,
+                                  dtype=embed_dtype)
                 for i in range(L)
                 if config.has_ve(i)
             }
@@ -402,7 +486,11 @@ class GPT(nnx.Module):
             x = sharding.constrain(x, ("batch", None, None))  # the residual stream: rows split, width whole
             ve = self.value_embeds[str(i)](idx, x.dtype) if str(i) in self.value_embeds else None
             layer_cache = None if cache is None else (cache.k[i], cache.v[i], cache.pos)
-            x, kv = block(x, ve, cos, sin, self.window_sizes[i], layer_cache)
+            if cache is None and self.remat != "none":
+                run = _block_runner(self.window_sizes[i], self.attention)
+                x, kv = nnx.remat(run, policy=REMAT_POLICIES[self.remat])(block, x, ve, cos, sin)
+            else:
+                x, kv = block(x, ve, cos, sin, self.window_sizes[i], layer_cache, self.attention)
             if kv is not None:
                 new_k.append(kv[0])
                 new_v.append(kv[1])

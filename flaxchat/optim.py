@@ -365,6 +365,21 @@ def param_axes(model) -> dict:
     return {_path_names(path): tuple(getattr(v, "out_sharding", None) or (None,) * v.ndim) for path, v in leaves}
 
 
+def in_float32(inner: optax.GradientTransformation) -> optax.GradientTransformation:
+    """Run `inner` in fp32 whatever the parameters' dtype, as nanochat's fused AdamW does for its bf16
+    embeddings: the state stays in its own dtype between steps, the math is fp32, and the updates stay
+    fp32 so that apply_updates rounds p + u to the parameter dtype once. A no-op for fp32 parameters."""
+
+    def up(tree):
+        return jax.tree.map(lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+    def update(updates, state, params=None):
+        new_updates, new_state = inner.update(up(updates), up(state), None if params is None else up(params))
+        return new_updates, jax.tree.map(lambda new, old: new.astype(old.dtype), new_state, state)
+
+    return optax.GradientTransformation(inner.init, update)
+
+
 # -----------------------------------------------------------------------------
 # Non-finite skip
 
@@ -471,7 +486,7 @@ def muon_adamw(groups: dict, schedule: Schedule | None = None, polar_dtype=jnp.f
             else:
                 # optax.adamw is nanochat's AdamW up to float rounding: same EMA moments, bias
                 # corrections on both, eps outside the sqrt, decoupled decay lr*wd*p on the old params.
-                txs[name] = optax.adamw(g.lr * lr_multiplier, *g.betas, eps=g.eps, weight_decay=g.weight_decay)
+                txs[name] = in_float32(optax.adamw(g.lr * lr_multiplier, *g.betas, eps=g.eps, weight_decay=g.weight_decay))
         return skip_nonfinite(optax.partition(txs, param_labels))
 
     matrix = groups["matrix"]

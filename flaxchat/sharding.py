@@ -124,6 +124,18 @@ def free_axes(candidates) -> tuple[str, ...]:
     return tuple(a for a in candidates if mesh.shape[a] > 1 and a not in set(mesh.manual_axes))
 
 
+def split_axes(logical: str) -> tuple[str, ...]:
+    """The free mesh axes (see free_axes) that the logical axis `logical` is split over."""
+    entry = logical_to_spec((logical,))[0]
+    return free_axes(entry if isinstance(entry, tuple) else (entry,) if entry else ())
+
+
+def axes_size(axes) -> int:
+    """Devices along the mesh `axes` of the enclosing mesh (1 for none)."""
+    mesh = context_mesh()
+    return int(np.prod([mesh.shape[a] for a in axes])) if mesh is not None and axes else 1
+
+
 def stack_layouts(axes) -> list[P]:
     """Layouts that take a stack (K, ...) of matrices laid out by logical `axes` to a split along K alone.
 
@@ -177,20 +189,6 @@ def constrain(x, axes):
     return jax.lax.with_sharding_constraint(x, P(*entries))
 
 
-def vary(tree, axes):
-    """Mark values as differing across the manual `axes` (so their gradients stay local, unreduced)."""
-    return jax.tree.map(lambda x: jax.lax.pcast(x, axes, to="varying"), tree) if axes else tree
-
-
-def _varying_axes(x) -> set:
-    return set(jax.typeof(x).manual_axis_type.varying)
-
-
-def varying_like(tree, like):
-    """tree (e.g. zero accumulators) typed as varying over the same manual axes as the array `like`."""
-    return jax.tree.map(lambda x: vary(x, tuple(sorted(_varying_axes(like) - _varying_axes(x)))), tree)
-
-
 def psum(tree, axes):
     return jax.lax.psum(tree, axes) if axes else tree
 
@@ -198,11 +196,13 @@ def psum(tree, axes):
 def per_shard(f, axes, in_specs, out_specs):
     """f run once per shard of the manual `axes` (jax.shard_map); the other mesh axes stay automatic.
 
-    Specs name mesh axes as PartitionSpecs do; with no axes, f itself.
+    Specs name mesh axes as PartitionSpecs do; with no axes, f itself. Inside, values are plain per-device
+    arrays: gradients taken inside stay per device until an explicit psum (check_vma=False, which Pallas
+    kernels such as Splash attention also need).
     """
     if not axes:
         return f
-    return jax.shard_map(f, in_specs=in_specs, out_specs=out_specs, axis_names=set(axes))
+    return jax.shard_map(f, in_specs=in_specs, out_specs=out_specs, axis_names=set(axes), check_vma=False)
 
 
 def batch_sharding(mesh) -> NamedSharding:

@@ -27,7 +27,6 @@ def _accumulate_grads(model, xs, ys):
     axes = sharding.free_axes(sharding.REPLICA_AXES)
 
     def local(params, rest, xs, ys):
-        params = sharding.vary(params, axes)  # gradients of these stay per device until the psum below
         counts = sharding.psum(jnp.sum(ys >= 0, axis=(1, 2)), axes)  # (A,) valid targets per global micro-batch
 
         def loss_fn(p, x, y, n):

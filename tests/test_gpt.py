@@ -211,3 +211,117 @@ def test_make_mesh_errors():
     with pytest.raises(ValueError, match="at most one"):
         sharding.make_mesh(data=-1, fsdp=-1)
     assert sharding.make_mesh(devices=jax.devices()[:1]).shape == {"data": 1, "fsdp": 1, "tensor": 1}
+
+
+# -----------------------------------------------------------------------------
+# Attention kernels, remat, low-precision storage
+
+
+def test_attention_dispatch_picks_the_backend_kernel():
+    from flaxchat.gpt import resolve_attention
+
+    assert resolve_attention("auto", "gpu", jnp.bfloat16, 128) == "cudnn"
+    assert resolve_attention("auto", "gpu", jnp.float32, 128) == "xla"  # cuDNN's fused kernel needs bf16/fp16
+    assert resolve_attention("auto", "gpu", jnp.bfloat16, 512) == "xla"
+    assert resolve_attention("auto", "tpu", jnp.bfloat16, 128) == "splash"
+    assert resolve_attention("auto", "cpu", jnp.float32, 128) == "xla"
+    assert resolve_attention("splash", "cpu", jnp.float32, 64) == "splash"  # Pallas' interpreter off a TPU
+    with pytest.raises(ValueError, match="cuDNN attention needs a GPU"):
+        resolve_attention("cudnn", "cpu", jnp.bfloat16, 128)
+    with pytest.raises(ValueError, match="unknown attention"):
+        resolve_attention("flash", "gpu")
+    assert GPT(TINY, rngs=nnx.Rngs(0)).attention == "xla"  # this machine
+
+
+def reference_attention(q, k, v, window):
+    """Plain numpy: key j visible to query i iff i - window <= j <= i; kv heads shared by groups of query heads."""
+    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    B, T, H, D = q.shape
+    g = H // k.shape[2]
+    k, v = np.repeat(k, g, axis=2), np.repeat(v, g, axis=2)
+    s = np.einsum("bthd,bshd->bhts", q, k) / np.sqrt(D)
+    i, j = np.arange(T)[:, None], np.arange(T)[None, :]
+    s = np.where((j <= i) & (i - j <= window), s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return np.einsum("bhts,bshd->bthd", p, v)
+
+
+def qkv_example(B=2, T=128, H=4, Hkv=2, D=32, seed=0):
+    rng = np.random.default_rng(seed)
+    return tuple(jnp.asarray(rng.normal(size=(B, T, h, D)), jnp.float32) for h in (H, Hkv, Hkv))
+
+
+@pytest.mark.parametrize("window", [16, 40, 128, 1000])
+def test_xla_attention_equals_reference(window):
+    from flaxchat.gpt import attention
+
+    q, k, v = qkv_example()
+    np.testing.assert_allclose(np.asarray(attention(q, k, v, window, "xla")), reference_attention(q, k, v, window),
+                               atol=2e-5)
+
+
+@pytest.mark.parametrize("window", [40, 128])
+def test_splash_attention_equals_xla_forward_and_backward(window):
+    """The TPU kernel, run by Pallas' interpreter on the CPU: same values and gradients as the XLA path."""
+    from flaxchat.gpt import attention
+
+    q, k, v = qkv_example()
+    f = lambda impl: jax.jit(jax.value_and_grad(
+        lambda q, k, v: jnp.sum(jnp.sin(attention(q, k, v, window, impl))), argnums=(0, 1, 2)))
+    (val_s, grads_s), (val_x, grads_x) = f("splash")(q, k, v), f("xla")(q, k, v)
+    np.testing.assert_allclose(float(val_s), float(val_x), rtol=1e-5)
+    for a, b in zip(grads_s, grads_x):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=5e-5)
+
+
+def test_splash_attention_on_a_mesh_runs_per_shard():
+    if jax.device_count() < 8:
+        pytest.skip("needs 8 (fake) devices")
+    from flaxchat.gpt import attention
+
+    q, k, v = qkv_example(B=4)
+    mesh = sharding.make_mesh(2, 2, 2)
+    rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("data", "fsdp"), None, "tensor", None))
+    with jax.set_mesh(mesh):
+        out = jax.jit(lambda q, k, v: attention(q, k, v, 40, "splash"))(*(jax.device_put(a, rows) for a in (q, k, v)))
+    np.testing.assert_allclose(np.asarray(out), reference_attention(q, k, v, 40), atol=2e-5)
+
+
+@pytest.mark.parametrize("remat", ["dots", "full"])
+def test_remat_keeps_loss_and_gradients(remat):
+    idx = jax.random.randint(jax.random.key(1), (2, 64), 0, TINY.vocab_size)
+    plain, rematted = make(), make()
+    rematted.remat = remat
+    f = nnx.jit(lambda m: nnx.value_and_grad(lambda m: m(idx, idx))(m))
+    (l1, g1), (l2, g2) = f(plain), f(rematted)
+    assert float(l1) == pytest.approx(float(l2), rel=1e-6)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+    with pytest.raises(ValueError, match="unknown remat"):
+        GPT(TINY, rngs=nnx.Rngs(0), remat="some")
+
+
+def test_bfloat16_model_stores_embeddings_in_bfloat16_and_trains():
+    """As nanochat: wte and value embeddings in the compute dtype, AdamW math in fp32 with bf16 moments."""
+    from flaxchat.optim import build_optimizer
+    from flaxchat.training import train_step
+
+    config = GPTConfig(sequence_len=32, vocab_size=300, n_layer=2, n_head=2, n_kv_head=2, n_embd=64)
+    model = GPT(config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
+    assert model.transformer.wte.weight[...].dtype == jnp.bfloat16
+    assert model.value_embeds["1"].weight[...].dtype == jnp.bfloat16
+    assert model.lm_head.weight[...].dtype == jnp.float32 and model.transformer.h[0].attn.c_q.weight[...].dtype == jnp.float32
+    reference = GPT(config, rngs=nnx.Rngs(0), dtype=jnp.float32)
+    rng = np.random.default_rng(0)
+    seqs = (rng.integers(0, 300, (8, 1)) + np.arange(33)[None]) % 300  # learnable: +1 each position
+    x, y = jnp.asarray(seqs[:, :-1], jnp.int32), jnp.asarray(seqs[:, 1:], jnp.int32)
+    losses = {}
+    for name, m in (("bf16", model), ("fp32", reference)):
+        opt = build_optimizer(m, polar_dtype=m.dtype, verbose=False)
+        losses[name] = [float(train_step(m, opt, (x,), (y,))) for _ in range(8)]
+    mu = nnx.as_pure(opt.opt_state)  # the fp32 run's optimizer: moments fp32
+    assert losses["bf16"][-1] < losses["bf16"][0] - 0.5
+    np.testing.assert_allclose(losses["bf16"], losses["fp32"], rtol=0.03)
+    assert model.transformer.wte.weight[...].dtype == jnp.bfloat16  # updates did not promote the storage
+    del mu
