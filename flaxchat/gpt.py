@@ -420,6 +420,14 @@ class KVCache:
     prev_embedding: jax.Array  # (B, C): normalised embedding of each row's last token (for smear)
 
 
+def add_kernel_flags(parser) -> None:
+    """--attention and --remat, the scripts' flags for GPT's kernel choices."""
+    parser.add_argument("--attention", type=str, default="auto", choices=ATTENTION_IMPLEMENTATIONS,
+                        help="attention kernel: auto = cuDNN on GPU, Splash on TPU, XLA on CPU (printed at start)")
+    parser.add_argument("--remat", type=str, default="none", choices=list(REMAT_POLICIES),
+                        help="recompute in the backward pass to save memory: none, dots (keep matmul outputs), full")
+
+
 def _block_runner(window, attention_impl):
     """block(x, ...) with its static arguments bound, for nnx.remat (which takes positional arguments only)."""
     return lambda block, x, ve, cos, sin: block(x, ve, cos, sin, window, None, attention_impl)

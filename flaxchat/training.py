@@ -57,17 +57,17 @@ def train_step(model, optimizer, xs, ys):
     return loss
 
 
-def compile_train_step(config, mesh, batch_size: int, grad_accum: int = 1, dtype=None):
+def compile_train_step(config, mesh, batch_size: int, grad_accum: int = 1, dtype=None, **model_kwargs):
     """The train step for a GPT of `config` compiled on `mesh` from abstract arrays (nothing is allocated).
 
-    batch_size is global (rows per micro-step). For reading the program XLA makes at any scale on any
+    batch_size is global (rows per micro-step); model_kwargs go to GPT (attention, remat). For reading the program XLA makes at any scale on any
     machine: `.as_text()` (see `sharding.collective_stats`), `.cost_analysis()`, `.memory_analysis()`.
     """
     from flaxchat.checkpoint import abstract_state
     from flaxchat.gpt import GPT
     from flaxchat.optim import build_optimizer
 
-    model = nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0), dtype=dtype))
+    model = nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0), dtype=dtype, **model_kwargs))
     polar_dtype = jnp.bfloat16 if dtype == jnp.bfloat16 else jnp.float32
     optimizer = nnx.eval_shape(lambda m: build_optimizer(m, polar_dtype=polar_dtype, verbose=False), model)
     nnx.update(model, abstract_state(model, mesh))

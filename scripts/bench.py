@@ -34,7 +34,7 @@ from flax import nnx
 from flaxchat import sharding
 from flaxchat.common import quiet_library_logs, compute_dtype, parse_args, peak_flops_per_device
 from flaxchat.config import GPTConfig, add_model_flags, config_from_flags
-from flaxchat.gpt import GPT
+from flaxchat.gpt import GPT, add_kernel_flags
 
 
 def build_parser():
@@ -52,6 +52,7 @@ def build_parser():
     p.add_argument("--max-new-tokens", type=int, default=256, help="generated tokens per row")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="compute dtype")
     p.add_argument("--show-ops", action="store_true", help="comms: list every collective (kind, shape, times, source op)")
+    add_kernel_flags(p)
     sharding.add_mesh_flags(p)
     return p
 
@@ -72,9 +73,10 @@ def bench_train(args, mesh) -> dict:
     from flaxchat.training import train_step
 
     config = make_config(args)
-    model = sharding.create_sharded(lambda: GPT(config, rngs=nnx.Rngs(0), dtype=compute_dtype(args.dtype)), mesh)
+    model = sharding.create_sharded(lambda: GPT(config, rngs=nnx.Rngs(0), dtype=compute_dtype(args.dtype),
+                                                attention=args.attention, remat=args.remat), mesh)
     with jax.set_mesh(mesh):
-        optimizer = build_optimizer(model)
+        optimizer = build_optimizer(model, verbose=False)
     dp = mesh.shape["data"] * mesh.shape["fsdp"]
     B, T, A = args.device_batch_size * dp, args.max_seq_len, args.grad_accum
     rng = np.random.default_rng(0)
@@ -105,7 +107,7 @@ def bench_train(args, mesh) -> dict:
         "peak_flops": peak * jax.device_count(), "peak_flops_source": source,
         "compile_s": max(first_step_s - step_s, 0.0), "first_step_s": first_step_s,
         "peak_mem_gb": peak_mem_gb(), "tokens_per_step": tokens, "flops_per_token": model.estimate_flops(),
-        "num_params": model.num_scaling_params()["total"],
+        "num_params": model.num_scaling_params()["total"], "attention": model.attention, "remat": model.remat,
     }
 
 
@@ -118,7 +120,7 @@ def bench_comms(args, mesh) -> dict:
     dp = mesh.shape["data"] * mesh.shape["fsdp"]
     t0 = time.perf_counter()
     compiled = compile_train_step(config, mesh, args.device_batch_size * dp, args.grad_accum,
-                                  compute_dtype(args.dtype))
+                                  compute_dtype(args.dtype), attention=args.attention, remat=args.remat)
     compile_s = time.perf_counter() - t0
     stats = program_stats(compiled.as_text())
     out = {
