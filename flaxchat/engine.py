@@ -34,7 +34,7 @@ import numpy as np
 from flax import nnx
 
 from flaxchat.execution import execute_code, use_calculator
-from flaxchat.gpt import KVCache, rms_norm
+from flaxchat.gpt import KVCache, rms_norm, write_cache
 
 MIN_BUCKET = 16  # smallest padded prompt length
 STREAM_CHUNK = 16  # most decode steps per jitted call while streaming (a ~50 ms burst on a laptop CPU)
@@ -137,6 +137,50 @@ def repeat_rows(cache: KVCache, n: int) -> KVCache:
     )
 
 
+def take_rows(cache: KVCache, rows: int, span: int) -> KVCache:
+    """The first `rows` slots and the first `span` positions of the cache (what a decode chunk touches)."""
+    take = lambda layers: tuple(c[:rows, :, :span] for c in layers)
+    return KVCache(k=take(cache.k), v=take(cache.v), pos=cache.pos[:rows], prev_embedding=cache.prev_embedding[:rows])
+
+
+def put_rows(cache: KVCache, part: KVCache, start, width: int) -> KVCache:
+    """Write a decode chunk's work back: for each row, only the `width` positions from `start` (B,) on, which
+    hold everything the chunk wrote (copying the whole working part back would cost as much as the chunk's
+    attention). The window is clamped inside the part; positions it covers that the chunk did not write hold
+    the values taken from the cache, so writing them back changes nothing."""
+    rows, span = part.pos.shape[0], part.k[0].shape[2]
+    width = min(width, span)
+    start = jnp.clip(start, 0, span - width)
+    cols = start[:, None] + jnp.arange(width)[None, :]  # (rows, width)
+
+    def put_layers(layers, new):  # each layer: gather (rows, width, Hkv, D) from the part, scatter it in place
+        return tuple(write_cache(c, n[jnp.arange(rows)[:, None], :, cols], start) for c, n in zip(layers, new))
+
+    return KVCache(k=put_layers(cache.k, part.k), v=put_layers(cache.v, part.v), pos=cache.pos.at[:rows].set(part.pos),
+                   prev_embedding=cache.prev_embedding.at[:rows].set(part.prev_embedding))
+
+
+
+
+def attention_span(positions_needed: int, capacity: int) -> int:
+    """Cache positions a decode chunk attends over: a power of two (at least capacity/16, at least 64) holding
+    `positions_needed`, at most the capacity. Few distinct spans keep the number of compiled programs small."""
+    floor = max(64, capacity // 16)
+    return min(max(floor, 1 << max(positions_needed - 1, 0).bit_length()), capacity)
+
+
+def in_compute_dtype(params, dtype):
+    """Floating parameters cast to the compute dtype: decoding then reads half the bytes per step in bf16, and the
+    numbers do not change (every forward casts each weight to that dtype before using it)."""
+    cast = lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype else x
+    return jax.tree.map(cast, params)
+
+
+def cast_for_compute(model) -> None:
+    """in_compute_dtype on a (traced) model's parameters, in place."""
+    nnx.update(model, in_compute_dtype(nnx.state(model, nnx.Param), model.dtype))
+
+
 def rewind(model, cache: KVCache, pos, last_token) -> KVCache:
     """Move each row back to position `pos` (B,) whose last cached token is `last_token` (B,).
 
@@ -191,6 +235,7 @@ class DecodeState:
 def _prefill(graphdef, params, tokens, lengths, key, *, num_rows, capacity):
     """Prefill padded prompts (Bp, T) and return the decode state for num_rows rows (Bp = 1 is shared)."""
     model = nnx.merge(graphdef, params)
+    cast_for_compute(model)
     Bp = tokens.shape[0]
     cache = model.init_cache(Bp, capacity)
     logits, cache = model.forward_cached(tokens, cache, logits_at=lengths - 1)  # (Bp, V): each row's last real token
@@ -206,13 +251,18 @@ def _prefill(graphdef, params, tokens, lengths, key, *, num_rows, capacity):
     )
 
 
-def _decode(graphdef, params, state, limit, temperature, stops, tool_end, *, greedy, top_k, top_p):
+def _decode(graphdef, params, state, limit, temperature, stops, tool_end, *, greedy, top_k, top_p, span, width):
     """Run decode steps until `limit` columns exist, every row has stopped, or a row closed a tool call.
 
     stops: (MAX_STOP_TOKENS,) int32 ids padded with -1; tool_end: the id that pauses the loop, or -1. Both are
-    traced, as are limit and temperature, so only the sampling rule (greedy, top_k, top_p) selects a program.
+    traced, as are limit and temperature, so only the sampling rule (greedy, top_k, top_p) and the cache
+    window select a program. Attention reads only the first `span` cache positions (which must hold every
+    position this call writes); the at most `width` positions written per row are copied back at the end.
     """
     model = nnx.merge(graphdef, params)
+    cast_for_compute(model)
+    full = state.cache
+    state = dataclasses.replace(state, cache=take_rows(full, full.pos.shape[0], span))
     rows = jnp.arange(state.done.shape[0])
     last_slot = state.forced.shape[1] - 1
 
@@ -232,7 +282,8 @@ def _decode(graphdef, params, state, limit, temperature, stops, tool_end, *, gre
             forced_pos=s.forced_pos + is_forced, paused=paused,
         )
 
-    return jax.lax.while_loop(cond, body, dataclasses.replace(state, paused=jnp.zeros((), bool)))
+    state = jax.lax.while_loop(cond, body, dataclasses.replace(state, paused=jnp.zeros((), bool)))
+    return dataclasses.replace(state, cache=put_rows(full, state.cache, full.pos, width))
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
@@ -254,7 +305,7 @@ class _Programs:
         self.graphdef = graphdef
         self.prefill = jax.jit(functools.partial(_prefill, graphdef), static_argnames=("num_rows", "capacity"))
         self.decode = jax.jit(functools.partial(_decode, graphdef), donate_argnames=("state",),
-                              static_argnames=("greedy", "top_k", "top_p"))
+                              static_argnames=("greedy", "top_k", "top_p", "span", "width"))
 
 
 _PROGRAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -295,8 +346,9 @@ def generate(model, prompts, max_tokens, *, temperature=1.0, top_k=None, top_p=N
     tokens, lengths = pad_prompts(prompts, capacity, max_tokens)
     programs, params = _programs(model)
     state = programs.prefill(params, tokens, lengths, jax.random.key(seed), num_rows=len(prompts), capacity=capacity)
+    span = attention_span(int(lengths.max()) + max_tokens, capacity)
     state = programs.decode(params, state, *_decode_args(max_tokens, temperature, stop_tokens),
-                            **_sampling_kwargs(temperature, top_k, top_p))
+                            **_sampling_kwargs(temperature, top_k, top_p), span=span, width=span)
     columns, step = jax.device_get((state.tokens, state.step))
     return [_until_stop(row[:step].tolist(), stop_tokens) for row in columns]
 
@@ -382,7 +434,8 @@ class Engine:
         while emitted < max_tokens and not all(r.completed for r in rows):
             limit = min(emitted + chunk, max_tokens)
             args = _decode_args(limit, temperature, self.stop_tokens, self.python_end)
-            state = programs.decode(params, state, *args, **sampling)
+            span = attention_span(len(tokens) + limit, self.capacity)  # every position this call can write
+            state = programs.decode(params, state, *args, **sampling, span=span, width=self.stream_chunk)
             columns, masks, step = jax.device_get((state.tokens, state.sampled, state.step))
             queues = {}
             for t in range(emitted, int(step)):
@@ -584,6 +637,7 @@ def measure_generation(model, batch_size, prompt_len, max_new_tokens, seed=0, te
     tokens, lengths = pad_prompts(prompts, capacity, max_new_tokens)
     programs, params = _programs(model)
     kwargs = _sampling_kwargs(temperature, top_k, None)
+    span = attention_span(prompt_len + max_new_tokens, capacity)
 
     def prefill():
         return programs.prefill(params, tokens, lengths, jax.random.key(seed), num_rows=batch_size, capacity=capacity)
@@ -592,11 +646,11 @@ def measure_generation(model, batch_size, prompt_len, max_new_tokens, seed=0, te
         t0 = time.perf_counter()
         state = jax.block_until_ready(prefill())
         t1 = time.perf_counter()
-        state = programs.decode(params, state, *_decode_args(max_new_tokens, temperature), **kwargs)
+        state = programs.decode(params, state, *_decode_args(max_new_tokens, temperature), **kwargs, span=span, width=span)
         state = jax.block_until_ready(state)
         t2 = time.perf_counter()
         first = prefill()
-        first = programs.decode(params, first, *_decode_args(1, temperature), **kwargs)
+        first = programs.decode(params, first, *_decode_args(1, temperature), **kwargs, span=span, width=span)
         np.asarray(first.tokens[:, 0])  # the first tokens, on the host
         t3 = time.perf_counter()
         assert int(state.step) == max_new_tokens

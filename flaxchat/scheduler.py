@@ -46,9 +46,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from flaxchat.engine import bucket_length
+from flaxchat.engine import attention_span, bucket_length, in_compute_dtype, put_rows, take_rows
 from flaxchat.execution import use_calculator
-from flaxchat.gpt import KVCache, write_cache
+from flaxchat.gpt import KVCache
 
 log = logging.getLogger(__name__)
 
@@ -304,29 +304,6 @@ def _prefill(graphdef, params, state: SlotState, slot, tokens, length) -> SlotSt
     )
 
 
-def _take_rows(cache: KVCache, rows: int, span: int) -> KVCache:
-    """The first `rows` slots and the first `span` positions of the cache (what a decode chunk touches)."""
-    take = lambda layers: tuple(c[:rows, :, :span] for c in layers)
-    return KVCache(k=take(cache.k), v=take(cache.v), pos=cache.pos[:rows], prev_embedding=cache.prev_embedding[:rows])
-
-
-def _put_rows(cache: KVCache, part: KVCache, start, width: int) -> KVCache:
-    """Write a decode chunk's work back: for each row, only the `width` positions from `start` (B,) on, which
-    hold everything the chunk wrote (copying the whole working part back would cost as much as the chunk's
-    attention). The window is clamped inside the part; positions it covers that the chunk did not write hold
-    the values taken from the cache, so writing them back changes nothing."""
-    rows, span = part.pos.shape[0], part.k[0].shape[2]
-    width = min(width, span)
-    start = jnp.clip(start, 0, span - width)
-    cols = start[:, None] + jnp.arange(width)[None, :]  # (rows, width)
-
-    def put_layers(layers, new):  # each layer: gather (rows, width, Hkv, D) from the part, scatter it in place
-        return tuple(write_cache(c, n[jnp.arange(rows)[:, None], :, cols], start) for c, n in zip(layers, new))
-
-    return KVCache(k=put_layers(cache.k, part.k), v=put_layers(cache.v, part.v), pos=cache.pos.at[:rows].set(part.pos),
-                   prev_embedding=cache.prev_embedding.at[:rows].set(part.prev_embedding))
-
-
 def _decode(graphdef, params, state: SlotState, ctl: Controls, limit, *, rows, span, chunk, stop_tokens, tool_end):
     """Up to `limit` (<= chunk) decode steps over the first `rows` slots -> (state, tokens (rows, chunk), steps).
 
@@ -369,10 +346,10 @@ def _decode(graphdef, params, state: SlotState, ctl: Controls, limit, *, rows, s
 
     live = ctl.active[r] & (remaining > 0)
     out = jnp.zeros((rows, chunk), jnp.int32)
-    init = (_take_rows(state.cache, rows, span), state.logits[r], forced_pos[r], out, jnp.int32(0), live, jnp.bool_(False))
+    init = (take_rows(state.cache, rows, span), state.logits[r], forced_pos[r], out, jnp.int32(0), live, jnp.bool_(False))
     cache, logits, f_pos, out, steps, _, _ = jax.lax.while_loop(cond, body, init)
     new_state = SlotState(
-        cache=_put_rows(state.cache, cache, state.cache.pos[r], chunk), logits=state.logits.at[r].set(logits), forced=forced,
+        cache=put_rows(state.cache, cache, state.cache.pos[r], chunk), logits=state.logits.at[r].set(logits), forced=forced,
         forced_len=forced_len, forced_pos=forced_pos.at[r].set(f_pos),
     )
     return new_state, out, steps
@@ -401,13 +378,6 @@ def batch_rows(highest_slot: int, slots: int) -> int:
     return min(1 << highest_slot.bit_length(), slots)
 
 
-def attention_span(positions_needed: int, capacity: int) -> int:
-    """Cache positions a decode chunk attends over: a power of two (at least capacity/16, at least 64) holding
-    `positions_needed`, at most the capacity. Few distinct spans keep the number of compiled programs small."""
-    floor = max(64, capacity // 16)
-    return min(max(floor, 1 << max(positions_needed - 1, 0).bit_length()), capacity)
-
-
 # -----------------------------------------------------------------------------
 # The scheduler
 
@@ -433,7 +403,8 @@ class Scheduler:
         sp = tokenizer.encode_special
         self.stop_tokens = (sp("<|assistant_end|>"), tokenizer.get_bos_token_id())
         self.tool_end = sp("<|python_end|>")
-        graphdef, self.params = nnx.split(model)
+        graphdef, params = nnx.split(model)
+        self.params = in_compute_dtype(params, model.dtype)  # once: serving reads bf16 weights on accelerators
         self._prefill, self._decode = _programs(graphdef)
         self._state = self._fresh_state()
         self._queue: collections.deque[Request] = collections.deque()

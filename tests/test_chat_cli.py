@@ -46,6 +46,7 @@ class ScriptedModel(nnx.Module):
         self.config = GPTConfig(sequence_len=sequence_len, vocab_size=vocab_size, n_layer=1, n_head=1, n_kv_head=1,
                                 n_embd=2)
         self.script = nnx.Variable(jnp.asarray(script + [script[-1]] * (sequence_len + 1 - len(script)), jnp.int32))
+        self.dtype = jnp.float32  # the compute dtype the engine casts parameters to
 
     def init_cache(self, batch_size, max_len):
         z = (jnp.zeros((batch_size, 1, max_len, 1)),)  # one layer, (B, Hkv, S, D)

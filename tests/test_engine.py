@@ -73,15 +73,20 @@ def test_bucket_and_padding():
 
 def test_cached_logits_equal_full_forward_every_step(model):
     """Padded prefill of different-length rows, then one decode step per call: the logits the loop samples from
-    equal a full forward over each row's whole sequence so far."""
+    equal a full forward over each row's whole sequence so far. The cache has room for 1024 positions and each
+    call attends over (and writes back) only the span its rows use."""
     programs, params = E._programs(model)
-    tokens, lengths = E.pad_prompts(PROMPTS, 64, 24)
-    state = programs.prefill(params, tokens, lengths, jax.random.key(0), num_rows=3, capacity=64)
-    cached = []
+    tokens, lengths = E.pad_prompts(PROMPTS, 1024, 24)
+    state = programs.prefill(params, tokens, lengths, jax.random.key(0), num_rows=3, capacity=1024)
+    cached, spans = [], set()
     for step in range(1, 25):
         cached.append(np.array(state.logits))  # a copy: the next call donates the state
-        state = programs.decode(params, state, *E._decode_args(step, 0.0), greedy=True, top_k=None, top_p=None)
+        span = E.attention_span(max(map(len, PROMPTS)) + step, 1024)
+        spans.add(span)
+        state = programs.decode(params, state, *E._decode_args(step, 0.0), greedy=True, top_k=None, top_p=None,
+                                span=span, width=1)
         assert int(state.step) == step
+    assert spans == {64} and state.cache.k[0].shape[2] == 1024  # 64 of 1024 positions read
     assert np.asarray(state.cache.pos).tolist() == [len(p) + 24 for p in PROMPTS]
     columns = np.asarray(state.tokens)
     for b, prompt in enumerate(PROMPTS):
@@ -163,6 +168,7 @@ class ScriptedModel(nnx.Module):
         self.config = GPTConfig(sequence_len=sequence_len, vocab_size=vocab_size, n_layer=1, n_head=1, n_kv_head=1,
                                 n_embd=2)
         self.script = nnx.Variable(jnp.asarray(script + [script[-1]] * (sequence_len + 1 - len(script)), jnp.int32))
+        self.dtype = jnp.float32  # the compute dtype the engine casts parameters to
 
     def init_cache(self, batch_size, max_len):
         z = (jnp.zeros((batch_size, 1, max_len, 1)),)  # one layer, (B, Hkv, S, D)
