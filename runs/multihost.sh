@@ -3,7 +3,7 @@
 #
 # TPU pod slice (e.g. v5p-64, 8 hosts): run the same command on every host at once; jax.distributed
 # discovers the pod by itself.
-#   gcloud compute tpus tpu-vm ssh $TPU --worker=all --command "cd flaxchat && bash runs/multihost.sh"
+#   gcloud compute tpus tpu-vm ssh $TPU --worker=all --command "cd flaxchat && BACKEND=tpu bash runs/multihost.sh"
 #
 # Multi-node GPUs (N nodes x 8 GPUs, one process per node), set on every node:
 #   JAX_COORDINATOR_ADDRESS=<node0-ip>:1234 JAX_NUM_PROCESSES=N JAX_PROCESS_ID=<0..N-1> bash runs/multihost.sh
@@ -17,7 +17,10 @@ cd "$(dirname "$0")/.."
 
 DEPTH=${DEPTH:-26}
 FSDP=${FSDP:-8}          # parameters + optimizer state sharded over this many devices (within a host is best)
+BACKEND=${BACKEND:-gpu}  # tpu on a TPU slice: every process stops at start-up if JAX is running on anything else
 export FLAXCHAT_BASE_DIR=${FLAXCHAT_BASE_DIR:-$HOME/.cache/flaxchat}
+export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.92}   # GPUs: JAX's default is 0.75
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-$FLAXCHAT_BASE_DIR/jax_cache}
 
 # once, on every host (or on the shared disk): data and tokenizer
 if [ ! -f "$FLAXCHAT_BASE_DIR/tokenizer/tokenizer.json" ]; then
@@ -29,6 +32,7 @@ python -m scripts.pretrain \
   --depth "$DEPTH" \
   --device-batch-size 16 \
   --fsdp "$FSDP" \
+  --expect-backend "$BACKEND" \
   --save-every 1000 \
   --run "${WANDB_RUN:-dummy}" \
   "$@"
