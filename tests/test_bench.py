@@ -1,0 +1,43 @@
+"""scripts.bench: JSON out, the training benchmark on the flags' mesh, the comms reader, backend checks."""
+
+import json
+
+import jax
+import pytest
+
+from scripts.bench import main
+
+TINY = ["--depth", "2", "--aspect-ratio", "32", "--head-dim", "32", "--max-seq-len", "64", "--vocab-size", "512"]
+
+
+def run(capsys, argv):
+    main(argv)
+    return json.loads(capsys.readouterr().out)  # stdout holds the JSON and nothing else
+
+
+def test_train_runs_on_the_mesh_the_flags_build(capsys):
+    if jax.device_count() < 8:
+        pytest.skip("needs 8 (fake) devices")
+    out = run(capsys, TINY + ["--what", "train", "--device-batch-size", "1", "--fsdp", "2", "--steps", "2",
+                              "--warmup", "0"])
+    assert out["mesh"] == {"data": 4, "fsdp": 2, "tensor": 1}
+    assert out["tokens_per_step"] == 8 * 64  # one row per device
+    assert out["tok_per_s"] > 0 and 0 < out["mfu"] < 100 and out["compile_s"] >= 0
+    assert out["attention"] == "xla" and out["remat"] == "none"
+
+
+def test_comms_reads_the_compiled_step(capsys):
+    if jax.device_count() < 8:
+        pytest.skip("needs 8 (fake) devices")
+    out = run(capsys, TINY + ["--what", "comms", "--device-batch-size", "2", "--grad-accum", "2", "--show-ops"])
+    assert out["mesh"] == {"data": 8, "fsdp": 1, "tensor": 1}
+    assert out["collectives_per_step"] == sum(v["count"] for v in out["by_kind"].values())
+    assert out["by_kind"]["all-reduce"]["count"] == 2  # the gradients (once per step) and the token counts
+    assert out["matmul_flops_per_device"] > 0 and out["unknown_trip_counts"] == 0
+    assert all(op["times"] == 1 for op in out["ops"])  # nothing inside the micro-step loop
+
+
+def test_expect_backend_stops_a_run_on_the_wrong_backend(capsys):
+    with pytest.raises(SystemExit):
+        main(TINY + ["--what", "comms", "--expect-backend", "gpu"])
+    assert "--expect-backend gpu: JAX is running on cpu" in capsys.readouterr().err
