@@ -22,7 +22,7 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from flaxchat.common import is_main_process, print0
+from flaxchat.common import is_main_process, print0, to_host
 
 # Random-guess accuracy of each task: 1 of 4 letters, or ~0 for open-ended answers (nanochat's values).
 BASELINES = {"ARC-Easy": 0.25, "ARC-Challenge": 0.25, "MMLU": 0.25, "GSM8K": 0.0, "HumanEval": 0.0, "SpellingBee": 0.0}
@@ -105,7 +105,7 @@ def run_categorical_eval(task, tokenizer, model, batch_size: int = 8, max_proble
         positions = np.zeros(per_batch, np.int32)
         for r, i in enumerate(members):
             idx[r, : len(prompts[i])], positions[r] = prompts[i], len(prompts[i]) - 1
-        logits = np.asarray(_logits_at(model, jnp.asarray(idx), jnp.asarray(positions)))
+        logits = to_host(_logits_at(model, jnp.asarray(idx), jnp.asarray(positions)))
         for r, i in enumerate(members):
             letters = conversations[i]["letters"]
             for letter in letters:

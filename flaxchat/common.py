@@ -8,6 +8,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -20,6 +21,32 @@ def print0(*args, **kwargs) -> None:
     """print() on process 0 only, so multi-host runs log once."""
     if is_main_process():
         print(*args, **kwargs, flush=True)
+
+
+def agree_max(*values):
+    """Each value's maximum over all processes, as a tuple of the values' own types (bool, int, float).
+
+    JAX runs multi-controller: every process must take the same branches and write the same numbers into
+    replicated arrays, or the job hangs or diverges. Decisions one process makes from its own data (SFT's end
+    of epoch, its LR progress) go through this first, as nanochat all-reduces them with MAX. The numbers
+    travel as float32 (exact for bools and ints below 2**24). With one process the values come back as given.
+    """
+    if jax.process_count() == 1:
+        return values
+    from jax.experimental import multihost_utils
+
+    gathered = multihost_utils.process_allgather(np.asarray(values, np.float32))  # (processes, len(values))
+    return tuple(type(v)(m) for v, m in zip(values, gathered.max(axis=0).tolist()))
+
+
+def to_host(x) -> np.ndarray:
+    """A jax array as numpy on every process, also when it is split over other processes' devices (an
+    array sharded over 'tensor' across hosts, e.g. logits split by vocabulary, cannot be read locally)."""
+    if getattr(x, "is_fully_addressable", True) or x.is_fully_replicated:
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 def get_base_dir() -> str:

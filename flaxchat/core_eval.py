@@ -41,7 +41,7 @@ import yaml
 from flax import nnx
 from tqdm.auto import tqdm
 
-from flaxchat.common import get_base_dir, is_main_process, print0
+from flaxchat.common import get_base_dir, is_main_process, print0, to_host
 
 EVAL_BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"
 
@@ -198,14 +198,6 @@ def _span_all_argmax(model, idx, starts, ends):
     return jnp.all(jnp.where(_span_mask(idx, starts, ends), hits, True), axis=1)
 
 
-def _to_host(x) -> np.ndarray:
-    if getattr(x, "is_fully_addressable", True):
-        return np.asarray(x)
-    from jax.experimental import multihost_utils
-
-    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-
-
 def bucket_length(length: int) -> int:
     """Padded length: a multiple of 64, coarser for long rows (at most ~6% padding), so jit compiles a few
     shapes per task rather than one per prompt length."""
@@ -262,7 +254,7 @@ def score_rows(model, rows: list[list[int]], starts, ends, lm: bool, batch_size:
             rows_sharding = batch_sharding(mesh)
             vec_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(rows_sharding.spec[0]))
             arrays = (jax.device_put(idx, rows_sharding), jax.device_put(s, vec_sharding), jax.device_put(e, vec_sharding))
-        result = _to_host(fn(model, *arrays))
+        result = to_host(fn(model, *arrays))
         out[members] = result[: len(members)]
     return out
 
