@@ -266,8 +266,8 @@ def main(argv=None):
 
             core = evaluate_core(model, tokenizer, max_per_task=args.core_metric_max_per_task)
             log({"step": step, "core_metric": core["core_metric"]})
-        if args.sample_every > 0 and is_main_process() and (last_step or (step > 0 and step % args.sample_every == 0)):
-            sample()
+        if args.sample_every > 0 and (last_step or (step > 0 and step % args.sample_every == 0)):
+            sample()  # every process: the Engine's programs run on the global parameters
         if last_step or (step > 0 and step != resume_step and args.save_every > 0 and step % args.save_every == 0):
             save(step)
         if is_main_process() and (last_step or (args.eval_every > 0 and step % args.eval_every == 0)):
@@ -296,7 +296,7 @@ def main(argv=None):
         bar.set_postfix(loss=f"{smooth:.4f}", tok_s=f"{tok_per_s:,.0f}", mfu=f"{mfu:.1f}%", lrm=f"{lrm:.2f}", refresh=False)
         bar.update(1)
         step += 1
-        if not math.isfinite(loss):
+        if not math.isfinite(loss) and is_main_process():
             bar.write(f"step {step}: non-finite loss; the update was skipped ({int(stats['skipped_steps'])} skipped so far)")
 
     bar.close()
