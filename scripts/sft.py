@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 from flaxchat import sharding
 from flaxchat.chat_data import make_sft_loader
 from flaxchat.checkpoint import Checkpointer, checkpoint_dir, find_model_tag, git_commit
-from flaxchat.common import compute_dtype, is_main_process, parse_args, peak_flops_per_device, print0
+from flaxchat.common import agree_max, compute_dtype, is_main_process, parse_args, peak_flops_per_device, print0
 from flaxchat.config import GPTConfig
 from flaxchat.gpt import GPT
 from flaxchat.loss_eval import evaluate_bpb
@@ -188,7 +188,10 @@ def build_mixtures(args):
     """(train, val, which) where which is "online" or "offline"."""
     from tasks.common import hub_reachable
 
-    which = args.mixture if args.mixture != "auto" else ("online" if hub_reachable() else "offline")
+    which = args.mixture
+    if which == "auto":  # every process must train on the same mixture: online only if every process reaches the hub
+        (unreachable,) = agree_max(not hub_reachable())
+        which = "offline" if unreachable else "online"
     train, val = online_mixture(args) if which == "online" else offline_mixture(args)
     return train, val, which
 
@@ -416,9 +419,8 @@ def main(argv=None):
                disable=not is_main_process(), dynamic_ncols=True)
     say = bar.write if is_main_process() else (lambda _: None)
     step, smooth, ema, train_time, val_bpb, min_val_bpb = 0, 0.0, 0.9, 0.0, None, float("inf")
-    summary = {}
+    last_step, progress, summary = False, 0.0, {}
     while True:
-        last_step = train_loader.last_step
         if last_step or (args.eval_every > 0 and step % args.eval_every == 0):
             val_bpb = evaluate_val()
             min_val_bpb = min(min_val_bpb, val_bpb)
@@ -439,7 +441,10 @@ def main(argv=None):
 
         t0 = time.perf_counter()
         xs, ys = zip(*(next(train_loader) for _ in range(grad_accum)))
-        lrm = lr_multiplier(train_loader.progress, args.warmup_ratio, args.warmdown_ratio, args.final_lr_frac)
+        # each process reads its own conversations, so each has its own view of the epoch: agree (MAX, as nanochat
+        # all-reduces last_step) so all stop at the same step and write the same LR into the replicated optimizer
+        last_step, progress = agree_max(train_loader.last_step, train_loader.progress)
+        lrm = lr_multiplier(progress, args.warmup_ratio, args.warmdown_ratio, args.final_lr_frac)
         set_hyperparams(optimizer, lr_multiplier=args.init_lr_frac * lrm, muon_momentum=muon_momentum(step))
         with jax.set_mesh(mesh):
             loss = float(train_step(model, optimizer, xs, ys))
@@ -452,14 +457,14 @@ def main(argv=None):
         if step > 2:  # the first steps compile
             train_time += dt
         log({"step": step, "loss": loss, "smooth_loss": debiased, "lrm": lrm, "dt": dt, "tok_per_s": tok_per_s,
-             "mfu": mfu, "epoch": train_loader.epoch, "progress": train_loader.progress})
-        if args.num_iterations <= 0 and train_loader.progress > 0:
-            bar.total = max(step, round(step / train_loader.progress))  # steps in one epoch, estimated as we go
+             "mfu": mfu, "epoch": train_loader.epoch, "progress": progress})
+        if args.num_iterations <= 0 and progress > 0:
+            bar.total = max(step, round(step / progress))  # steps in one epoch, estimated as we go
         bar.set_postfix(loss=f"{debiased:.4f}", lrm=f"{lrm:.2f}", tok_s=f"{tok_per_s:,.0f}", epoch=train_loader.epoch, refresh=False)
         bar.update(1)
     bar.close()
 
-    if args.reply_check > 0 and is_main_process():
+    if args.reply_check > 0:  # every process samples (the Engine runs on the global model); process 0 prints and logs
         prompts = fitting_prompts(val_ds, tokenizer, args.reply_check, model.config.sequence_len - REPLY_ROOM)
         rate = reply_end_rate(model, tokenizer, prompts, max_tokens=args.max_seq_len // 2 + 128, seed=args.seed)
         print0(f"replies ending with <|assistant_end|>: {rate:.1%} of {len(prompts)}")
