@@ -1,7 +1,13 @@
-"""Two processes on loopback (jax.distributed, CPU backend, 4 fake devices each) train like one process."""
+"""Two processes on loopback (jax.distributed, CPU backend, 4 fake devices each) train like one process.
+
+JAX is multi-controller: every process must run the same jitted programs on the global arrays, in the same order,
+and take the same branches. These runs check that sampling, the SFT reply check and SFT's data-dependent end of
+epoch keep the two processes in step (a process that skipped or added a program would hang or fail its peer).
+"""
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -9,6 +15,7 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PRETRAIN = ["-m", "scripts.pretrain"]
 ARGS = ["--depth", "2", "--aspect-ratio", "32", "--head-dim", "32", "--max-seq-len", "64",
         "--device-batch-size", "4", "--total-batch-size", "512", "--warmup-steps", "1", "--num-iterations", "4",
         "--eval-every", "2", "--eval-tokens", "512", "--sample-every", "-1", "--save-every", "2"]
@@ -20,19 +27,30 @@ def free_port():
         return s.getsockname()[1]
 
 
-def run_two_processes(base, extra, tag):
+def run_two_processes(base, argv, timeout=420):
+    """`python *argv` as processes 0 and 1 of one job; both must succeed. Their outputs, in order."""
     port = free_port()
     procs = []
     for pid in range(2):
         env = {**os.environ, "PYTHONPATH": ROOT, "FLAXCHAT_BASE_DIR": str(base),
                "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu",
                "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(pid)}
-        procs.append(subprocess.Popen([sys.executable, "-m", "scripts.pretrain", *ARGS, *extra, "--model-tag", tag],
-                                      cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outs = [p.communicate(timeout=420)[0] for p in procs]
+        procs.append(subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    try:
+        outs = [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:  # processes out of step hang in a collective: never leave them behind
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
     for p, out in zip(procs, outs):
         assert p.returncode == 0, out[-3000:]
     return outs
+
+
+def samples(out: str) -> list[str]:
+    """The greedy samples pretrain printed (each starts with <|bos|>; a progress bar may share its line)."""
+    return re.findall(r"<\|bos\|>[^\n]*", out)
 
 
 def rows(base, tag):
@@ -41,14 +59,22 @@ def rows(base, tag):
 
 
 @pytest.mark.slow
-def test_two_processes_match_one_process(tiny_base_dir):
+def test_two_processes_match_one_process(tiny_base_dir, capsys):
     """Mesh tensor=8 spans both processes (every process holds every batch row), so both runs see the same
-    data: losses and val bpb must match the single-process run on the same 8-device mesh."""
-    from scripts.pretrain import main
+    data: losses and val bpb must match the single-process run on the same 8-device mesh.
 
-    extra = ["--data", "1", "--tensor", "8"]
-    run_two_processes(tiny_base_dir, extra, "two")
+    Sampling is on: both processes run the Engine on the parameters split over both hosts' devices, and only
+    process 0 prints the samples."""
+    from scripts.pretrain import SAMPLE_PROMPTS, main
+
+    extra = ["--data", "1", "--tensor", "8", "--sample-every", "2"]
+    out0, out1 = run_two_processes(tiny_base_dir, PRETRAIN + ARGS + extra + ["--model-tag", "two"])
+    capsys.readouterr()
     main(ARGS + extra + ["--model-tag", "one"])
+    printed = samples(capsys.readouterr().out)
+    assert len(printed) == 2 * len(SAMPLE_PROMPTS)  # at steps 2 and 4
+    assert all(line.startswith("<|bos|>" + prompt) for line, prompt in zip(printed, SAMPLE_PROMPTS * 2))
+    assert samples(out0) == printed and samples(out1) == []
     two, one = rows(tiny_base_dir, "two"), rows(tiny_base_dir, "one")
     assert [r["step"] for r in two] == [r["step"] for r in one]
     for a, b in zip(two, one):
@@ -62,7 +88,7 @@ def test_two_processes_match_one_process(tiny_base_dir):
 def test_two_processes_data_parallel_read_disjoint_data(tiny_base_dir):
     """Mesh data=8: each process reads its own half of the documents and builds only its rows; training
     runs to the end and the saved checkpoint holds both processes' loader states."""
-    run_two_processes(tiny_base_dir, ["--data", "8", "--device-batch-size", "1"], "dp")
+    run_two_processes(tiny_base_dir, PRETRAIN + ARGS + ["--data", "8", "--device-batch-size", "1", "--model-tag", "dp"])
     r = rows(tiny_base_dir, "dp")
     losses = [x["loss"] for x in r if "loss" in x]
     assert len(losses) == 4 and losses[-1] < losses[0]
@@ -73,3 +99,116 @@ def test_two_processes_data_parallel_read_disjoint_data(tiny_base_dir):
     ckpt.close()
     assert len(states) == 2
     assert states[0]["shard"] == [0, 2] and states[1]["shard"] == [1, 2]
+
+
+# -----------------------------------------------------------------------------
+# Agreeing across processes
+
+
+def test_agree_max_and_to_host_on_one_process():
+    """With one process agree_max hands the values back untouched (types and all); to_host reads any array."""
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from flaxchat.common import agree_max, to_host
+    from flaxchat.sharding import make_mesh
+
+    last_step, progress, step = agree_max(False, 0.123456789, 7)
+    assert (last_step, progress, step) == (False, 0.123456789, 7) and type(last_step) is bool and type(step) is int
+    assert agree_max() == ()
+    x = np.arange(16.0).reshape(2, 8)
+    split = jax.device_put(x, NamedSharding(make_mesh(1, 1, 8), P(None, "tensor")))
+    assert np.array_equal(to_host(split), x) and np.array_equal(to_host(x), x)
+
+
+AGREE = """
+import json
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+from flaxchat import sharding
+from flaxchat.common import agree_max, to_host
+
+sharding.init_distributed()
+me = jax.process_index()
+x = np.arange(16.0).reshape(2, 8)
+split = jax.make_array_from_callback(x.shape, NamedSharding(sharding.make_mesh(1, 1, 8), P(None, "tensor")), lambda i: x[i])
+print(json.dumps({"agreed": agree_max(me == 1, 0.25 * (me + 1), 3 - me), "host": to_host(split).tolist()}))
+"""
+
+
+@pytest.mark.slow
+def test_agree_max_and_to_host_across_two_processes(tmp_path):
+    """Each process brings its own values and gets every value's maximum, in its own type; an array split over
+    both processes' devices reads whole on each."""
+    outs = run_two_processes(tmp_path, ["-c", AGREE], timeout=120)
+    for out in outs:
+        result = json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
+        assert result["agreed"] == [True, 0.5, 3]
+        assert result["host"] == [list(range(8)), list(range(8, 16))]
+
+
+# -----------------------------------------------------------------------------
+# SFT: an end of epoch each process sees at its own step, and the reply check
+
+SFT = ["-m", "scripts.sft", "--mixture", "offline", "--mc-epochs", "0", "--identity-size", "5", "--arithmetic-size", "20",
+       "--story-size", "0", "--spelling-size", "0", "--val-size", "4", "--load-optimizer", "0", "--data", "8",
+       "--device-batch-size", "1", "--total-batch-size", "512", "--eval-every", "-1", "--eval-tokens", "512",
+       "--chatcore-every", "-1", "--reply-check", "2"]
+
+
+@pytest.fixture
+def sft_base_dir(tiny_base_dir):
+    """A depth-2 base checkpoint (no optimizer) whose context (128) leaves the reply check room after a prompt;
+    its meta says it was pretrained on 64-token rows, which SFT inherits."""
+    from flax import nnx
+
+    from flaxchat.checkpoint import Checkpointer, checkpoint_dir
+    from flaxchat.config import GPTConfig
+    from flaxchat.gpt import GPT
+    from flaxchat.tokenizer import get_tokenizer
+
+    model = GPT(GPTConfig.from_depth(2, 32, 32, 128, "L", get_tokenizer().get_vocab_size()), rngs=nnx.Rngs(0))
+    ckpt = Checkpointer(checkpoint_dir("base", "d2"), async_save=False)
+    ckpt.save(1, model, meta={"user_config": {}, "max_seq_len": 64, "device_batch_size": 1, "total_batch_size": 512})
+    ckpt.close()
+    return tiny_base_dir
+
+
+def epoch_steps(dataset, tokenizer, reader) -> int:
+    """Steps until this reader's SFT loader (4 rows of 64 tokens a step, as each process has) ends its epoch."""
+    from flaxchat.chat_data import SFTLoader
+
+    loader, steps = SFTLoader(dataset, tokenizer, 4, 64, reader=reader), 0
+    while not loader.last_step:
+        next(loader)
+        steps += 1
+    return steps
+
+
+@pytest.mark.slow
+def test_two_process_sft_agrees_on_its_last_step(sft_base_dir):
+    """Mesh data=8: each process reads its own conversations and, on its own, would end the epoch at a different
+    step. Both stop at the first process's end (MAX of last_step, as nanochat), train with one LR schedule, save
+    the same checkpoint and run the reply check together; only process 0 prints and logs."""
+    from flaxchat.tokenizer import get_tokenizer
+    from scripts.sft import build_mixtures, build_parser
+
+    train, _, _ = build_mixtures(build_parser().parse_args(SFT[2:]))
+    own = [epoch_steps(train, get_tokenizer(), (rank, 2)) for rank in range(2)]
+    assert own[0] != own[1], own  # without agreement the processes would part ways
+    steps = min(own)
+
+    out0, out1 = run_two_processes(sft_base_dir, SFT, timeout=300)
+    assert f"SFT done: {steps} steps" in out0 and "SFT done" not in out1
+    assert "replies ending with <|assistant_end|>" in out0 and "of 2" in out0 and "replies ending" not in out1
+    out = sft_base_dir / "chatsft_checkpoints" / "d2"
+    with open(out / "metrics.jsonl") as f:
+        logged = [json.loads(line) for line in f]
+    trained = [r for r in logged if "loss" in r]
+    assert [r["step"] for r in trained] == list(range(1, steps + 1))
+    progress = [r["progress"] for r in trained]
+    assert progress == sorted(progress) and progress[-1] >= 1.0
+    assert any("reply_end_rate" in r for r in logged)
+    assert sorted(p.name for p in out.iterdir() if p.name.isdigit()) == [str(steps)]
