@@ -133,7 +133,8 @@ from flaxchat.common import agree_max, to_host
 sharding.init_distributed()
 me = jax.process_index()
 x = np.arange(16.0).reshape(2, 8)
-split = jax.make_array_from_callback(x.shape, NamedSharding(sharding.make_mesh(1, 1, 8), P(None, "tensor")), lambda i: x[i])
+split_by_tensor = NamedSharding(sharding.make_mesh(1, 1, 8), P(None, "tensor"))
+split = jax.make_array_from_callback(x.shape, split_by_tensor, lambda i: x[i])
 print(json.dumps({"agreed": agree_max(me == 1, 0.25 * (me + 1), 3 - me), "host": to_host(split).tolist()}))
 """
 
@@ -152,10 +153,10 @@ def test_agree_max_and_to_host_across_two_processes(tmp_path):
 # -----------------------------------------------------------------------------
 # SFT: an end of epoch each process sees at its own step, and the reply check
 
-SFT = ["-m", "scripts.sft", "--mixture", "offline", "--mc-epochs", "0", "--identity-size", "5", "--arithmetic-size", "20",
-       "--story-size", "0", "--spelling-size", "0", "--val-size", "4", "--load-optimizer", "0", "--data", "8",
-       "--device-batch-size", "1", "--total-batch-size", "512", "--eval-every", "-1", "--eval-tokens", "512",
-       "--chatcore-every", "-1", "--reply-check", "2"]
+SFT = ["-m", "scripts.sft", "--mixture", "offline", "--mc-epochs", "0", "--identity-size", "5",
+       "--arithmetic-size", "20", "--story-size", "0", "--spelling-size", "0", "--val-size", "4",
+       "--load-optimizer", "0", "--data", "8", "--device-batch-size", "1", "--total-batch-size", "512",
+       "--eval-every", "-1", "--eval-tokens", "512", "--chatcore-every", "-1", "--reply-check", "2"]
 
 
 @pytest.fixture
