@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import time
 
@@ -39,6 +40,22 @@ def agree_max(*values):
     return tuple(type(v)(m) for v, m in zip(values, gathered.max(axis=0).tolist()))
 
 
+def from_main_process(obj):
+    """Process 0's value of a JSON-able object, on every process (with one process, obj itself).
+
+    For host-side results that feed back into jitted work, e.g. a tool's output forced into generation: a
+    sandbox that times out on one host but not on another would otherwise make the processes diverge.
+    """
+    if jax.process_count() == 1:
+        return obj
+    from jax.experimental import multihost_utils
+
+    raw = np.frombuffer(json.dumps(obj).encode(), np.uint8) if is_main_process() else np.zeros(0, np.uint8)
+    n = int(multihost_utils.broadcast_one_to_all(np.int32(raw.size)))
+    data = multihost_utils.broadcast_one_to_all(np.pad(raw, (0, n - raw.size)))
+    return json.loads(bytes(np.asarray(data, np.uint8)).decode())
+
+
 def to_host(x) -> np.ndarray:
     """A jax array as numpy on every process, also when it is split over other processes' devices (an
     array sharded over 'tensor' across hosts, e.g. logits split by vocabulary, cannot be read locally)."""
@@ -54,6 +71,20 @@ def get_base_dir() -> str:
     base = os.environ.get("FLAXCHAT_BASE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "flaxchat")
     os.makedirs(base, exist_ok=True)
     return base
+
+
+def enable_compilation_cache(path: str | None = None) -> str | None:
+    """Keep compiled programs on disk across runs (JAX's persistent cache) on GPU/TPU, where a large model's
+    step takes minutes to compile; a restarted or resumed run then starts at once. Off on CPU, where programs
+    compile in seconds and a cache written on one CPU type may not suit another. JAX_COMPILATION_CACHE_DIR, if
+    set, wins. Returns the folder in use, or None."""
+    if jax.config.jax_compilation_cache_dir:
+        return jax.config.jax_compilation_cache_dir
+    if path is None and jax.default_backend() == "cpu":
+        return None
+    path = path or os.path.join(get_base_dir(), "jax_cache")
+    jax.config.update("jax_compilation_cache_dir", path)
+    return path
 
 
 def compute_dtype(name: str | None = None):

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from flaxchat.common import from_main_process, is_main_process
 from flaxchat.execution import execute_code, use_calculator
 from flaxchat.gpt import KVCache, rms_norm, write_cache
 
@@ -251,7 +252,18 @@ def _prefill(graphdef, params, tokens, lengths, key, *, num_rows, capacity):
     )
 
 
-def _decode(graphdef, params, state, limit, temperature, stops, tool_end, *, greedy, top_k, top_p, span, width):
+def _replicated(state, replicated):
+    """Pin what the host reads (tokens, masks, step, done) to every device of the mesh: fetching an array split
+    over another process's devices fails, and XLA's own layout choice is not a promise."""
+    if replicated is None:
+        return state
+    pin = lambda x: jax.lax.with_sharding_constraint(x, replicated)
+    return dataclasses.replace(state, tokens=pin(state.tokens), sampled=pin(state.sampled), step=pin(state.step),
+                               done=pin(state.done))
+
+
+def _decode(graphdef, params, state, limit, temperature, stops, tool_end, *, greedy, top_k, top_p, span, width,
+            replicated=None):
     """Run decode steps until `limit` columns exist, every row has stopped, or a row closed a tool call.
 
     stops: (MAX_STOP_TOKENS,) int32 ids padded with -1; tool_end: the id that pauses the loop, or -1. Both are
@@ -283,7 +295,7 @@ def _decode(graphdef, params, state, limit, temperature, stops, tool_end, *, gre
         )
 
     state = jax.lax.while_loop(cond, body, dataclasses.replace(state, paused=jnp.zeros((), bool)))
-    return dataclasses.replace(state, cache=put_rows(full, state.cache, full.pos, width))
+    return _replicated(dataclasses.replace(state, cache=put_rows(full, state.cache, full.pos, width)), replicated)
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
@@ -299,12 +311,13 @@ def _push_forced(state, rows, queue, lengths):
 
 class _Programs:
     """The jitted prefill and decode programs for one model structure (closing over its graphdef, which
-    holds Python lists and so cannot be a static jit argument)."""
+    holds Python lists and so cannot be a static jit argument) and the mesh its parameters live on."""
 
-    def __init__(self, graphdef):
-        self.graphdef = graphdef
+    def __init__(self, graphdef, mesh=None):
+        self.graphdef, self.mesh = graphdef, mesh
+        replicated = None if mesh is None else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
         self.prefill = jax.jit(functools.partial(_prefill, graphdef), static_argnames=("num_rows", "capacity"))
-        self.decode = jax.jit(functools.partial(_decode, graphdef), donate_argnames=("state",),
+        self.decode = jax.jit(functools.partial(_decode, graphdef, replicated=replicated), donate_argnames=("state",),
                               static_argnames=("greedy", "top_k", "top_p", "span", "width"))
 
 
@@ -315,9 +328,11 @@ def _programs(model) -> tuple[_Programs, nnx.State]:
     """(compiled programs, current parameters) for a model; programs are reused while its structure holds,
     and parameters are read afresh on every call so in-place updates (RL) are always seen."""
     graphdef, params = nnx.split(model)
+    sharding = getattr(jax.tree.leaves(params)[0], "sharding", None)
+    mesh = sharding.mesh if isinstance(sharding, jax.sharding.NamedSharding) and sharding.mesh.size > 1 else None
     programs = _PROGRAMS.get(model)
-    if programs is None or programs.graphdef != graphdef:
-        programs = _PROGRAMS[model] = _Programs(graphdef)
+    if programs is None or programs.graphdef != graphdef or programs.mesh != mesh:
+        programs = _PROGRAMS[model] = _Programs(graphdef, mesh)
     return programs, params
 
 
@@ -407,7 +422,16 @@ class Engine:
         self.stop_tokens = (special("<|assistant_end|>"), tokenizer.get_bos_token_id())
 
     def run_tool(self, expr: str) -> str | None:
-        """The calculator first (arithmetic, str.count); anything else runs in the sandbox when enabled."""
+        """The calculator first (arithmetic, str.count); anything else runs in the sandbox when enabled.
+
+        With several processes, process 0 runs it and every process forces its answer: a sandbox that timed
+        out on one host only would otherwise send the processes' decode loops different ways (a hang).
+        """
+        if jax.process_count() > 1:
+            return from_main_process(self._run_tool(expr) if is_main_process() else None)
+        return self._run_tool(expr)
+
+    def _run_tool(self, expr: str) -> str | None:
         result = use_calculator(expr)
         if result is None and self.use_sandbox:
             result = run_python(expr)

@@ -85,8 +85,12 @@ def check_backend(expected: str | None) -> None:
 
 
 def mesh_from_args(parser, args) -> jax.sharding.Mesh:
-    """Join the other processes (if any), then the mesh the flags ask for; a shape that does not fit is a CLI error."""
+    """Join the other processes (if any), then the mesh the flags ask for; a shape that does not fit is a CLI error.
+    Also turns on the persistent compilation cache on accelerators (common.enable_compilation_cache)."""
+    from flaxchat.common import enable_compilation_cache
+
     init_distributed()
+    enable_compilation_cache()
     try:
         check_backend(getattr(args, "expect_backend", None))
         return make_mesh(args.data, args.fsdp, args.tensor)

@@ -111,9 +111,11 @@ def test_agree_max_and_to_host_on_one_process():
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from flaxchat.common import agree_max, to_host
+    from flaxchat.common import agree_max, from_main_process, to_host
     from flaxchat.sharding import make_mesh
 
+    tool_output = {"text": "4"}
+    assert from_main_process(tool_output) is tool_output
     last_step, progress, step = agree_max(False, 0.123456789, 7)
     assert (last_step, progress, step) == (False, 0.123456789, 7) and type(last_step) is bool and type(step) is int
     assert agree_max() == ()
@@ -128,26 +130,29 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 from flaxchat import sharding
-from flaxchat.common import agree_max, to_host
+from flaxchat.common import agree_max, from_main_process, to_host
 
 sharding.init_distributed()
 me = jax.process_index()
 x = np.arange(16.0).reshape(2, 8)
 split_by_tensor = NamedSharding(sharding.make_mesh(1, 1, 8), P(None, "tensor"))
 split = jax.make_array_from_callback(x.shape, split_by_tensor, lambda i: x[i])
-print(json.dumps({"agreed": agree_max(me == 1, 0.25 * (me + 1), 3 - me), "host": to_host(split).tolist()}))
+shared = from_main_process({"tool": f"answer from process {me}", "n": me})  # e.g. a tool's output
+print(json.dumps({"agreed": agree_max(me == 1, 0.25 * (me + 1), 3 - me), "host": to_host(split).tolist(),
+                  "shared": shared}))
 """
 
 
 @pytest.mark.slow
 def test_agree_max_and_to_host_across_two_processes(tmp_path):
     """Each process brings its own values and gets every value's maximum, in its own type; an array split over
-    both processes' devices reads whole on each."""
+    both processes' devices reads whole on each; process 0's object reaches both."""
     outs = run_two_processes(tmp_path, ["-c", AGREE], timeout=120)
     for out in outs:
         result = json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
         assert result["agreed"] == [True, 0.5, 3]
         assert result["host"] == [list(range(8)), list(range(8, 16))]
+        assert result["shared"] == {"tool": "answer from process 0", "n": 0}
 
 
 # -----------------------------------------------------------------------------
