@@ -35,7 +35,7 @@ from flaxchat.checkpoint import Checkpointer, checkpoint_dir, git_commit
 from flaxchat.common import quiet_library_logs, compute_dtype, is_main_process, parse_args, peak_flops_per_device, print0
 from flaxchat.config import GPTConfig, add_model_flags, config_from_flags, derive_training
 from flaxchat.dataloader import make_loader, make_val_loader
-from flaxchat.gpt import GPT
+from flaxchat.gpt import GPT, add_kernel_flags
 from flaxchat.loss_eval import evaluate_bpb
 from flaxchat.optim import Schedule, build_optimizer, optimizer_stats
 from flaxchat.report import Report, metrics_logger, plot_training, read_jsonl
@@ -63,6 +63,7 @@ def build_parser():
     # model
     add_model_flags(p)
     p.add_argument("--dtype", type=str, default=None, choices=["float32", "bfloat16"], help="compute dtype (default: bf16 on GPU/TPU, fp32 on CPU)")
+    add_kernel_flags(p)
     # horizon (first positive one wins, in this order)
     p.add_argument("--num-iterations", type=int, default=-1, help="explicit number of optimizer steps (-1 = off)")
     p.add_argument("--target-flops", type=float, default=-1.0, help="steps to reach this many training FLOPs (-1 = off)")
@@ -145,8 +146,12 @@ def main(argv=None):
         sys.exit(f"error: {e}")
     config = config_from_flags(args, tokenizer.get_vocab_size())
     print0(f"model config:\n{config.describe()}")
-    make_model = lambda: GPT(config, rngs=nnx.Rngs(args.seed), dtype=dtype)
-    abstract_model = nnx.eval_shape(make_model)
+    make_model = lambda: GPT(config, rngs=nnx.Rngs(args.seed), dtype=dtype, attention=args.attention, remat=args.remat)
+    try:
+        abstract_model = nnx.eval_shape(make_model)
+    except ValueError as e:  # an attention kernel this machine cannot run
+        parser.error(str(e))
+    print0(f"attention: {abstract_model.attention} | remat: {abstract_model.remat}")
 
     # -------------------------------------------------------------------------
     # Training plan: batch size, LRs, weight decay, horizon (nanochat's scaling rules)

@@ -35,7 +35,7 @@ from flaxchat.chat_data import make_sft_loader
 from flaxchat.checkpoint import Checkpointer, checkpoint_dir, find_model_tag, git_commit
 from flaxchat.common import agree_max, compute_dtype, is_main_process, parse_args, peak_flops_per_device, print0
 from flaxchat.config import GPTConfig
-from flaxchat.gpt import GPT
+from flaxchat.gpt import GPT, add_kernel_flags
 from flaxchat.loss_eval import evaluate_bpb
 from flaxchat.optim import Schedule, build_optimizer
 from flaxchat.report import metrics_logger, plot_training, read_jsonl
@@ -65,6 +65,7 @@ def build_parser():
     p.add_argument("--model-step", type=int, default=None, help="base checkpoint step (default: the latest)")
     p.add_argument("--load-optimizer", type=int, default=1, choices=[0, 1], help="warm-start the optimizer state from the base checkpoint")
     p.add_argument("--dtype", type=str, default=None, choices=["float32", "bfloat16"], help="compute dtype (default: bf16 on GPU/TPU, fp32 on CPU)")
+    add_kernel_flags(p)
     # horizon and batch (None = inherit from the base checkpoint)
     p.add_argument("--num-iterations", type=int, default=-1, help="optimizer steps (-1 = one epoch of the mixture)")
     p.add_argument("--max-seq-len", type=int, default=None, help="row length in tokens (default: the base model's)")
@@ -229,14 +230,15 @@ def set_hyperparams(optimizer, **values) -> None:
 # Model and optimizer from the base checkpoint
 
 
-def restore_base(model_tag, step, mesh, dtype, with_optimizer: bool):
-    """(model, optimizer inner state or None, meta, step) restored straight onto the mesh."""
+def restore_base(model_tag, step, mesh, dtype, with_optimizer: bool, **model_kwargs):
+    """(model, optimizer inner state or None, meta, step) restored straight onto the mesh; model_kwargs go to
+    GPT (attention, remat)."""
     ckpt = Checkpointer(checkpoint_dir("base", model_tag), async_save=False)
     try:
         meta = ckpt.read_meta(step)
         step = meta["step"]
         config = GPTConfig.from_dict(meta["model_config"])
-        model = nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0), dtype=dtype))
+        model = nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0), dtype=dtype, **model_kwargs))
         base_opt = None
         if with_optimizer and os.path.isdir(os.path.join(ckpt.directory, str(step), "optimizer")):
             # pretraining's optimizer follows a Schedule; only its inner state (moments, momentum buffers)
@@ -342,10 +344,14 @@ def main(argv=None):
 
     try:
         model_tag = args.model_tag or find_model_tag("base")
-        model, base_inner, meta, base_step = restore_base(model_tag, args.model_step, mesh, dtype, bool(args.load_optimizer))
+        model, base_inner, meta, base_step = restore_base(model_tag, args.model_step, mesh, dtype, bool(args.load_optimizer),
+                                                          attention=args.attention, remat=args.remat)
         tokenizer, token_bytes = get_tokenizer(), get_token_bytes()
     except FileNotFoundError as e:
         sys.exit(f"error: {e}")
+    except ValueError as e:  # an attention kernel this machine cannot run
+        parser.error(str(e))
+    print0(f"attention: {model.attention} | remat: {model.remat}")
     if tokenizer.get_vocab_size() != model.config.vocab_size:
         sys.exit(f"error: tokenizer vocab {tokenizer.get_vocab_size()} != model vocab {model.config.vocab_size}")
     print0(f"base model: {model_tag} step {base_step} | {model.config.to_dict()}")
