@@ -36,7 +36,9 @@ def _accumulate_grads(model, xs, ys):
             loss, g = jax.value_and_grad(loss_fn)(params, *xyn)
             return jax.tree.map(jnp.add, acc, g), loss
 
-        zeros = jax.tree.map(jnp.zeros_like, params)
+        # fp32 accumulators, also for bf16 parameters (the embeddings): sums of many micro-steps' bf16
+        # gradients would round away small contributions (and XLA's CPU compiler rejects bf16 all-reduces)
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.promote_types(p.dtype, jnp.float32)), params)
         grads, losses = jax.lax.scan(micro, zeros, (xs, ys, counts))
         n = xs.shape[0]
         return sharding.psum(jnp.mean(losses), axes), jax.tree.map(lambda g: g / n, sharding.psum(grads, axes))

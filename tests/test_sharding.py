@@ -180,3 +180,12 @@ def test_program_stats_counts_loop_iterations_and_bytes():
     assert stats["by_kind"]["all-reduce"]["count"] == 5  # once per scan iteration
     assert stats["by_kind"]["all-reduce"]["bytes"] == pytest.approx(5 * 2 * 7 / 8 * 16 * 16 * 4)  # ring all-reduce
     assert stats["matmul_flops"] == 5 * 2 * 16 * 16 * 32
+
+
+def test_bfloat16_data_parallel_step_accumulates_and_reduces_in_float32():
+    """bf16 embeddings' gradients are summed over micro-steps and devices in fp32 (XLA's CPU compiler also
+    rejects bf16 all-reduces)."""
+    mesh = sharding.make_mesh(*MESHES["dp"])
+    stats = program_stats(compile_train_step(CONFIG, mesh, 16, 2, jnp.bfloat16).as_text())
+    grads = gradient_reductions(stats)
+    assert len(grads) == 1 and grads[0][2] == 1 and "bf16" not in grads[0][1]
