@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import sys
 import time
 
 import jax
@@ -110,6 +111,46 @@ def timer(label: str, sink: dict | None = None):
     if sink is not None:
         sink[label] = dt
     print0(f"{label}: {dt:.2f}s")
+
+
+class StepProfiler:
+    """A jax.profiler trace of steps [start, stop) (`--profile-steps A:B`), written under `directory`.
+
+    Open it in XProf / TensorBoard's profile plugin (`xprof --logdir DIR`, or `tensorboard --logdir DIR` with
+    tensorboard-plugin-profile) or drop the perfetto_trace.json.gz file on https://ui.perfetto.dev. Each step
+    is annotated (StepTraceAnnotation) so the tools show step boundaries and per-step time.
+    """
+
+    def __init__(self, spec: str | None, directory: str):
+        self.start, self.stop = self.parse(spec) if spec else (-1, -1)
+        self.directory, self.active = directory, False
+
+    @staticmethod
+    def parse(spec: str) -> tuple[int, int]:
+        """'A:B' -> (A, B): the steps A, A+1, ..., B-1. Raises ValueError with a usable message."""
+        try:
+            a, b = (int(x) for x in spec.split(":"))
+        except ValueError:
+            raise ValueError(f"--profile-steps takes START:STOP (e.g. 5:8), got {spec!r}") from None
+        if not 0 <= a < b:
+            raise ValueError(f"--profile-steps {spec}: need 0 <= START < STOP")
+        return a, b
+
+    def step(self, i: int):
+        """Call before running step i; returns the context manager that annotates it."""
+        if i == self.start and not self.active:
+            os.makedirs(self.directory, exist_ok=True)
+            jax.profiler.start_trace(self.directory, create_perfetto_trace=True)
+            self.active = True
+        elif i == self.stop and self.active:
+            self.close()
+        return jax.profiler.StepTraceAnnotation("step", step_num=i) if self.active else contextlib.nullcontext()
+
+    def close(self) -> None:
+        if self.active:
+            jax.profiler.stop_trace()
+            self.active = False
+            print0(f"profile of steps {self.start}..{self.stop - 1} written to {self.directory}", file=sys.stderr)
 
 
 # Dense bf16 peak FLOP/s per device (datasheets, no sparsity). MFU on CPU uses a measured matmul peak instead.

@@ -20,6 +20,7 @@ On a GPU or TPU add --expect-backend gpu|tpu so a silent fall-back to the CPU st
 
 import argparse
 import json
+import os
 import platform
 import resource
 import statistics
@@ -32,7 +33,8 @@ import numpy as np
 from flax import nnx
 
 from flaxchat import sharding
-from flaxchat.common import quiet_library_logs, compute_dtype, parse_args, peak_flops_per_device
+from flaxchat.common import (StepProfiler, compute_dtype, get_base_dir, parse_args, peak_flops_per_device,
+                             quiet_library_logs)
 from flaxchat.config import GPTConfig, add_model_flags, config_from_flags
 from flaxchat.gpt import GPT, add_kernel_flags
 
@@ -52,6 +54,9 @@ def build_parser():
     p.add_argument("--max-new-tokens", type=int, default=256, help="generated tokens per row")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="compute dtype")
     p.add_argument("--show-ops", action="store_true", help="comms: list every collective (kind, shape, times, source op)")
+    p.add_argument("--profile-steps", type=str, default=None,
+                   help="train: write a jax.profiler trace of steps START:STOP (step 0 compiles) to --profile-dir")
+    p.add_argument("--profile-dir", type=str, default=None, help="where the trace goes (default $FLAXCHAT_BASE_DIR/profile/bench)")
     add_kernel_flags(p)
     sharding.add_mesh_flags(p)
     return p
@@ -83,8 +88,11 @@ def bench_train(args, mesh) -> dict:
     put = lambda a: jax.device_put(a, sharding.batch_sharding(mesh))
     batches = [tuple(put(rng.integers(0, config.vocab_size, (B, T), dtype=np.int32)) for _ in range(A)) for _ in range(2)]
 
+    profiler = StepProfiler(args.profile_steps, args.profile_dir or os.path.join(get_base_dir(), "profile", "bench"))
+    counter = iter(range(10**9))
+
     def step(i):
-        with jax.set_mesh(mesh):
+        with profiler.step(next(counter)), jax.set_mesh(mesh):
             return float(train_step(model, optimizer, batches[i % 2], batches[i % 2]))  # float() waits
 
     t0 = time.perf_counter()
@@ -97,6 +105,7 @@ def bench_train(args, mesh) -> dict:
         t0 = time.perf_counter()
         step(i)
         times.append(time.perf_counter() - t0)
+    profiler.close()
     step_s = statistics.median(times)
     tokens = B * T * A
     peak, source = peak_flops_per_device()
@@ -159,6 +168,8 @@ def main(argv=None):
     args = parse_args(parser, argv)
     try:
         make_config(args)
+        if args.profile_steps:
+            StepProfiler.parse(args.profile_steps)
     except ValueError as e:
         parser.error(str(e))
     mesh = sharding.mesh_from_args(parser, args)

@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 
 from flaxchat import sharding
 from flaxchat.checkpoint import Checkpointer, checkpoint_dir, git_commit
-from flaxchat.common import quiet_library_logs, compute_dtype, is_main_process, parse_args, peak_flops_per_device, print0
+from flaxchat.common import StepProfiler, quiet_library_logs, compute_dtype, is_main_process, parse_args, peak_flops_per_device, print0
 from flaxchat.config import GPTConfig, add_model_flags, config_from_flags, derive_training
 from flaxchat.dataloader import make_loader, make_val_loader
 from flaxchat.gpt import GPT, add_kernel_flags
@@ -94,6 +94,8 @@ def build_parser():
     p.add_argument("--resume-from-step", type=int, default=-1, help="continue from this step's checkpoint (-1 = off)")
     p.add_argument("--model-tag", type=str, default=None, help="checkpoint directory name (default d<depth>)")
     p.add_argument("--source", type=str, default=None, help="folder of parquet shards (default $FLAXCHAT_BASE_DIR/base_data)")
+    p.add_argument("--profile-steps", type=str, default=None,
+                   help="write a jax.profiler trace of steps START:STOP (e.g. 5:8) to <checkpoint dir>/profile")
     # mesh
     sharding.add_mesh_flags(p)
     return p
@@ -108,6 +110,11 @@ def check_args(parser, args):
         parser.error(str(e))
     if args.num_iterations <= 0 and args.target_flops <= 0 and args.target_param_data_ratio <= 0:
         parser.error("no training horizon: set --num-iterations, --target-flops or --target-param-data-ratio")
+    if args.profile_steps:
+        try:
+            StepProfiler.parse(args.profile_steps)
+        except ValueError as e:
+            parser.error(str(e))
 
 
 def plan_training(args, abstract_model, vocab_size):
@@ -257,6 +264,7 @@ def main(argv=None):
     # Training loop (runs num_iterations + 1 times so the last step can eval and save)
 
     bar = tqdm(total=num_iterations, initial=step, desc="pretrain", disable=not is_main_process(), dynamic_ncols=True)
+    profiler = StepProfiler(args.profile_steps, os.path.join(out_dir, "profile"))
     timed_steps = 0
     while True:
         last_step = step == num_iterations
@@ -281,9 +289,10 @@ def main(argv=None):
             break
 
         t0 = time.perf_counter()
-        xs, ys = zip(*(next(train_loader) for _ in range(grad_accum)))
-        with jax.set_mesh(mesh):
-            loss = float(train_step(model, optimizer, xs, ys))  # float() waits for the step
+        with profiler.step(step):  # data loading included: the trace shows the whole step
+            xs, ys = zip(*(next(train_loader) for _ in range(grad_accum)))
+            with jax.set_mesh(mesh):
+                loss = float(train_step(model, optimizer, xs, ys))  # float() waits for the step
         dt = time.perf_counter() - t0
 
         stats = optimizer_stats(optimizer)
@@ -305,6 +314,7 @@ def main(argv=None):
             bar.write(f"step {step}: non-finite loss; the update was skipped ({int(stats['skipped_steps'])} skipped so far)")
 
     bar.close()
+    profiler.close()
     ckpt.close()
     train_loader.close()
     peak_mem = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20

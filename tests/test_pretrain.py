@@ -89,3 +89,24 @@ def test_resume_without_checkpoint_says_so(tiny_base_dir):
 
     with pytest.raises(SystemExit, match="no checkpoint"):
         main(TINY + ["--num-iterations", "2", "--resume", "--model-tag", "nothing"])
+
+
+def test_profile_steps_writes_a_trace(tiny_base_dir):
+    from scripts.pretrain import main
+
+    main(TINY + ["--num-iterations", "4", "--eval-every", "-1", "--profile-steps", "1:3", "--model-tag", "prof"])
+    traces = list((tiny_base_dir / "base_checkpoints" / "prof" / "profile").rglob("perfetto_trace.json.gz"))
+    assert len(traces) == 1 and traces[0].stat().st_size > 0
+    import gzip
+
+    events = json.load(gzip.open(traces[0]))["traceEvents"]
+    assert {e.get("args", {}).get("step_num") for e in events if e.get("name") == "step"} >= {"1", "2"}
+
+
+@pytest.mark.parametrize("spec", ["3", "5:2", "a:b"])
+def test_profile_steps_rejects_bad_ranges(spec, capsys):
+    from scripts.pretrain import main
+
+    with pytest.raises(SystemExit):
+        main(TINY + ["--num-iterations", "4", "--profile-steps", spec])
+    assert "--profile-steps" in capsys.readouterr().err
