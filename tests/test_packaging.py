@@ -25,17 +25,58 @@ def readme_test_command():
     return m.group(1).strip()
 
 
+def pyproject():
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        return tomllib.load(f)
+
+
 def test_pixi_is_conventional():
     p = pixi()
     assert "conda-forge" in p["workspace"]["channels"]
     assert p["dependencies"]["python"].startswith("3.11")
-    assert p["pypi-dependencies"]["flaxchat"]["editable"] is True
-    assert p["pypi-dependencies"]["flaxchat"]["path"] == "."
+    for name, feature in p["feature"].items():
+        flaxchat = feature["pypi-dependencies"]["flaxchat"]
+        assert flaxchat["editable"] is True and flaxchat["path"] == ".", name
+    assert "pypi-dependencies" not in p  # each environment's feature installs flaxchat once, with its extra
+
+
+# pixi's manifest keys (pixi.sh, "Multi environment" and "System requirements"): a feature holds these tables.
+FEATURE_KEYS = {"dependencies", "pypi-dependencies", "system-requirements", "platforms", "channels", "tasks",
+                "activation", "target", "channel-priority", "pypi-options"}
+
+
+def test_pixi_environments_cover_cpu_cuda_tpu():
+    p, extras = pixi(), pyproject()["project"]["optional-dependencies"]
+    envs = {name: env if isinstance(env, list) else env["features"] for name, env in p["environments"].items()}
+    assert {"default", "cuda", "cuda12", "tpu"} <= set(envs)
+    for name, features in envs.items():
+        missing = [f for f in features if f not in p["feature"]]
+        assert not missing, f"environment {name} names undefined features {missing}"
+        installs = [f for f in features if "flaxchat" in p["feature"][f].get("pypi-dependencies", {})]
+        assert len(installs) == 1, f"environment {name} must install flaxchat exactly once, from one feature"
+    for name, feature in p["feature"].items():
+        assert set(feature) <= FEATURE_KEYS, f"feature {name}: unknown keys {set(feature) - FEATURE_KEYS}"
+        assert set(feature.get("platforms", p["workspace"]["platforms"])) <= set(p["workspace"]["platforms"])
+        wanted = feature["pypi-dependencies"]["flaxchat"]["extras"]
+        assert "dev" in wanted and set(wanted) <= set(extras), f"feature {name}: extras {wanted} vs pyproject {set(extras)}"
+        cuda = [e for e in wanted if re.fullmatch(r"cuda\d+", e)]
+        if cuda:  # pixi must know which CUDA the driver offers; the extra pulls jax[cudaNN] for the same major
+            assert feature["system-requirements"]["cuda"] == cuda[0].removeprefix("cuda"), name
+            assert extras[cuda[0]] == [f"jax[{cuda[0]}]>={jax_lower_bound()}"]
+            assert set(feature["platforms"]) <= {"linux-64", "linux-aarch64"}
+    used = {f for features in envs.values() for f in features}
+    assert used == set(p["feature"]), f"features no environment uses: {set(p['feature']) - used}"
+    assert envs["cuda"] == ["cuda13"] and extras["gpu"] == extras["cuda13"]  # `cuda` and `gpu` mean CUDA 13
+    assert envs["default"] == ["cpu"] and envs["tpu"] == ["tpu"]
 
 
 def task_commands():
+    p = pixi()
+    tasks = list(p["tasks"].items())
+    for feature in p["feature"].values():
+        tasks += [item for item in feature.get("tasks", {}).items() if item not in tasks]
     out = []
-    for name, task in pixi()["tasks"].items():
+    for name, task in tasks:
         cmd = task if isinstance(task, str) else task["cmd"]
         out.append(pytest.param(name, cmd, id=name))
     return out
@@ -44,8 +85,10 @@ def task_commands():
 @pytest.mark.parametrize("name,cmd", task_commands())
 def test_every_pixi_task_runs_with_help(name, cmd):
     argv = shlex.split(cmd)
-    assert argv[0] == "python", f"pixi task {name} should start with python"
-    argv[0] = sys.executable
+    assert argv[0] == "python" or argv[0] == "bash" and argv[1].startswith("runs/"), \
+        f"pixi task {name} should start with python (or run a recipe in runs/ with bash)"
+    if argv[0] == "python":
+        argv[0] = sys.executable
     if name == "test":  # running the suite inside the suite would recurse; check pytest itself answers
         argv = [sys.executable, "-m", "pytest", "--version"]
     else:
@@ -63,8 +106,7 @@ def test_ci_runs_the_readme_test_command():
 
 
 def test_pyproject_declares_the_stack():
-    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
-        deps = " ".join(tomllib.load(f)["project"]["dependencies"])
+    deps = " ".join(pyproject()["project"]["dependencies"])
     for pkg in ["jax", "flax", "optax", "orbax-checkpoint", "grain", "tiktoken", "rustbpe", "datasets",
                 "fastapi", "uvicorn", "pyarrow"]:
         assert re.search(rf"(^|\s|\"){re.escape(pkg)}>=", deps), pkg
@@ -80,3 +122,62 @@ def test_every_config_preset_parses_with_its_script(path):
     script = importlib.import_module(f"scripts.{path.stem.split('_')[0]}")
     args = parse_args(script.build_parser(), ["--config", str(path)])
     assert args.config == str(path)
+
+
+# -----------------------------------------------------------------------------
+# requirements/cuda*.txt: the tested versions for a fresh GPU install (pip constraints files)
+
+
+def jax_lower_bound() -> str:
+    (jax,) = [d for d in pyproject()["project"]["dependencies"] if re.match(r"jax\b", d)]
+    return re.fullmatch(r"jax>=([\d.]+)", jax).group(1)
+
+
+def constraint_files():
+    return sorted(pathlib.Path(ROOT, "requirements").glob("cuda*.txt"))
+
+
+def pins(path) -> dict[str, str]:
+    out = {}
+    for line in path.read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if line:
+            name, version = line.split("==")
+            out[re.sub(r"[-_.]+", "-", name).lower()] = version
+    return out
+
+
+def test_constraints_files_exist_for_each_cuda_extra():
+    extras = pyproject()["project"]["optional-dependencies"]
+    cuda = sorted(e for e in extras if re.fullmatch(r"cuda\d+", e))
+    assert cuda == ["cuda12", "cuda13"]
+    assert [p.stem for p in constraint_files()] == cuda
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    for extra in cuda:
+        assert f'pip install -e ".[{extra}]" -c requirements/{extra}.txt' in readme
+
+
+@pytest.mark.parametrize("path", constraint_files(), ids=lambda p: p.name)
+def test_constraints_pin_the_tested_jax_and_every_dependency(path):
+    from importlib.metadata import version
+
+    from packaging.requirements import Requirement
+
+    cuda = path.stem.removeprefix("cuda")
+    text, pinned = path.read_text(), pins(path)
+    assert f"python -m scripts.gpu_check lock {path.stem}" in text and "not run, on a GPU" in text  # how it was made
+    jax = jax_lower_bound()
+    assert pinned["jax"] == jax, f"{path.name} pins jax {pinned['jax']}, pyproject.toml's lower bound is {jax}"
+    assert version("jax") == jax, (f"the suite runs on jax {version('jax')} but {path.name} pins {jax}: "
+                                   f"regenerate it with `python -m scripts.gpu_check lock {path.stem}`")
+    for name in ("jaxlib", f"jax-cuda{cuda}-plugin", f"jax-cuda{cuda}-pjrt"):
+        assert pinned[name] == jax, f"{path.name}: {name} {pinned.get(name)} != jax {jax}"
+    assert any(n.startswith("nvidia-cudnn") for n in pinned)  # the CUDA libraries came with the plugin
+    other = "13" if cuda == "12" else "12"
+    assert not any(f"cuda{other}" in n or n.endswith(f"-cu{other}") for n in pinned), f"{path.name} mixes CUDA {other}"
+    p = pyproject()["project"]
+    for dep in p["dependencies"] + p["optional-dependencies"]["dev"]:
+        req = Requirement(dep)
+        name = re.sub(r"[-_.]+", "-", req.name).lower()
+        assert name in pinned, f"{path.name} does not pin {req.name}"
+        assert req.specifier.contains(pinned[name]), f"{path.name} pins {name}=={pinned[name]}, pyproject says {req}"
