@@ -159,8 +159,6 @@ def test_constraints_files_exist_for_each_cuda_extra():
 
 @pytest.mark.parametrize("path", constraint_files(), ids=lambda p: p.name)
 def test_constraints_pin_the_tested_jax_and_every_dependency(path):
-    from importlib.metadata import version
-
     from packaging.requirements import Requirement
 
     cuda = path.stem.removeprefix("cuda")
@@ -168,8 +166,6 @@ def test_constraints_pin_the_tested_jax_and_every_dependency(path):
     assert f"python -m scripts.gpu_check lock {path.stem}" in text and "not run, on a GPU" in text  # how it was made
     jax = jax_lower_bound()
     assert pinned["jax"] == jax, f"{path.name} pins jax {pinned['jax']}, pyproject.toml's lower bound is {jax}"
-    assert version("jax") == jax, (f"the suite runs on jax {version('jax')} but {path.name} pins {jax}: "
-                                   f"regenerate it with `python -m scripts.gpu_check lock {path.stem}`")
     for name in ("jaxlib", f"jax-cuda{cuda}-plugin", f"jax-cuda{cuda}-pjrt"):
         assert pinned[name] == jax, f"{path.name}: {name} {pinned.get(name)} != jax {jax}"
     assert any(n.startswith("nvidia-cudnn") for n in pinned)  # the CUDA libraries came with the plugin
