@@ -471,7 +471,7 @@ def test_openai_fuzz_never_breaks_the_server(url):
 
 
 def test_stream_disconnect_frees_the_slot(url, scheduler, monkeypatch):
-    slow_decoding(monkeypatch, scheduler)
+    slow_decoding(monkeypatch, scheduler, seconds=0.08)  # 100 tokens take 2 s: time to hear of the disconnect under load
     before = health(url).get("finished_cancelled", 0)
     with httpx.stream("POST", url + "/v1/chat/completions", timeout=60,
                       json={"messages": [{"role": "user", "content": "go"}], "stream": True, "max_tokens": 100}) as r:
