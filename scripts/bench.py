@@ -13,6 +13,9 @@ Generation (KV-cache engine; batch 1 and 32 are the usual points):
         --vocab-size 32768 --prompt-len 16 --max-new-tokens 256 --batch-size 1
 Data loader (needs a tokenizer and parquet shards in $FLAXCHAT_BASE_DIR):
     python -m scripts.bench --what data --device-batch-size 8 --max-seq-len 512
+The CPU suite (the shapes compared with nanochat; one JSON line per shape; the "real" row needs a tokenizer and
+shards in $FLAXCHAT_BASE_DIR):
+    python -m scripts.bench --what train --suite cpu
 Everything:
     python -m scripts.bench --what all --depth 4 --max-seq-len 512
 On a GPU or TPU add --expect-backend gpu|tpu so a silent fall-back to the CPU stops the run at once.
@@ -54,6 +57,10 @@ def build_parser():
     p.add_argument("--max-new-tokens", type=int, default=256, help="generated tokens per row")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="compute dtype")
     p.add_argument("--show-ops", action="store_true", help="comms: list every collective (kind, shape, times, source op)")
+    p.add_argument("--suite", choices=["cpu"], default=None,
+                   help="train: run every shape of a suite (CPU_SUITE), one JSON line each; other flags still apply")
+    p.add_argument("--real-data", action="store_true",
+                   help="train: batches from the Grain loader over $FLAXCHAT_BASE_DIR's tokenizer and shards")
     p.add_argument("--profile-steps", type=str, default=None,
                    help="train: write a jax.profiler trace of steps START:STOP (step 0 compiles) to --profile-dir")
     p.add_argument("--profile-dir", type=str, default=None, help="where the trace goes (default $FLAXCHAT_BASE_DIR/profile/bench)")
@@ -73,10 +80,40 @@ def make_config(args) -> GPTConfig:
     return config_from_flags(args, args.vocab_size)
 
 
+# The CPU suite (`--suite cpu`): the shapes the project compares with nanochat on a CPU. The last is nanochat's
+# runs/runcpu.sh model; "real" rows read batches from the Grain loader (tokenizer and shards in the base dir)
+# with gradient accumulation, as scripts.pretrain does.
+CPU_SUITE = {
+    "d4-hd128-SSSL-T512-B8-V32768": dict(depth=4, head_dim=128, window_pattern="SSSL", max_seq_len=512,
+                                         device_batch_size=8, vocab_size=32768),
+    "d4-hd64-SL-T256-B16-V4096": dict(depth=4, head_dim=64, window_pattern="SL", max_seq_len=256,
+                                      device_batch_size=16, vocab_size=4096),
+    "d4-hd64-SL-T256-B16-real-accum2": dict(depth=4, head_dim=64, window_pattern="SL", max_seq_len=256,
+                                            device_batch_size=16, grad_accum=2, real_data=True),
+    "d6-hd64-L-T512-B32-V32768": dict(depth=6, head_dim=64, window_pattern="L", max_seq_len=512,
+                                      device_batch_size=32, vocab_size=32768),
+}
+
+
+def real_batches(args, mesh):
+    """(vocab size, next_micro_batches()) from the Grain loader over the base dir's tokenizer and shards."""
+    from flaxchat.dataloader import make_loader
+    from flaxchat.tokenizer import get_tokenizer
+
+    tokenizer = get_tokenizer()
+    dp = mesh.shape["data"] * mesh.shape["fsdp"]
+    loader = make_loader(tokenizer, args.device_batch_size * dp, args.max_seq_len, "train", mesh=mesh)
+    take = lambda: tuple(zip(*(next(loader) for _ in range(args.grad_accum))))
+    return tokenizer.get_vocab_size(), take, loader
+
+
 def bench_train(args, mesh) -> dict:
     from flaxchat.optim import build_optimizer
     from flaxchat.training import train_step
 
+    loader = None
+    if args.real_data:
+        args.vocab_size, take, loader = real_batches(args, mesh)
     config = make_config(args)
     model = sharding.create_sharded(lambda: GPT(config, rngs=nnx.Rngs(0), dtype=compute_dtype(args.dtype),
                                                 attention=args.attention, remat=args.remat), mesh)
@@ -84,28 +121,35 @@ def bench_train(args, mesh) -> dict:
         optimizer = build_optimizer(model, verbose=False)
     dp = mesh.shape["data"] * mesh.shape["fsdp"]
     B, T, A = args.device_batch_size * dp, args.max_seq_len, args.grad_accum
-    rng = np.random.default_rng(0)
-    put = lambda a: jax.device_put(a, sharding.batch_sharding(mesh))
-    batches = [tuple(put(rng.integers(0, config.vocab_size, (B, T), dtype=np.int32)) for _ in range(A)) for _ in range(2)]
+    if loader is None:
+        rng = np.random.default_rng(0)
+        put = lambda a: jax.device_put(a, sharding.batch_sharding(mesh))
+        batches = [tuple(put(rng.integers(0, config.vocab_size, (B, T), dtype=np.int32)) for _ in range(A))
+                   for _ in range(2)]
+        take = lambda: (batches[next(counter) % 2],) * 2  # random tokens as inputs and targets
 
     profiler = StepProfiler(args.profile_steps, args.profile_dir or os.path.join(get_base_dir(), "profile", "bench"))
     counter = iter(range(10**9))
 
     def step(i):
-        with profiler.step(next(counter)), jax.set_mesh(mesh):
-            return float(train_step(model, optimizer, batches[i % 2], batches[i % 2]))  # float() waits
+        with profiler.step(i):  # real data: reading the next batches is part of the step, as in pretrain
+            xs, ys = take()
+            with jax.set_mesh(mesh):
+                return float(train_step(model, optimizer, xs, ys))  # float() waits
 
     t0 = time.perf_counter()
     step(0)
     first_step_s = time.perf_counter() - t0  # tracing + compilation + one step
     for i in range(args.warmup):
-        step(i)
+        step(1 + i)
     times = []
     for i in range(args.steps):
         t0 = time.perf_counter()
-        step(i)
+        step(1 + args.warmup + i)
         times.append(time.perf_counter() - t0)
     profiler.close()
+    if loader is not None:
+        loader.close()
     step_s = statistics.median(times)
     tokens = B * T * A
     peak, source = peak_flops_per_device()
@@ -117,6 +161,7 @@ def bench_train(args, mesh) -> dict:
         "compile_s": max(first_step_s - step_s, 0.0), "first_step_s": first_step_s,
         "peak_mem_gb": peak_mem_gb(), "tokens_per_step": tokens, "flops_per_token": model.estimate_flops(),
         "num_params": model.num_scaling_params()["total"], "attention": model.attention, "remat": model.remat,
+        "data": "grain loader" if loader is not None else "random tokens", "grad_accum": A,
     }
 
 
@@ -162,6 +207,24 @@ def bench_data(args, mesh) -> dict:
     return {"what": "data", "tok_per_s": out["tokens_per_s"], **out, "vocab_size": tokenizer.get_vocab_size()}
 
 
+def environment(args, mesh) -> dict:
+    return {"device": jax.devices()[0].device_kind, "backend": jax.default_backend(), "num_devices": jax.device_count(),
+            "mesh": dict(mesh.shape), "dtype": jnp.dtype(compute_dtype(args.dtype)).name, "jax": jax.__version__,
+            "python": platform.python_version()}
+
+
+def run_suite(args, mesh) -> None:
+    """Every shape of the suite through bench_train, one JSON line each (a missing tokenizer/data skips a row)."""
+    for name, shape in CPU_SUITE.items():
+        row = argparse.Namespace(**{**vars(args), "grad_accum": 1, "real_data": False, **shape})
+        try:
+            result = bench_train(row, mesh)
+        except FileNotFoundError as e:
+            result = {"what": "train", "skipped": str(e)}
+        print(json.dumps({"shape": name, **environment(args, mesh), "config": make_config(row).to_dict(), **result}),
+              flush=True)
+
+
 def main(argv=None):
     quiet_library_logs()
     parser = build_parser()
@@ -173,11 +236,11 @@ def main(argv=None):
     except ValueError as e:
         parser.error(str(e))
     mesh = sharding.mesh_from_args(parser, args)
+    if args.suite:
+        return run_suite(args, mesh)
     runs = {"train": bench_train, "comms": bench_comms, "generate": bench_generate, "data": bench_data}
     chosen = ["train", "generate", "data"] if args.what == "all" else [args.what]
-    env = {"device": jax.devices()[0].device_kind, "backend": jax.default_backend(), "num_devices": jax.device_count(),
-           "mesh": dict(mesh.shape), "dtype": jnp.dtype(compute_dtype(args.dtype)).name, "jax": jax.__version__,
-           "python": platform.python_version(), "config": make_config(args).to_dict()}
+    env = {**environment(args, mesh), "config": make_config(args).to_dict()}
     results = {}
     for name in chosen:
         try:

@@ -41,3 +41,18 @@ def test_expect_backend_stops_a_run_on_the_wrong_backend(capsys):
     with pytest.raises(SystemExit):
         main(TINY + ["--what", "comms", "--expect-backend", "gpu"])
     assert "--expect-backend gpu: JAX is running on cpu" in capsys.readouterr().err
+
+
+def test_suite_prints_one_line_per_shape_and_reads_real_batches(capsys, monkeypatch, tiny_base_dir):
+    import scripts.bench as bench
+
+    tiny = dict(depth=2, head_dim=32, aspect_ratio=32, max_seq_len=64, device_batch_size=1)
+    monkeypatch.setattr(bench, "CPU_SUITE", {"random": {**tiny, "vocab_size": 512},
+                                             "real": {**tiny, "grad_accum": 2, "real_data": True}})
+    main(["--what", "train", "--suite", "cpu", "--steps", "2", "--warmup", "0"])
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["shape"] for r in rows] == ["random", "real"]
+    assert rows[0]["data"] == "random tokens" and rows[0]["grad_accum"] == 1
+    assert rows[1]["data"] == "grain loader" and rows[1]["grad_accum"] == 2
+    assert rows[1]["config"]["vocab_size"] == 512  # the tiny corpus's tokenizer
+    assert all(r["tok_per_s"] > 0 for r in rows)
