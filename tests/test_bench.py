@@ -23,7 +23,7 @@ def test_train_runs_on_the_mesh_the_flags_build(capsys):
     assert out["mesh"] == {"data": 4, "fsdp": 2, "tensor": 1}
     assert out["tokens_per_step"] == 8 * 64  # one row per device
     assert out["tok_per_s"] > 0 and 0 < out["mfu"] < 100 and out["compile_s"] >= 0
-    assert out["attention"] == "xla" and out["remat"] == "none"
+    assert out["attention"] == "chunked" and out["remat"] == "none"
 
 
 def test_comms_reads_the_compiled_step(capsys):

@@ -224,13 +224,13 @@ def test_attention_dispatch_picks_the_backend_kernel():
     assert resolve_attention("auto", "gpu", jnp.float32, 128) == "xla"  # cuDNN's fused kernel needs bf16/fp16
     assert resolve_attention("auto", "gpu", jnp.bfloat16, 512) == "xla"
     assert resolve_attention("auto", "tpu", jnp.bfloat16, 128) == "splash"
-    assert resolve_attention("auto", "cpu", jnp.float32, 128) == "xla"
+    assert resolve_attention("auto", "cpu", jnp.float32, 128) == "chunked"
     assert resolve_attention("splash", "cpu", jnp.float32, 64) == "splash"  # Pallas' interpreter off a TPU
     with pytest.raises(ValueError, match="cuDNN attention needs a GPU"):
         resolve_attention("cudnn", "cpu", jnp.bfloat16, 128)
     with pytest.raises(ValueError, match="unknown attention"):
         resolve_attention("flash", "gpu")
-    assert GPT(TINY, rngs=nnx.Rngs(0)).attention == "xla"  # this machine
+    assert GPT(TINY, rngs=nnx.Rngs(0)).attention == "chunked"  # this machine
 
 
 def reference_attention(q, k, v, window):
@@ -259,6 +259,41 @@ def test_xla_attention_equals_reference(window):
     q, k, v = qkv_example()
     np.testing.assert_allclose(np.asarray(attention(q, k, v, window, "xla")), reference_attention(q, k, v, window),
                                atol=2e-5)
+
+
+@pytest.mark.parametrize("T", [128, 100])  # 100: the last query block is short
+@pytest.mark.parametrize("window", [16, 40, 128, 1000])
+def test_chunked_attention_equals_reference_forward_and_backward(window, T, monkeypatch):
+    """The CPU path: chunks of rows, query blocks over the keys they see, recomputed in the backward pass."""
+    from flaxchat import gpt
+
+    monkeypatch.setattr(gpt, "CHUNK_SCORE_BYTES", 2**16)  # several chunks of rows even at this size
+    q, k, v = qkv_example(B=4, T=T)
+    np.testing.assert_allclose(np.asarray(gpt.attention(q, k, v, window, "chunked")),
+                               reference_attention(q, k, v, window), atol=2e-5)
+    f = lambda impl: jax.jit(jax.value_and_grad(
+        lambda q, k, v: jnp.sum(jnp.sin(gpt.attention(q, k, v, window, impl))), argnums=(0, 1, 2)))
+    (val_c, grads_c), (val_x, grads_x) = f("chunked")(q, k, v), f("xla")(q, k, v)
+    np.testing.assert_allclose(float(val_c), float(val_x), rtol=2e-4)  # a sum of 50k terms
+    for a, b in zip(grads_c, grads_x):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=5e-5)
+
+
+def test_chunked_attention_on_a_mesh_runs_per_shard():
+    if jax.device_count() < 8:
+        pytest.skip("needs 8 (fake) devices")
+    from flaxchat.gpt import attention
+
+    q, k, v = qkv_example(B=4)
+    mesh = sharding.make_mesh(2, 2, 2)
+    rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("data", "fsdp"), None, "tensor", None))
+    with jax.set_mesh(mesh):
+        f = jax.jit(lambda q, k, v: attention(q, k, v, 40, "chunked"))
+        args = [jax.device_put(a, rows) for a in (q, k, v)]
+        out = f(*args)
+        hlo = f.lower(*args).compile().as_text()
+    np.testing.assert_allclose(np.asarray(out), reference_attention(q, k, v, 40), atol=2e-5)
+    assert "all-gather" not in hlo and "all-reduce" not in hlo  # each device attends over its own rows and heads
 
 
 @pytest.mark.parametrize("window", [40, 128])
@@ -325,3 +360,14 @@ def test_bfloat16_model_stores_embeddings_in_bfloat16_and_trains():
     np.testing.assert_allclose(losses["bf16"], losses["fp32"], rtol=0.03)
     assert model.transformer.wte.weight[...].dtype == jnp.bfloat16  # updates did not promote the storage
     del mu
+
+
+def test_rotary_table_constants_equal_the_traced_tables():
+    from flaxchat.gpt import rotary_table
+
+    for head_dim in (32, 64, 128):
+        table = rotary_table(4096, head_dim, jnp.float32)
+        traced = rotary_cos_sin(jnp.arange(4096), head_dim, jnp.float32)
+        for a, b in zip(table, traced):
+            assert isinstance(a, np.ndarray)
+            np.testing.assert_allclose(a, np.asarray(b), atol=1.2e-7, rtol=0)  # an ulp or so of fp32 cos/sin
