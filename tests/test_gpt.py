@@ -279,7 +279,8 @@ def test_chunked_attention_equals_reference_forward_and_backward(window, T, monk
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=5e-5)
 
 
-def test_chunked_attention_on_a_mesh_runs_per_shard():
+@pytest.mark.parametrize("impl", ["chunked", "splash"])
+def test_attention_kernels_on_a_mesh_run_per_shard(impl):
     if jax.device_count() < 8:
         pytest.skip("needs 8 (fake) devices")
     from flaxchat.gpt import attention
@@ -288,7 +289,7 @@ def test_chunked_attention_on_a_mesh_runs_per_shard():
     mesh = sharding.make_mesh(2, 2, 2)
     rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("data", "fsdp"), None, "tensor", None))
     with jax.set_mesh(mesh):
-        f = jax.jit(lambda q, k, v: attention(q, k, v, 40, "chunked"))
+        f = jax.jit(lambda q, k, v: attention(q, k, v, 40, impl))
         args = [jax.device_put(a, rows) for a in (q, k, v)]
         out = f(*args)
         hlo = f.lower(*args).compile().as_text()
@@ -309,18 +310,6 @@ def test_splash_attention_equals_xla_forward_and_backward(window):
     for a, b in zip(grads_s, grads_x):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=5e-5)
 
-
-def test_splash_attention_on_a_mesh_runs_per_shard():
-    if jax.device_count() < 8:
-        pytest.skip("needs 8 (fake) devices")
-    from flaxchat.gpt import attention
-
-    q, k, v = qkv_example(B=4)
-    mesh = sharding.make_mesh(2, 2, 2)
-    rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("data", "fsdp"), None, "tensor", None))
-    with jax.set_mesh(mesh):
-        out = jax.jit(lambda q, k, v: attention(q, k, v, 40, "splash"))(*(jax.device_put(a, rows) for a in (q, k, v)))
-    np.testing.assert_allclose(np.asarray(out), reference_attention(q, k, v, 40), atol=2e-5)
 
 
 @pytest.mark.parametrize("remat", ["dots", "full"])
