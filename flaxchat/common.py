@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -121,20 +122,26 @@ class StepProfiler:
     is annotated (StepTraceAnnotation) so the tools show step boundaries and per-step time.
     """
 
-    def __init__(self, spec: str | None, directory: str):
-        self.start, self.stop = self.parse(spec) if spec else (-1, -1)
+    def __init__(self, steps: tuple[int, int] | None, directory: str):
+        self.start, self.stop = steps or (-1, -1)
         self.directory, self.active = directory, False
 
     @staticmethod
     def parse(spec: str) -> tuple[int, int]:
-        """'A:B' -> (A, B): the steps A, A+1, ..., B-1. Raises ValueError with a usable message."""
+        """'A:B' -> (A, B): the steps A, A+1, ..., B-1 (the --profile-steps flag's type)."""
         try:
             a, b = (int(x) for x in spec.split(":"))
         except ValueError:
-            raise ValueError(f"--profile-steps takes START:STOP (e.g. 5:8), got {spec!r}") from None
+            raise argparse.ArgumentTypeError(f"takes START:STOP (e.g. 5:8), got {spec!r}") from None
         if not 0 <= a < b:
-            raise ValueError(f"--profile-steps {spec}: need 0 <= START < STOP")
+            raise argparse.ArgumentTypeError(f"{spec}: need 0 <= START < STOP")
         return a, b
+
+    @staticmethod
+    def add_flag(parser, where: str) -> None:
+        """--profile-steps START:STOP on a script's parser; `where` says where the trace goes."""
+        parser.add_argument("--profile-steps", type=StepProfiler.parse, default=None,
+                            help=f"write a jax.profiler trace of steps START:STOP (e.g. 5:8; step 0 compiles) to {where}")
 
     def step(self, i: int):
         """Call before running step i; returns the context manager that annotates it."""

@@ -161,8 +161,6 @@ def put_rows(cache: KVCache, part: KVCache, start, width: int) -> KVCache:
                    prev_embedding=cache.prev_embedding.at[:rows].set(part.prev_embedding))
 
 
-
-
 def attention_span(positions_needed: int, capacity: int) -> int:
     """Cache positions a decode chunk attends over: a power of two (at least capacity/16, at least 64) holding
     `positions_needed`, at most the capacity. Few distinct spans keep the number of compiled programs small."""

@@ -61,8 +61,7 @@ def build_parser():
                    help="train: run every shape of a suite (CPU_SUITE), one JSON line each; other flags still apply")
     p.add_argument("--real-data", action="store_true",
                    help="train: batches from the Grain loader over $FLAXCHAT_BASE_DIR's tokenizer and shards")
-    p.add_argument("--profile-steps", type=str, default=None,
-                   help="train: write a jax.profiler trace of steps START:STOP (step 0 compiles) to --profile-dir")
+    StepProfiler.add_flag(p, "--profile-dir (train)")
     p.add_argument("--profile-dir", type=str, default=None, help="where the trace goes (default $FLAXCHAT_BASE_DIR/profile/bench)")
     add_kernel_flags(p)
     sharding.add_mesh_flags(p)
@@ -111,7 +110,7 @@ def bench_train(args, mesh) -> dict:
     from flaxchat.optim import build_optimizer
     from flaxchat.training import train_step
 
-    loader = None
+    loader, counter = None, iter(range(10**9))
     if args.real_data:
         args.vocab_size, take, loader = real_batches(args, mesh)
     config = make_config(args)
@@ -129,7 +128,6 @@ def bench_train(args, mesh) -> dict:
         take = lambda: (batches[next(counter) % 2],) * 2  # random tokens as inputs and targets
 
     profiler = StepProfiler(args.profile_steps, args.profile_dir or os.path.join(get_base_dir(), "profile", "bench"))
-    counter = iter(range(10**9))
 
     def step(i):
         with profiler.step(i):  # real data: reading the next batches is part of the step, as in pretrain
@@ -231,8 +229,6 @@ def main(argv=None):
     args = parse_args(parser, argv)
     try:
         make_config(args)
-        if args.profile_steps:
-            StepProfiler.parse(args.profile_steps)
     except ValueError as e:
         parser.error(str(e))
     mesh = sharding.mesh_from_args(parser, args)

@@ -94,8 +94,7 @@ def build_parser():
     p.add_argument("--resume-from-step", type=int, default=-1, help="continue from this step's checkpoint (-1 = off)")
     p.add_argument("--model-tag", type=str, default=None, help="checkpoint directory name (default d<depth>)")
     p.add_argument("--source", type=str, default=None, help="folder of parquet shards (default $FLAXCHAT_BASE_DIR/base_data)")
-    p.add_argument("--profile-steps", type=str, default=None,
-                   help="write a jax.profiler trace of steps START:STOP (e.g. 5:8) to <checkpoint dir>/profile")
+    StepProfiler.add_flag(p, "<checkpoint dir>/profile")
     # mesh
     sharding.add_mesh_flags(p)
     return p
@@ -110,11 +109,6 @@ def check_args(parser, args):
         parser.error(str(e))
     if args.num_iterations <= 0 and args.target_flops <= 0 and args.target_param_data_ratio <= 0:
         parser.error("no training horizon: set --num-iterations, --target-flops or --target-param-data-ratio")
-    if args.profile_steps:
-        try:
-            StepProfiler.parse(args.profile_steps)
-        except ValueError as e:
-            parser.error(str(e))
 
 
 def plan_training(args, abstract_model, vocab_size):
