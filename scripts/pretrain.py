@@ -28,11 +28,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from tqdm.auto import tqdm
 
 from flaxchat import sharding
 from flaxchat.checkpoint import Checkpointer, checkpoint_dir, git_commit
-from flaxchat.common import StepProfiler, quiet_library_logs, compute_dtype, is_main_process, parse_args, peak_flops_per_device, print0
+from flaxchat.common import StepProfiler, quiet_library_logs, compute_dtype, is_main_process, parse_args, peak_flops_per_device, print0, progress_bar
 from flaxchat.config import GPTConfig, add_model_flags, config_from_flags, derive_training
 from flaxchat.dataloader import make_loader, make_val_loader
 from flaxchat.gpt import GPT, add_kernel_flags
@@ -257,7 +256,7 @@ def main(argv=None):
     # -------------------------------------------------------------------------
     # Training loop (runs num_iterations + 1 times so the last step can eval and save)
 
-    bar = tqdm(total=num_iterations, initial=step, desc="pretrain", disable=not is_main_process(), dynamic_ncols=True)
+    bar = progress_bar(total=num_iterations, initial=step, desc="pretrain", disable=not is_main_process(), dynamic_ncols=True)
     profiler = StepProfiler(args.profile_steps, os.path.join(out_dir, "profile"))
     timed_steps = 0
     while True:

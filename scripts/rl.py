@@ -29,11 +29,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from tqdm.auto import tqdm
 
 from flaxchat import sharding
 from flaxchat.checkpoint import Checkpointer, checkpoint_dir, find_model_tag, git_commit, load_model
-from flaxchat.common import compute_dtype, is_main_process, parse_args, print0
+from flaxchat.common import compute_dtype, is_main_process, parse_args, print0, progress_bar
 from flaxchat.optim import build_optimizer
 from flaxchat.report import metrics_logger, plot_panels, read_jsonl
 from scripts.sft import drop_earlier_run
@@ -209,7 +208,7 @@ def evaluate_pass_at_k(engine, tokenizer, task, num_examples, k, max_new_tokens,
     """pass@1..k over the first num_examples problems of task, and the mean reward of all samples."""
     n = min(num_examples, len(task))
     counts = []
-    for i in tqdm(range(n), desc="pass@k", leave=False, disable=not is_main_process()):
+    for i in progress_bar(range(n), desc="pass@k", leave=False, disable=not is_main_process()):
         conversation = task[i]
         prompt = tokenizer.render_for_completion(conversation)
         seqs, _ = engine.generate_batch(prompt, num_samples=k, max_tokens=max_new_tokens, temperature=temperature,
@@ -293,7 +292,7 @@ def main(argv=None):
 
     pad = tokenizer.encode_special("<|assistant_end|>")  # any token: padding is never a target
     sampling = dict(max_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k or None)
-    bar = tqdm(total=num_steps, desc="rl", disable=not is_main_process(), dynamic_ncols=True)
+    bar = progress_bar(total=num_steps, desc="rl", disable=not is_main_process(), dynamic_ncols=True)
     say = bar.write if is_main_process() else (lambda _: None)
     rows_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, ("data", "fsdp"), None))
     adv_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, ("data", "fsdp")))

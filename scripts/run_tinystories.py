@@ -11,7 +11,8 @@ Stages (each one is a normal flaxchat command, printed as it runs; a second run 
   4. samples     stories the base model writes
   5. sft         story requests, identity and arithmetic conversations (offline synthetic mixture)
   6. chat        two replies from the chat model, then how to chat in the terminal or the browser
-Everything lives under --base-dir (default ~/.cache/flaxchat/tinystories), so it never mixes with other runs.
+Everything lives under --base-dir, by default the folder tinystories/ inside the base dir ($FLAXCHAT_BASE_DIR,
+else ~/.cache/flaxchat), so the demo's data, tokenizer and checkpoints never mix with (or overwrite) other runs'.
 """
 
 import argparse
@@ -21,7 +22,7 @@ import subprocess
 import sys
 import time
 
-from flaxchat.common import parse_args
+from flaxchat.common import get_base_dir, parse_args
 
 # name -> (full, quick) settings. Sized so the full demo fits ~15 minutes on 2 CPU cores.
 SIZES = {
@@ -44,8 +45,9 @@ CHAT_PROMPTS = ["Tell me a story about a cat named Tom.", "Who are you?"]
 def build_parser():
     p = argparse.ArgumentParser(description="Run the whole flaxchat pipeline on stories, laptop-sized.")
     p.add_argument("--quick", action="store_true", help="a tiny model in ~3 minutes (the same stages)")
-    p.add_argument("--base-dir", type=str, default=os.path.join(os.path.expanduser("~"), ".cache", "flaxchat", "tinystories"),
-                   help="where the demo's data, tokenizer and checkpoints go")
+    p.add_argument("--base-dir", type=str, default=os.path.join(get_base_dir(create=False), "tinystories"),
+                   help="where the demo's data, tokenizer and checkpoints go (default: tinystories/ inside "
+                        "$FLAXCHAT_BASE_DIR, or inside ~/.cache/flaxchat when that is unset; now %(default)s)")
     p.add_argument("--source", choices=["auto", "tinystories", "synthetic-stories"], default="auto",
                    help="stories to train on (auto: TinyStories if the hub is reachable)")
     p.add_argument("--fresh", action="store_true", help="redo every stage even if its output exists")

