@@ -408,11 +408,11 @@ def run_python(code: str, timeout: float = 5.0) -> str | None:
 class Engine:
     """nanochat's Engine on a jitted loop: `generate` streams (token column, mask column) per step."""
 
-    def __init__(self, model, tokenizer, *, capacity=None, use_sandbox=True, stream_chunk=STREAM_CHUNK):
+    def __init__(self, model, tokenizer, *, capacity=None, use_sandbox=False, stream_chunk=STREAM_CHUNK):
         self.model = model
         self.tokenizer = tokenizer
         self.capacity = capacity or model.config.sequence_len
-        self.use_sandbox = use_sandbox  # False: calculator only, as nanochat
+        self.use_sandbox = use_sandbox  # False (default): calculator only, as nanochat; True: also run other code
         self.stream_chunk = stream_chunk
         special = tokenizer.encode_special
         self.python_start, self.python_end = special("<|python_start|>"), special("<|python_end|>")
@@ -420,7 +420,8 @@ class Engine:
         self.stop_tokens = (special("<|assistant_end|>"), tokenizer.get_bos_token_id())
 
     def run_tool(self, expr: str) -> str | None:
-        """The calculator first (arithmetic, str.count); anything else runs in the sandbox when enabled.
+        """The calculator (arithmetic, str.count), as nanochat; with use_sandbox=True anything else runs in the
+        sandbox (flaxchat.execution, 5 s limit): opt-in, so training, evaluation and chat score the same tool.
 
         With several processes, process 0 runs it and every process forces its answer: a sandbox that timed
         out on one host only would otherwise send the processes' decode loops different ways (a hang).

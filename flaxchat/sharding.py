@@ -214,10 +214,6 @@ def batch_sharding(mesh) -> NamedSharding:
     return NamedSharding(mesh, P(("data", "fsdp"), None))
 
 
-def replicated(mesh) -> NamedSharding:
-    return NamedSharding(mesh, P())
-
-
 @contextlib.contextmanager
 def rules():
     """Make LOGICAL_RULES the active logical-axis rules (for nnx.get_partition_spec and friends)."""

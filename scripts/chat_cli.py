@@ -6,8 +6,10 @@
     python -m scripts.chat_cli -i base --model-tag d4 --step 2000 -t 0.8 -k 50
 
 In the chat, /clear starts a new conversation and /quit (or Ctrl-D) leaves. Tool calls appear dimmed as
-[python: ...] and their results as [output: ...]. The same command runs on a CPU or a GPU (JAX picks the
-device); the model is loaded from <base_dir>/{base,chatsft,chatrl}_checkpoints/<model_tag>/.
+[python: ...] and their results as [output: ...]; the tool is the calculator, as in training and evaluation
+(--sandbox also runs other Python the model writes, in flaxchat.execution's sandbox). The same command runs on
+a CPU or a GPU (JAX picks the device); the model is loaded from
+<base_dir>/{base,chatsft,chatrl}_checkpoints/<model_tag>/.
 """
 
 from __future__ import annotations
@@ -42,7 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="nucleus sampling: the smallest set of tokens with this much mass (default: off)")
     p.add_argument("--max-tokens", type=int, default=256, help="most tokens per reply (default: 256)")
     p.add_argument("--seed", type=int, default=42, help="sampling seed; turn n uses seed + n (default: 42)")
-    p.add_argument("--no-sandbox", action="store_true", help="calculator only: never run tool code in the sandbox")
+    p.add_argument("--sandbox", action="store_true",
+                   help="let tool calls run any Python in the sandbox (5 s limit), not only the calculator "
+                        "(default: calculator only, as in training and evaluation)")
     p.add_argument("--no-color", action="store_true", help="plain text even on a terminal")
     return p
 
@@ -205,21 +209,19 @@ def run_chat(engine, tokenizer, args, read_line=input, out=None) -> list[dict]:
 
 def main(argv=None) -> int:
     args = get_args(argv)
-    import jax
-
     from flaxchat.checkpoint import load_model
-    from flaxchat.common import get_base_dir
+    from flaxchat.common import enable_compilation_cache, get_base_dir
     from flaxchat.engine import Engine
 
-    # compiled prefill/decode programs survive restarts, so a second session starts answering at once
-    jax.config.update("jax_compilation_cache_dir", os.path.join(get_base_dir(), "jax_cache"))
+    # compiled prefill/decode programs survive restarts, so a second session starts answering at once (also on CPU)
+    enable_compilation_cache(os.path.join(get_base_dir(), "jax_cache"))
 
     try:
         model, tokenizer, meta = load_model(args.source, args.model_tag, args.step)
     except (FileNotFoundError, ValueError) as e:
         print(f"chat_cli: {e}", file=sys.stderr)
         return 1
-    engine = Engine(model, tokenizer, use_sandbox=not args.no_sandbox)
+    engine = Engine(model, tokenizer, use_sandbox=args.sandbox)
     if not args.prompt:
         print(f"loaded {args.source} model (step {meta.get('step', '?')}, {model.config.n_layer} layers)")
     run_chat(engine, tokenizer, args)

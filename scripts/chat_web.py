@@ -165,10 +165,9 @@ def _run_load_test(url: str, clients: int, max_tokens: int) -> dict:
 
 def main(argv=None) -> int:
     args = get_args(argv)
-    import jax
     import uvicorn
 
-    from flaxchat.common import get_base_dir
+    from flaxchat.common import enable_compilation_cache, get_base_dir
 
     from flaxchat.scheduler import Scheduler
     from flaxchat.serve import BackgroundServer, ServeConfig, create_app, uvicorn_config
@@ -179,7 +178,7 @@ def main(argv=None) -> int:
         print(f"chat_web: {e}", file=sys.stderr)
         return 1
     # compiled programs persist across restarts (a server compiles one decode program per batch size and span)
-    jax.config.update("jax_compilation_cache_dir", os.path.join(get_base_dir(), "jax_cache"))
+    enable_compilation_cache(os.path.join(get_base_dir(), "jax_cache"))
     c = model.config
     print(f"model {name}: {c.n_layer} layers, width {c.n_embd}, vocab {c.vocab_size}, context {c.sequence_len}")
     scheduler = Scheduler(model, tokenizer, slots=args.slots, chunk=args.chunk)

@@ -1,13 +1,97 @@
-"""Shared test setup. Every test runs on CPU; 8 fake CPU devices let sharding tests build real meshes."""
+"""Shared test setup. Every test runs on CPU; 8 fake CPU devices let sharding tests build real meshes.
+
+Tests share their process (a pytest-xdist worker runs many) and pytest-randomly shuffles their order, so a test
+must leave the process as it found it. Before each test JAX is started with the flags below (so nothing a test
+does to XLA_FLAGS can change the device count afterwards); after each test, once its fixtures are torn down,
+`_leaks` compares the process-wide state with what it was, and the test that changed it errors in its teardown.
+Change environment variables with monkeypatch.setenv and run programs that need other JAX flags in a subprocess.
+"""
 
 import os
+import re
 
-# Must happen before JAX initialises its backend.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+N_DEVICES = 8
+# Must happen before JAX initialises its backend. Other XLA flags of the caller are kept; the device count is not.
+_xla_flags = re.sub(r"--xla_force_host_platform_device_count=\S*", "", os.environ.get("XLA_FLAGS", "")).split()
+os.environ["XLA_FLAGS"] = " ".join([*_xla_flags, f"--xla_force_host_platform_device_count={N_DEVICES}"])
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("FLAXCHAT_DTYPE", "float32")
 
 import pytest  # noqa: E402
+
+# Environment variables that change how JAX, flaxchat or the libraries under them behave. (Not the whole
+# environment: some libraries add variables of their own the first time they are imported.)
+_WATCHED_ENV = re.compile(r"(XLA_|JAX_|TPU_VISIBLE|CUDA_VISIBLE|FLAXCHAT_|HF_|TIKTOKEN_|PYTHONHASHSEED$)")
+_STATE = pytest.StashKey[dict]()
+
+
+def _process_state() -> dict:
+    import jax
+
+    return {
+        "environment": {k: v for k, v in os.environ.items() if _WATCHED_ENV.match(k)},
+        "working directory": os.getcwd(),
+        "jax.config": dict(jax.config.values),
+        "JAX devices": (jax.default_backend(), jax.device_count()),
+        "mesh set by jax.set_mesh": str(jax.sharding.get_abstract_mesh()),
+    }
+
+
+def _leaks(before: dict, after: dict) -> list[str]:
+    leaks = []
+    for what in before:
+        a, b = before[what], after[what]
+        if a == b:
+            continue
+        if isinstance(a, dict):
+            changed = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+            leaks += [f"{what}: {k} was {a.get(k)!r}, is {b.get(k)!r}" for k in changed]
+        else:
+            leaks.append(f"{what}: was {a!r}, is {b!r}")
+    return leaks
+
+
+def _restore(before: dict, after: dict) -> None:
+    import jax
+
+    os.chdir(before["working directory"])
+    for k in after["environment"].keys() - before["environment"].keys():
+        del os.environ[k]
+    os.environ.update(before["environment"])
+    for k, v in before["jax.config"].items():
+        if after["jax.config"].get(k) != v:
+            try:
+                jax.config.update(k, v)
+            except Exception:  # a flag JAX will not take back; the failure already names it
+                pass
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_setup(item):
+    import jax
+
+    backend, n = jax.default_backend(), jax.device_count()  # starts JAX (once per process) with the flags above
+    if backend == "cpu" and n != N_DEVICES:
+        pytest.fail(f"JAX sees {n} CPU devices, not the {N_DEVICES} this file asks for: something in this process "
+                    "set XLA_FLAGS before JAX started, or restarted JAX's backends", pytrace=False)
+    if item.get_closest_marker("eight_devices") and n < N_DEVICES:
+        pytest.skip(f"needs {N_DEVICES} devices; JAX's {backend} backend has {n}")  # only off the CPU
+    item.stash[_STATE] = _process_state()
+    return (yield)
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_teardown(item, nextitem):
+    result = yield  # the test's fixtures (monkeypatch included) are torn down by now
+    before = item.stash.get(_STATE, None)
+    if before is not None:
+        after = _process_state()
+        leaks = _leaks(before, after)
+        if leaks:
+            _restore(before, after)  # so that only the test that leaked fails, not every test after it
+            pytest.fail("the test changed process-wide state that later tests would see (use monkeypatch, or a "
+                        "subprocess with its own environment):\n  " + "\n  ".join(leaks), pytrace=False)
+    return result
 
 
 @pytest.fixture(autouse=True)

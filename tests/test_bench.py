@@ -2,7 +2,6 @@
 
 import json
 
-import jax
 import pytest
 
 from scripts.bench import main
@@ -15,9 +14,8 @@ def run(capsys, argv):
     return json.loads(capsys.readouterr().out)  # stdout holds the JSON and nothing else
 
 
+@pytest.mark.eight_devices
 def test_train_runs_on_the_mesh_the_flags_build(capsys):
-    if jax.device_count() < 8:
-        pytest.skip("needs 8 (fake) devices")
     out = run(capsys, TINY + ["--what", "train", "--device-batch-size", "1", "--fsdp", "2", "--steps", "2",
                               "--warmup", "0"])
     assert out["mesh"] == {"data": 4, "fsdp": 2, "tensor": 1}
@@ -26,9 +24,8 @@ def test_train_runs_on_the_mesh_the_flags_build(capsys):
     assert out["attention"] == "chunked" and out["remat"] == "none"
 
 
+@pytest.mark.eight_devices
 def test_comms_reads_the_compiled_step(capsys):
-    if jax.device_count() < 8:
-        pytest.skip("needs 8 (fake) devices")
     out = run(capsys, TINY + ["--what", "comms", "--device-batch-size", "2", "--grad-accum", "2", "--show-ops"])
     assert out["mesh"] == {"data": 8, "fsdp": 1, "tensor": 1}
     assert out["collectives_per_step"] == sum(v["count"] for v in out["by_kind"].values())

@@ -80,6 +80,7 @@ def test_flags_are_checked(capsys):
     args = chat_cli.get_args(["-i", "rl", "-g", "d4", "-s", "7", "-t", "0", "-k", "0", "--top-p", "0.9"])
     got = (args.source, args.model_tag, args.step, args.temperature, args.top_k, args.top_p)
     assert got == ("rl", "d4", 7, 0.0, 0, 0.9)
+    assert not args.sandbox and chat_cli.get_args(["--sandbox"]).sandbox  # the calculator only, unless asked
     for bad, message in [(["-t", "-1"], "--temperature"), (["-k", "-2"], "--top-k"), (["--top-p", "1.5"], "--top-p"),
                          (["--max-tokens", "0"], "--max-tokens"), (["-i", "dpo"], "invalid choice")]:
         with pytest.raises(SystemExit):
@@ -143,7 +144,7 @@ def test_prompt_mode_streams_a_tool_call(tok):
     prompt = tok.render_for_completion(chat)
     reply = [sp("<|python_start|>"), *tok.encode("2+2"), sp("<|python_end|>"), *tok.encode("ZZZ"),
              *tok.encode(" The cat"), sp("<|assistant_end|>")]
-    engine = Engine(ScriptedModel(prompt + reply, tok.get_vocab_size()), tok, use_sandbox=False)
+    engine = Engine(ScriptedModel(prompt + reply, tok.get_vocab_size()), tok)
     out = io.StringIO()
     args = chat_cli.get_args(["-p", "hi"])
     messages = chat_cli.run_chat(engine, tok, args, read_line=None, out=out)
@@ -161,10 +162,27 @@ def test_long_conversations_drop_the_oldest_turns(tok):
         chat_cli.render_prompt(tok, [{"role": "user", "content": "Hello there! " * 30}], capacity=40, reserve=16)
 
 
-def test_main_loads_a_checkpoint(tok, capsys):
+@pytest.fixture
+def compile_cache_restored():
+    """chat_cli.main turns on JAX's persistent compile cache, which is process-wide: put it back afterwards."""
+    before = jax.config.jax_compilation_cache_dir
+    yield
+    jax.config.update("jax_compilation_cache_dir", before)
+
+
+def test_main_loads_a_checkpoint(tok, capsys, monkeypatch, compile_cache_restored):
+    import flaxchat.engine
     from flaxchat.checkpoint import Checkpointer, checkpoint_dir
     from flaxchat.common import get_base_dir
 
+    engines = []
+
+    class Recorded(Engine):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            engines.append(self)
+
+    monkeypatch.setattr(flaxchat.engine, "Engine", Recorded)
     assert chat_cli.main(["-i", "sft", "-p", "hi"]) == 1
     assert "no sft checkpoints" in capsys.readouterr().err  # one clear line, no traceback
     config = GPTConfig(sequence_len=64, vocab_size=tok.get_vocab_size(), n_layer=1, n_head=1, n_kv_head=1, n_embd=32)
@@ -172,7 +190,10 @@ def test_main_loads_a_checkpoint(tok, capsys):
     ckpt = Checkpointer(checkpoint_dir("sft", "d1"), async_save=False)
     ckpt.save(3, make_model(config, seed=1))
     ckpt.close()
-    assert chat_cli.main(["-i", "sft", "-g", "d1", "-s", "3", "-p", "hi", "-t", "0", "--max-tokens", "5"]) == 0
+    flags = ["-i", "sft", "-g", "d1", "-s", "3", "-p", "hi", "-t", "0", "--max-tokens", "5"]
+    assert chat_cli.main(flags) == 0 and chat_cli.main([*flags, "--sandbox"]) == 0
+    assert [e.use_sandbox for e in engines] == [False, True]  # calculator only unless --sandbox
+    assert jax.config.jax_compilation_cache_dir == f"{get_base_dir()}/jax_cache"  # a second session starts at once
     printed = capsys.readouterr().out
     assert printed.endswith("\n") and len(printed) > 1
     assert chat_cli.main(["-i", "sft", "-g", "d1", "-s", "9", "-p", "hi"]) == 1

@@ -15,6 +15,7 @@ from flax import nnx
 
 import tasks.common as common
 from flaxchat import chat_eval
+from flaxchat.engine import Engine
 from flaxchat.tokenizer import Tokenizer
 from tasks import offline
 from tasks.common import Task, render_mc
@@ -215,7 +216,6 @@ def test_spellingbee_checks_the_count(tok):
 
 
 def test_generative_eval_with_the_real_engine(tiny_gpt, tok):
-    engine_module = pytest.importorskip("flaxchat.engine")
     offline.write_jsonl(offline.pack_path("gsm8k", "test"), GSM_ROWS[:2])
     seen = []
 
@@ -225,7 +225,7 @@ def test_generative_eval_with_the_real_engine(tiny_gpt, tok):
             return super().evaluate(conversation, completion)
 
     task = Recording(source="offline")
-    engine = engine_module.Engine(tiny_gpt, tok, capacity=256, use_sandbox=False)
+    engine = Engine(tiny_gpt, tok, capacity=256)
     acc = chat_eval.run_generative_eval(task, tok, engine, max_new_tokens=12, temperature=0.0)
     assert acc == 0.0 and len(seen) == 2  # an untrained model writes no "#### <answer>"
     prompt = tok.render_for_completion(task[0])

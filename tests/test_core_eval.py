@@ -274,11 +274,10 @@ def test_receptive_field_crop_changes_no_score(tiny_gpt, tok):
     np.testing.assert_allclose(a, b, rtol=2e-5)
 
 
+@pytest.mark.eight_devices
 def test_sharded_scoring_equals_unsharded(tiny_gpt, tok):
     from flaxchat.sharding import make_mesh
 
-    if jax.device_count() < 2:
-        pytest.skip("needs several (fake CPU) devices")
     rows = [[tok.get_bos_token_id()] + list(range(5, 5 + n)) for n in (10, 40, 60)]
     starts, ends = [3, 10, 20], [8, 30, 55]
     plain = ce.score_rows(tiny_gpt, rows, starts, ends, False, 8, 0)  # the shapes of the test above: compiled once

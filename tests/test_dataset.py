@@ -163,7 +163,7 @@ def test_cli_bad_flags_give_one_line_errors(tmp_path, capsys):
 
 
 def test_tinystories_converts_the_hub_dataset(tmp_path, monkeypatch):
-    datasets = pytest.importorskip("datasets")
+    import datasets  # a core dependency (imported here: it takes a second)
     splits = {"train": [f"story {i}" for i in range(30)], "validation": ["val a", "val b"]}
     calls = []
 
@@ -192,15 +192,7 @@ def test_tinystories_converts_the_hub_dataset(tmp_path, monkeypatch):
 # Synthetic stories (flaxchat/stories.py)
 
 
-def _stories():
-    try:
-        import flaxchat.stories  # noqa: F401
-    except ImportError:
-        pytest.skip("flaxchat.stories (the synthetic story generator) is not in the tree yet")
-
-
 def test_synthetic_source_is_deterministic_and_splits_disjoint():
-    _stories()
     a = list(itertools.islice(iter_documents("synthetic-stories", "train", seed=3), 200))
     b = list(itertools.islice(iter_documents("synthetic-stories", "train", seed=3), 200))
     val = list(itertools.islice(iter_documents("synthetic-stories", "val", seed=3), 200))
@@ -210,7 +202,6 @@ def test_synthetic_source_is_deterministic_and_splits_disjoint():
 
 
 def test_synthetic_reader_shards_interleave():
-    _stories()
     full = list(itertools.islice(iter_documents("synthetic-stories", "train"), 60))
     r0 = list(itertools.islice(iter_documents("synthetic-stories", "train", shard=(0, 3)), 20))
     r2 = list(itertools.islice(iter_documents("synthetic-stories", "train", shard=(2, 3), start=4), 16))
@@ -218,7 +209,6 @@ def test_synthetic_reader_shards_interleave():
 
 
 def test_cli_synthetic_writes_train_and_val_shards(tmp_path):
-    _stories()
     out = str(tmp_path / "syn")
     main(["--source", "synthetic-stories", "--num-shards", "2", "--docs-per-shard", "40", "--out-dir", out])
     files = list_parquet_files(out)

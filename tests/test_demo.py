@@ -1,19 +1,29 @@
 """The laptop demo end to end in --quick mode (the README's first command, shrunk)."""
 
 import os
+import subprocess
+import sys
 
 import pytest
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_demo(base):
+    """The demo as a user runs it: its own process, one CPU device (not this suite's 8 fake ones), so it leaves
+    nothing behind in the test process (JAX's device count is fixed when JAX starts)."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "PYTHONPATH": ROOT}
+    proc = subprocess.run([sys.executable, "-m", "scripts.run_tinystories", "--quick", "--base-dir", str(base),
+                           "--source", "synthetic-stories"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
 
 @pytest.mark.slow
-def test_quick_demo_runs_every_stage_and_resumes(tmp_path, monkeypatch, capsys):
-    from scripts.run_tinystories import main
-
-    # The demo is a one-device program; its subprocesses must not inherit the test suite's 8 fake devices.
-    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
+def test_quick_demo_runs_every_stage_and_resumes(tmp_path):
     base = tmp_path / "demo"
-    main(["--quick", "--base-dir", str(base), "--source", "synthetic-stories"])
-    out = capsys.readouterr().out
+    out = run_demo(base)
     for stage in ("=== data", "=== tokenizer", "=== pretrain", "=== samples", "=== sft", "=== chat"):
         assert stage in out
     assert "python -m scripts.chat_cli -i sft" in out and "python -m scripts.chat_web -i sft" in out
@@ -22,7 +32,6 @@ def test_quick_demo_runs_every_stage_and_resumes(tmp_path, monkeypatch, capsys):
     assert "## pretrain" in report and "## demo" in report
 
     # a second run reuses every finished stage instead of training again
-    main(["--quick", "--base-dir", str(base), "--source", "synthetic-stories"])
-    out = capsys.readouterr().out
+    out = run_demo(base)
     for stage in ("data", "tokenizer", "pretrain", "sft"):
         assert f"=== {stage}: already done" in out

@@ -199,7 +199,7 @@ def test_tool_injection_with_mock_model(tok):
     sp = tok.encode_special
     forced = [sp("<|output_start|>"), *tok.encode("4"), sp("<|output_end|>")]
     prompt, call, after, reply = tool_script(tok, "2+2", len(forced))
-    engine = E.Engine(ScriptedModel(prompt + reply, tok.get_vocab_size()), tok, use_sandbox=False)
+    engine = E.Engine(ScriptedModel(prompt + reply, tok.get_vocab_size()), tok)
     stream = list(engine.generate(prompt, num_samples=2, max_tokens=40, temperature=1.0, top_k=50))
     tokens = [col[0] for col, _ in stream]
     masks = [m[0] for _, m in stream]
@@ -210,16 +210,19 @@ def test_tool_injection_with_mock_model(tok):
     assert tok.decode(results[0][len(prompt):]).endswith("4<|output_end|> The cat")  # no <|assistant_end|>
 
 
-def test_tool_falls_back_to_sandbox(tok):
+def test_tool_is_the_calculator_unless_the_sandbox_is_asked_for(tok):
     sp = tok.encode_special
     forced = [sp("<|output_start|>"), *tok.encode("42"), sp("<|output_end|>")]
     prompt, call, after, reply = tool_script(tok, "x = 6\nx * 7", len(forced))
     model = ScriptedModel(prompt + reply, tok.get_vocab_size())
-    stream = list(E.Engine(model, tok).generate(prompt, max_tokens=40, temperature=0.0))
-    assert [c[0] for c, _ in stream] == call + forced + after
-    # calculator only (nanochat's tool): not arithmetic, so nothing is forced and the script's Zs come through
-    stream = list(E.Engine(model, tok, use_sandbox=False).generate(prompt, max_tokens=40, temperature=0.0))
+    # the default is nanochat's tool, the calculator only: not arithmetic, so nothing is forced
+    engine = E.Engine(model, tok)
+    assert not engine.use_sandbox and engine.run_tool("x = 6\nx * 7") is None
+    stream = list(engine.generate(prompt, max_tokens=40, temperature=0.0))
     assert [c[0] for c, _ in stream] == reply and all(m == [1] for _, m in stream)
+    # opt-in: other code runs in the sandbox and its output is forced
+    stream = list(E.Engine(model, tok, use_sandbox=True).generate(prompt, max_tokens=40, temperature=0.0))
+    assert [c[0] for c, _ in stream] == call + forced + after
 
 
 def test_run_tool(tok, model):

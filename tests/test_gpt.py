@@ -174,9 +174,8 @@ def test_estimate_flops_and_param_counts():
     assert counts["total"] == sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
 
 
+@pytest.mark.eight_devices
 def test_sharded_equals_unsharded_on_8_devices():
-    if jax.device_count() < 8:
-        pytest.skip("needs 8 (fake) devices: XLA_FLAGS=--xla_force_host_platform_device_count=8")
     config = GPTConfig(sequence_len=32, vocab_size=300, n_layer=2, n_head=2, n_kv_head=2, n_embd=64)
     mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
     single = make(config)
@@ -195,9 +194,8 @@ def test_sharded_equals_unsharded_on_8_devices():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
 
 
+@pytest.mark.eight_devices
 def test_create_sharded_model_is_born_sharded():
-    if jax.device_count() < 8:
-        pytest.skip("needs 8 (fake) devices")
     mesh = sharding.make_mesh(data=-1, fsdp=4, tensor=2)
     model = sharding.create_sharded(lambda: GPT(TINY, rngs=nnx.Rngs(0)), mesh)
     w = model.transformer.wte.weight[...]
@@ -279,10 +277,9 @@ def test_chunked_attention_equals_reference_forward_and_backward(window, T, monk
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=5e-5)
 
 
+@pytest.mark.eight_devices
 @pytest.mark.parametrize("impl", ["chunked", "splash"])
 def test_attention_kernels_on_a_mesh_run_per_shard(impl):
-    if jax.device_count() < 8:
-        pytest.skip("needs 8 (fake) devices")
     from flaxchat.gpt import attention
 
     q, k, v = qkv_example(B=4)

@@ -11,6 +11,7 @@ from flax import nnx
 
 from flaxchat import optim
 from flaxchat.config import GPTConfig, derive_training
+from flaxchat.gpt import GPT
 
 # -----------------------------------------------------------------------------
 # numpy references, written from nanochat's optim.py formulas
@@ -275,11 +276,7 @@ UPDATE = nnx.jit(lambda model, optimizer, grads: optimizer.update(model, grads))
 
 
 def make_model():
-    """flaxchat's GPT (depth 2, width 64) when it is there, else the stand-in with its paths."""
-    try:
-        from flaxchat.gpt import GPT
-    except ImportError:
-        return StandIn(CONFIG, nnx.Rngs(0))
+    """flaxchat's GPT, depth 2, width 64."""
     return GPT(GPTConfig(sequence_len=64, vocab_size=128, n_layer=2, n_head=2, n_kv_head=1, n_embd=64), rngs=nnx.Rngs(0))
 
 
@@ -332,9 +329,8 @@ def test_param_groups_follow_nanochat_table():
 
 
 def test_real_model_parameters_all_have_a_group():
-    gpt = pytest.importorskip("flaxchat.gpt")
     config = GPTConfig(sequence_len=64, vocab_size=128, n_layer=2, n_head=2, n_kv_head=1, n_embd=64)
-    model = nnx.eval_shape(lambda: gpt.GPT(config, rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0)))
     labels = {".".join(map(str, k)): v for k, v in nnx.to_flat_state(optim.param_labels(nnx.state(model, nnx.Param)))}
     assert set(labels.values()) == {"matrix", "embedding", "unembedding", "value_embeds", "resid", "x0", "smear"}
     assert sum(v == "matrix" for v in labels.values()) == 2 * 6 + 1  # six per block + one ve_gate

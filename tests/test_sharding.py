@@ -18,7 +18,7 @@ from flaxchat.hlo import program_stats
 from flaxchat.optim import Schedule, build_optimizer
 from flaxchat.training import compile_train_step, train_step
 
-pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (fake) devices")
+pytestmark = pytest.mark.eight_devices
 
 # 4 heads so that tensor=2 splits heads; vocab large enough that the loss runs in several chunks
 CONFIG = GPTConfig(sequence_len=64, vocab_size=4096, n_layer=2, n_head=4, n_kv_head=4, n_embd=128)
