@@ -116,7 +116,8 @@ class Checkpointer:
 
     def restore(self, model, optimizer=None, step: int | None = None, mesh=None) -> dict:
         """Restore into `model` (and `optimizer`), which may be abstract (nnx.eval_shape); returns
-        {"step", "meta", "data_state"} where data_state is this process's loader state (or None)."""
+        {"step", "meta", "data_states"}: data_states holds every saving process's loader state (or None), so a
+        loader on another number of processes can carry the data position over."""
         step = self._resolve(step)
         items = {"model": ocp.args.StandardRestore(abstract_state(nnx.state(model, nnx.Param), mesh)),
                  "meta": ocp.args.JsonRestore()}
@@ -129,12 +130,8 @@ class Checkpointer:
         nnx.update(model, restored["model"])
         if optimizer is not None:
             nnx.update(optimizer, restored["optimizer"])
-        data_state = None
-        if has_data:
-            states = restored["data"]["processes"]
-            if len(states) == jax.process_count():
-                data_state = states[jax.process_index()]
-        return {"step": step, "meta": restored["meta"], "data_state": data_state}
+        data_states = restored["data"]["processes"] if has_data else None
+        return {"step": step, "meta": restored["meta"], "data_states": data_states}
 
     def _resolve(self, step):
         steps = self.all_steps()

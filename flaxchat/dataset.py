@@ -20,6 +20,8 @@ any source for one of `count` readers, starting after `start` of that reader's d
 from __future__ import annotations
 
 import argparse
+import copy
+import hashlib
 import http.client
 import itertools
 import json
@@ -110,27 +112,61 @@ def read_parquet_metadata(path: str) -> pq.FileMetaData:
 class ParquetDocuments:
     """The documents of some parquet files as one indexable sequence, for reader `shard=(index, count)`.
 
-    Readers split the data by row group (reader i takes row groups i, i+count, ... of the concatenated
-    files), like nanochat's DDP ranks, so each reader decodes only its own data. When there are fewer
-    row groups than readers the split falls back to single documents so every reader still gets some.
-    Random access (`_getitems`) lets the Grain loader re-read exactly the documents a checkpoint names.
+    Every document has a global index (files in order, rows in order) that all readers share; a reader's
+    own sequence is row groups `index, index + count, ...` of each file in turn, exactly as nanochat's DDP
+    ranks read them, so each reader decodes only its own data. When some reader would get nothing that
+    way (fewer row groups in every file than readers) the split falls back to single documents.
+    `units` are the reader's row groups as [start, stop) global ranges, in reading order. Random access
+    (`_getitems` by reader position, `read` by global index) lets the loader re-read exactly the
+    documents a checkpoint names.
     """
 
     def __init__(self, files: Sequence[str], shard: tuple[int, int] = (0, 1), cache_row_groups: int = 8):
         index, count = _check_shard(shard)
         self._files = list(files)
         self._metas = [read_parquet_metadata(f) for f in self._files]
-        units = [(fi, rg, 0, m.row_group(rg).num_rows)
-                 for fi, m in enumerate(self._metas) for rg in range(m.num_row_groups) if m.row_group(rg).num_rows]
-        if len(units) < count:
-            units = [(fi, rg, r, r + 1) for fi, rg, lo, hi in units for r in range(lo, hi)]
-        if len(units) < count:
-            raise ValueError(f"{count} readers need at least {count} documents but {', '.join(self._files)} hold {len(units)}")
-        self._units = units[index::count]
-        self._offsets = np.cumsum([0] + [hi - lo for _, _, lo, hi in self._units])
+        groups, pos = [], 0  # (file, row group, global start, global stop) of every non-empty row group
+        for fi, m in enumerate(self._metas):
+            for rg in range(m.num_row_groups):
+                if n := m.row_group(rg).num_rows:
+                    groups.append((fi, rg, pos, pos + n))
+                    pos += n
+        self.total = pos
+        self._groups = groups
+        self._group_starts = np.array([g[2] for g in groups], np.int64)
         self._cache: OrderedDict[tuple[int, int], list[str]] = OrderedDict()
         self._cache_size = cache_row_groups
         self._lock = threading.Lock()
+        self._set_shard(index, count)
+
+    def _set_shard(self, index: int, count: int) -> None:
+        self.shard = (index, count)
+        self.units = self._reader_units(index, count)
+        self._offsets = np.cumsum([0] + [hi - lo for lo, hi in self.units])
+        self._unit_starts = np.array([lo for lo, _ in self.units], np.int64)
+
+    def with_shard(self, shard: tuple[int, int]) -> ParquetDocuments:
+        """The same files for another reader (footers and row-group cache shared, nothing re-read)."""
+        other = copy.copy(self)
+        other._set_shard(*_check_shard(shard))
+        return other
+
+    def _reader_units(self, index: int, count: int) -> list[tuple[int, int]]:
+        per_file: dict[int, list[tuple[int, int]]] = {}
+        for fi, _, lo, hi in self._groups:
+            per_file.setdefault(fi, []).append((lo, hi))
+        if count <= max((len(g) for g in per_file.values()), default=0):
+            return [u for fi in sorted(per_file) for u in per_file[fi][index::count]]
+        if self.total < count:
+            raise ValueError(f"{count} readers need at least {count} documents but {', '.join(self._files)} hold {self.total}")
+        return [(d, d + 1) for d in range(index, self.total, count)]
+
+    @property
+    def fingerprint(self) -> str:
+        """Names the data: file names and row-group sizes (a saved position is only valid for the same data)."""
+        spec = [[os.path.basename(f), [self._metas[fi].row_group(rg).num_rows for rg in range(self._metas[fi].num_row_groups)]]
+                for fi, f in enumerate(self._files)]
+        return hashlib.sha1(json.dumps(spec).encode()).hexdigest()[:16]
 
     def __len__(self) -> int:
         return int(self._offsets[-1])
@@ -158,24 +194,33 @@ class ParquetDocuments:
                 self._cache.popitem(last=False)
             return texts
 
-    def _getitems(self, indices: Sequence[int]) -> list[str]:
-        n = len(self)
-        idx = np.asarray(indices, dtype=np.int64) % n
-        units = np.searchsorted(self._offsets, idx, side="right") - 1
+    def global_index(self, positions: Sequence[int]) -> np.ndarray:
+        """Global document indices of reader positions (positions past the end wrap around: epochs)."""
+        pos = np.asarray(positions, dtype=np.int64) % len(self)
+        unit = np.searchsorted(self._offsets, pos, side="right") - 1
+        return self._unit_starts[unit] + pos - self._offsets[unit]
+
+    def read(self, indices: Sequence[int]) -> list[str]:
+        """Documents by global index."""
+        idx = np.asarray(indices, dtype=np.int64)
+        group = np.searchsorted(self._group_starts, idx, side="right") - 1
         out = []
-        for i, u in zip(idx.tolist(), units.tolist()):
-            fi, rg, lo, _ = self._units[u]
-            out.append(self._row_group(fi, rg)[lo + i - int(self._offsets[u])])
+        for i, g in zip(idx.tolist(), group.tolist()):
+            fi, rg, lo, _ = self._groups[g]
+            out.append(self._row_group(fi, rg)[i - lo])
         return out
+
+    def _getitems(self, positions: Sequence[int]) -> list[str]:
+        return self.read(self.global_index(positions))
 
     def iter_from(self, start: int = 0) -> Iterator[str]:
         """One pass over this reader's documents from position `start` (row groups come through the cache,
         so the one-document-per-unit fallback does not re-read a row group for every document)."""
-        first = int(np.searchsorted(self._offsets, start, side="right") - 1) if start < len(self) else len(self._units)
-        for u in range(first, len(self._units)):
-            fi, rg, lo, hi = self._units[u]
+        first = int(np.searchsorted(self._offsets, start, side="right") - 1) if start < len(self) else len(self.units)
+        for u in range(first, len(self.units)):
+            lo, hi = self.units[u]
             skip = max(0, start - int(self._offsets[u]))
-            yield from self._row_group(fi, rg)[lo + skip:hi]
+            yield from self.read(range(lo + skip, hi))
 
 
 # -----------------------------------------------------------------------------

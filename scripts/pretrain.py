@@ -89,7 +89,7 @@ def build_parser():
     p.add_argument("--sample-every", type=int, default=2000, help="greedy samples from fixed prompts every N steps (-1 = off)")
     p.add_argument("--save-every", type=int, default=-1, help="checkpoint every N steps (-1 = only at the end)")
     p.add_argument("--keep", type=int, default=2, help="checkpoints to keep (plus the best by val bpb)")
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint of this model tag")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint of this model tag (on any number of devices or hosts: the data position carries over)")
     p.add_argument("--resume-from-step", type=int, default=-1, help="continue from this step's checkpoint (-1 = off)")
     p.add_argument("--model-tag", type=str, default=None, help="checkpoint directory name (default d<depth>)")
     p.add_argument("--source", type=str, default=None, help="folder of parquet shards (default $FLAXCHAT_BASE_DIR/base_data)")
@@ -186,7 +186,7 @@ def main(argv=None):
         resume_step = args.resume_from_step if args.resume_from_step >= 0 else ckpt.latest_step()
         if resume_step is None:
             sys.exit(f"error: --resume: no checkpoint in {out_dir} yet")
-    data_state, loop = None, {"min_val_bpb": float("inf"), "smooth_train_loss": 0.0, "total_training_time": 0.0, "val_bpb": None}
+    data_states, loop = None, {"min_val_bpb": float("inf"), "smooth_train_loss": 0.0, "total_training_time": 0.0, "val_bpb": None}
     if resume_step is not None:
         model = abstract_model
         optimizer = nnx.eval_shape(make_optimizer, abstract_model)
@@ -197,7 +197,7 @@ def main(argv=None):
         saved_cfg = info["meta"].get("model_config")
         if saved_cfg != config.to_dict():
             sys.exit(f"error: checkpoint config {saved_cfg} differs from the flags' config {config.to_dict()}")
-        step, data_state, loop = info["step"], info["data_state"], info["meta"]["loop_state"]
+        step, data_states, loop = info["step"], info["data_states"], info["meta"]["loop_state"]
         print0(f"resumed from step {step} of {out_dir}")
         if is_main_process():  # drop metrics logged after the checkpoint, they will be redone
             rows = [r for r in read_jsonl(metrics_path) if r["step"] <= step]
@@ -215,7 +215,7 @@ def main(argv=None):
     # Data
 
     try:
-        train_loader = make_loader(tokenizer, global_batch, args.max_seq_len, "train", mesh=mesh, state=data_state, data_dir=args.source)
+        train_loader = make_loader(tokenizer, global_batch, args.max_seq_len, "train", mesh=mesh, state=data_states, data_dir=args.source)
     except (FileNotFoundError, ValueError) as e:
         sys.exit(f"error: {e}")
 

@@ -87,7 +87,8 @@ def test_two_processes_match_one_process(tiny_base_dir, capsys):
 @pytest.mark.slow
 def test_two_processes_data_parallel_read_disjoint_data(tiny_base_dir):
     """Mesh data=8: each process reads its own half of the documents and builds only its rows; training
-    runs to the end and the saved checkpoint holds both processes' loader states."""
+    runs to the end and the saved checkpoint holds both processes' loader states. Then one process resumes
+    the run and carries the data position over."""
     run_two_processes(tiny_base_dir, PRETRAIN + ARGS + ["--data", "8", "--device-batch-size", "1", "--model-tag", "dp"])
     r = rows(tiny_base_dir, "dp")
     losses = [x["loss"] for x in r if "loss" in x]
@@ -99,6 +100,19 @@ def test_two_processes_data_parallel_read_disjoint_data(tiny_base_dir):
     ckpt.close()
     assert len(states) == 2
     assert states[0]["shard"] == [0, 2] and states[1]["shard"] == [1, 2]
+    taken = sum(s["documents"] + s["pipeline"]["next_doc"] - len(s["pipeline"]["buffer"]) for s in states)
+
+    # one process resumes the two-process run: the documents the two readers still owed come first
+    from scripts.pretrain import main
+
+    main(ARGS + ["--data", "8", "--device-batch-size", "1", "--model-tag", "dp", "--resume", "--num-iterations", "6"])
+    ckpt = Checkpointer(str(tiny_base_dir / "base_checkpoints" / "dp"), async_save=False)
+    (state,) = ckpt.read_data_states(6)
+    ckpt.close()
+    owed = sum(hi - lo for lo, hi, _ in state["prefix"])
+    assert state["shard"] == [0, 1] and owed > 0 and state["first_epoch"] >= 2
+    assert state["documents"] == taken and state["pipeline"]["next_doc"] < owed  # still in the owed documents
+    assert [x["step"] for x in rows(tiny_base_dir, "dp") if "loss" in x] == list(range(1, 7))
 
 
 # -----------------------------------------------------------------------------
