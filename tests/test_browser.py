@@ -4,6 +4,7 @@ fit a phone's width. The model is scripted (see scripted_model) so the reply is 
 events are also checked over the WebSocket and the OpenAI API, which needs no browser."""
 
 import asyncio
+import concurrent.futures
 import json
 import os
 import shutil
@@ -81,7 +82,9 @@ def test_tool_events_over_websocket_and_openai(url):
                 events.append(json.loads(await ws.recv()))
             return events
 
-    events = asyncio.run(asyncio.wait_for(go(), 60))
+    # in a thread of its own: Playwright's sync API keeps an event loop running in this one once a page exists
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        events = pool.submit(asyncio.run, asyncio.wait_for(go(), 60)).result()
     assert [(e["kind"], e["text"]) for e in events if e["type"] == "tool"] == [("call", "3*7"), ("output", "21")]
     text = "".join(e["text"] for e in events if e["type"] == "token")
     assert text.startswith(" the sun the sun") and events[-1]["finish_reason"] == "length"

@@ -144,10 +144,12 @@ def test_multi_turn_history_and_reset(url):
     assert done3["usage"]["prompt_tokens"] == p1 and text3 == text1  # reset forgot it; greedy repeats itself
 
 
-def test_stop_ends_the_reply_and_keeps_it(url):
+def test_stop_ends_the_reply_and_keeps_it(url, scheduler, monkeypatch):
+    slow_decoding(monkeypatch, scheduler)  # the stop must arrive while the reply is still running
     async def go():
         async with chat(url) as ws:
-            await ws.send(json.dumps({"type": "message", "content": "Tell me everything", "max_tokens": 100}))
+            # seeded: this reply runs all 100 tokens when nobody stops it (a random seed may sample a stop token)
+            await ws.send(json.dumps({"type": "message", "content": "Tell me everything", "max_tokens": 100, "seed": 3}))
             first = await recv(ws)
             await ws.send(json.dumps({"type": "stop"}))
             events = [first]
