@@ -129,3 +129,11 @@ def tiny_base_dir(tiny_corpus, tmp_path, monkeypatch):
         (base / name).symlink_to(tiny_corpus / name, target_is_directory=True)
     monkeypatch.setenv("FLAXCHAT_BASE_DIR", str(base))
     return base
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """The test order's seed at the end of the run, even under -q (which hides pytest-randomly's header)."""
+    if config.pluginmanager.hasplugin("randomly") and not hasattr(config, "workerinput"):
+        seed = config.getoption("randomly_seed", None)
+        if isinstance(seed, int):
+            terminalreporter.write_line(f"test order: --randomly-seed={seed} replays it")
