@@ -121,8 +121,12 @@ class Linear(nnx.Module):
     def __init__(self, in_features, out_features, *, init, axes, rngs):
         self.weight = _param(init, rngs.params(), (out_features, in_features), axes)
 
-    def __call__(self, x):
-        return jnp.einsum("...i,oi->...o", x, self.weight[...].astype(x.dtype))
+    def __call__(self, x, out_dtype=None):
+        return jnp.einsum("...i,oi->...o", x, self.weight[...].astype(x.dtype), preferred_element_type=out_dtype)
+
+    def matrix(self):
+        """The (out, in) weight as a float array (flaxchat.quantize's int8 variant dequantizes here)."""
+        return self.weight[...]
 
 
 class Embedding(nnx.Module):
@@ -583,7 +587,7 @@ class GPT(nnx.Module):
         x = rms_norm(self.transformer.wte(idx, self.dtype))
         x = self._smear(x, None)
         x, _ = self._trunk(idx, x, cos, sin)
-        w = self.lm_head.weight[...]
+        w = self.lm_head.matrix()
         if targets is None:
             return _softcapped_logits(x.reshape(B * T, -1), w, self.config.vocab_size).reshape(B, T, -1)
         xf, tf = x.reshape(B * T, -1), targets.reshape(B * T).astype(jnp.int32)
@@ -628,9 +632,14 @@ class GPT(nnx.Module):
         )
         if logits_at is not None:
             x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)  # (B, 1, C)
-            return _softcapped_logits(x[:, 0], self.lm_head.weight[...], self.config.vocab_size), new_cache
-        logits = _softcapped_logits(x.reshape(B * T, -1), self.lm_head.weight[...], self.config.vocab_size)
-        return logits.reshape(B, T, -1), new_cache
+            return self._head(x[:, 0]), new_cache
+        return self._head(x.reshape(B * T, -1)).reshape(B, T, -1), new_cache
+
+    def _head(self, x):
+        """x (N, C) -> soft-capped fp32 logits (N, vocab), through the lm_head module so a quantized head
+        (flaxchat.quantize) applies its own matmul; the same numbers as _softcapped_logits for a float head."""
+        logits = self.lm_head(x, out_dtype=jnp.float32)[:, : self.config.vocab_size]
+        return SOFTCAP * jnp.tanh(logits / SOFTCAP)
 
     # --- accounting (nanochat's definitions) ---------------------------------
 

@@ -11,6 +11,7 @@ Communication of the compiled train step (nothing runs; works for any model size
 Generation (KV-cache engine; batch 1 and 32 are the usual points):
     python -m scripts.bench --what generate --depth 4 --max-seq-len 512 --window-pattern SSSL \
         --vocab-size 32768 --prompt-len 16 --max-new-tokens 256 --batch-size 1
+    (add --quantize bf16|int8 to decode from weight-only quantized matmul weights, as chat_cli/eval can)
 Data loader (needs a tokenizer and parquet shards in $FLAXCHAT_BASE_DIR):
     python -m scripts.bench --what data --device-batch-size 8 --max-seq-len 512
 The CPU suite (the shapes compared with nanochat; one JSON line per shape; the "real" row needs a tokenizer and
@@ -40,6 +41,7 @@ from flaxchat.common import (StepProfiler, compute_dtype, get_base_dir, parse_ar
                              quiet_library_logs)
 from flaxchat.config import GPTConfig, add_model_flags, config_from_flags
 from flaxchat.gpt import GPT, add_kernel_flags
+from flaxchat.quantize import add_quantize_flag, quantize_for_generation, weight_bytes
 
 
 def build_parser():
@@ -56,6 +58,7 @@ def build_parser():
     p.add_argument("--prompt-len", type=int, default=16, help="generation prompt tokens")
     p.add_argument("--max-new-tokens", type=int, default=256, help="generated tokens per row")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="compute dtype")
+    add_quantize_flag(p)
     p.add_argument("--show-ops", action="store_true", help="comms: list every collective (kind, shape, times, source op)")
     p.add_argument("--suite", choices=["cpu"], default=None,
                    help="train: run every shape of a suite (CPU_SUITE), one JSON line each; other flags still apply")
@@ -190,10 +193,11 @@ def bench_generate(args, mesh) -> dict:
     from flaxchat.engine import measure_generation
 
     config = make_config(args)
-    model = GPT(config, rngs=nnx.Rngs(0), dtype=compute_dtype(args.dtype))
+    model = quantize_for_generation(GPT(config, rngs=nnx.Rngs(0), dtype=compute_dtype(args.dtype)), args.quantize)
     out = measure_generation(model, batch_size=args.batch_size, prompt_len=args.prompt_len,
                              max_new_tokens=args.max_new_tokens)
-    return {"what": "generate", **out, "peak_mem_gb": peak_mem_gb()}
+    return {"what": "generate", **out, "quantize": args.quantize, "weight_mb": weight_bytes(model) / 2**20,
+            "peak_mem_gb": peak_mem_gb()}
 
 
 def bench_data(args, mesh) -> dict:

@@ -4,6 +4,7 @@
     python -m scripts.chat_cli -i rl                             # the RL model
     python -m scripts.chat_cli -p "What is 23*17?" -t 0          # one greedy reply, then exit
     python -m scripts.chat_cli -i base --model-tag d4 --step 2000 -t 0.8 -k 50
+    python -m scripts.chat_cli --quantize int8                   # int8 matmul weights: a quarter of fp32's memory
 
 In the chat, /clear starts a new conversation and /quit (or Ctrl-D) leaves. Tool calls appear dimmed as
 [python: ...] and their results as [output: ...]; the tool is the calculator, as in training and evaluation
@@ -19,6 +20,7 @@ import os
 import sys
 
 from flaxchat.common import parse_args
+from flaxchat.quantize import add_quantize_flag
 
 DIM, RESET = "\033[2m", "\033[0m"
 # How each part of an assistant message is shown; the brackets stand for the special tokens around it.
@@ -48,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="let tool calls run any Python in the sandbox (5 s limit), not only the calculator "
                         "(default: calculator only, as in training and evaluation)")
     p.add_argument("--no-color", action="store_true", help="plain text even on a terminal")
+    add_quantize_flag(p)
     return p
 
 
@@ -212,6 +215,7 @@ def main(argv=None) -> int:
     from flaxchat.checkpoint import load_model
     from flaxchat.common import enable_compilation_cache, get_base_dir
     from flaxchat.engine import Engine
+    from flaxchat.quantize import quantize_for_generation
 
     # compiled prefill/decode programs survive restarts, so a second session starts answering at once (also on CPU)
     enable_compilation_cache(os.path.join(get_base_dir(), "jax_cache"))
@@ -221,7 +225,7 @@ def main(argv=None) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"chat_cli: {e}", file=sys.stderr)
         return 1
-    engine = Engine(model, tokenizer, use_sandbox=args.sandbox)
+    engine = Engine(quantize_for_generation(model, args.quantize), tokenizer, use_sandbox=args.sandbox)
     if not args.prompt:
         print(f"loaded {args.source} model (step {meta.get('step', '?')}, {model.config.n_layer} layers)")
     run_chat(engine, tokenizer, args)

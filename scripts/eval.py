@@ -12,6 +12,7 @@ One GPU:
     python -m scripts.eval --model base --tasks core,bpb --batch-size 32      # a base model's full CORE
     python -m scripts.eval --model sft --tasks chat                            # ARC, MMLU, GSM8K, HumanEval, SpellingBee
     python -m scripts.eval --model rl --tasks gsm8k --num-samples 8 --temperature 1.0   # pass@8
+    python -m scripts.eval --model sft --tasks chat --quantize int8            # the same, from int8 matmul weights
 Many devices: the same command; bpb and CORE batches are split over every local device (--batch-size is global).
 
 --tasks: all | core | bpb | chat | a comma list of: bpb, core, mmlu, arc (both), arc-easy, arc-challenge, gsm8k,
@@ -33,6 +34,7 @@ import jax
 from flaxchat import chat_eval, core_eval
 from flaxchat.checkpoint import find_model_tag, load_model
 from flaxchat.common import compute_dtype, get_base_dir, is_main_process, is_out_of_memory, parse_args, print0
+from flaxchat.quantize import add_quantize_flag, quantize_for_generation
 from tasks import offline
 
 CHAT_NAMES = {"mmlu": "MMLU", "arc-easy": "ARC-Easy", "arc-challenge": "ARC-Challenge", "gsm8k": "GSM8K",
@@ -63,6 +65,7 @@ def build_parser():
     p.add_argument("--data-source", type=str, default="auto", choices=["auto", "hub", "offline"],
                    help="where chat tasks read their rows (Hugging Face hub, or the offline packs, fetched on first use)")
     p.add_argument("--dtype", type=str, default=None, choices=["float32", "bfloat16"], help="compute dtype")
+    add_quantize_flag(p)  # every task then runs the quantized model (bpb and CORE too), to measure what it costs
     return p
 
 
@@ -254,8 +257,10 @@ def main(argv=None) -> int:
     except (FileNotFoundError, ValueError) as e:
         print0(f"error: {e}")
         return 1
+    model = quantize_for_generation(model, args.quantize)
     model_tag = args.model_tag or find_model_tag(args.model)  # the tag load_model picked
-    print0(f"Evaluating {args.model} model {model_tag} step {meta.get('step')} on: {', '.join(tasks)}")
+    quantized = "" if args.quantize == "none" else f" ({args.quantize} weights)"
+    print0(f"Evaluating {args.model} model {model_tag} step {meta.get('step')}{quantized} on: {', '.join(tasks)}")
 
     rows, failures, out_of_memory, core, fetch_failures = {}, {}, {}, None, {}
     for name in tasks:

@@ -1,0 +1,125 @@
+"""Weight-only quantization for generation: int8 state is int8 with per-output-channel scales, quantized logits
+stay close to fp32's (full and cached forwards), greedy generation mostly agrees, sharded == unsharded, the Engine
+runs it, bad modes are refused."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from flaxchat import engine as E
+from flaxchat import sharding
+from flaxchat.config import GPTConfig
+from flaxchat.gpt import GPT, Linear
+from flaxchat.quantize import MODES, Int8Linear, quantize_for_generation, weight_bytes
+from flaxchat.tokenizer import Tokenizer
+
+CONFIG = GPTConfig(sequence_len=128, vocab_size=512, n_layer=2, n_head=2, n_kv_head=2, n_embd=64)
+
+
+def make_model(config=CONFIG, seed=0):
+    """A GPT filled from numpy (faster than compiling nanochat's init, and no projection left at zero): matrices
+    N(0, 1/fan_in) so every matmul keeps its input's scale, the per-layer scalars N(0, 0.1)."""
+    model = nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0), dtype=jnp.float32))
+    rng = np.random.default_rng(seed)
+    fill = lambda x: jnp.asarray(rng.normal(0.0, x.shape[-1] ** -0.5 if x.ndim == 2 else 0.1, x.shape), jnp.float32)
+    nnx.update(model, jax.tree.map(fill, nnx.state(model)))
+    return model
+
+
+def rel_err(a, b):
+    return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+
+
+@pytest.fixture(scope="module")
+def idx():
+    return jnp.asarray(np.random.default_rng(1).integers(0, CONFIG.vocab_size, (2, 48)), jnp.int32)
+
+
+@pytest.fixture(scope="module")
+def reference(idx):
+    return make_model()(idx)
+
+
+def test_int8_state_has_int8_weights_and_per_channel_scales():
+    model = quantize_for_generation(make_model(), "int8")
+    quantized = [(p, m) for p, m in nnx.iter_modules(model) if isinstance(m, Int8Linear)]
+    names = {p[-1] for p, _ in quantized}
+    assert names == {"c_q", "c_k", "c_v", "c_proj", "c_fc", "lm_head"}
+    assert len(quantized) == 6 * CONFIG.n_layer + 1  # q, k, v, attn proj, fc, mlp proj per block + lm_head
+    for _, m in quantized:
+        assert m.weight.dtype == jnp.int8 and m.scale.dtype == jnp.float32
+        assert m.scale.shape == (m.weight.shape[0],)  # one scale per output channel
+        assert int(jnp.max(jnp.abs(m.weight[...].astype(jnp.int32)))) >= 127  # absmax maps onto the full range
+    # embeddings and the small gates are left as they were
+    assert model.transformer.wte.weight.dtype == jnp.float32
+    assert type(model.smear_gate) is Linear and model.smear_gate.weight.dtype == jnp.float32
+    assert weight_bytes(model) < weight_bytes(make_model())
+
+
+def test_int8_dequantizes_to_the_weight():
+    ref = make_model()
+    model = quantize_for_generation(make_model(), "int8")
+    w, q = ref.transformer.h[0].mlp.c_fc.matrix(), model.transformer.h[0].mlp.c_fc
+    step = q.scale[...][:, None]  # one quantization step per output row
+    assert bool(jnp.allclose(step, jnp.max(jnp.abs(w), axis=1, keepdims=True) / 127.5))  # symmetric absmax
+    assert bool(jnp.all(jnp.abs(q.matrix() - w) <= step / 2 + 1e-6))  # rounding error at most half a step
+
+
+# int8 per-channel rounding adds ~0.6% relative error per matmul at these 64..256-wide rows (step/sqrt(12) over a
+# row's rms); 13 independent matmuls compound it to ~2.2% in the logits. bf16 adds ~0.2% per matmul.
+@pytest.mark.parametrize("mode,tol", [("none", 0.0), ("bf16", 0.01), ("int8", 0.03)])
+def test_logits_close_to_fp32(idx, reference, mode, tol):
+    model = quantize_for_generation(make_model(), mode)
+    logits = model(idx)
+    assert rel_err(logits, reference) <= tol
+    cached, _ = model.forward_cached(idx, model.init_cache(idx.shape[0], CONFIG.sequence_len))
+    assert rel_err(cached, logits) < 1e-5  # the cached path uses the same quantized matmuls
+    # teacher-forced next-token choices agree almost everywhere
+    agree = float(jnp.mean(jnp.argmax(logits, -1) == jnp.argmax(reference, -1)))
+    assert agree >= 0.9
+
+
+@pytest.mark.parametrize("mode", ["bf16", "int8"])
+def test_greedy_generation_mostly_agrees(mode):
+    prompts = [[1, 2, 3, 4], [50, 60, 70]]
+    want = E.generate(make_model(), prompts, 8, temperature=0.0)
+    got = E.generate(quantize_for_generation(make_model(), mode), prompts, 8, temperature=0.0)
+    agree = sum(a == b for w, g in zip(want, got) for a, b in zip(w, g))
+    assert agree >= 12  # of 16: a near-tie may flip a token and the continuation after it
+
+
+@pytest.mark.eight_devices
+def test_int8_sharded_generation_equals_unsharded():
+    prompts = [[1, 2, 3, 4], [50, 60, 70]]
+    want = E.generate(quantize_for_generation(make_model(), "int8"), prompts, 8, temperature=0.0)
+    mesh = sharding.make_mesh(data=2, tensor=4)
+    # quantized after sharding (scripts.eval's order) and sharded after quantizing: the scales follow the rows
+    first = quantize_for_generation(sharding.shard_model(make_model(), mesh), "int8")
+    second = sharding.shard_model(quantize_for_generation(make_model(), "int8"), mesh)
+    assert second.lm_head.scale[...].sharding.spec == P("tensor")
+    for model in (first, second):
+        assert E.generate(model, prompts, 8, temperature=0.0) == want
+
+
+def test_engine_generates_with_the_int8_model():
+    tok = Tokenizer.train_from_iterator(iter(["The cat sat on the mat. 2+2 is 4.\n" * 20]), 300)
+    config = GPTConfig(sequence_len=64, vocab_size=tok.get_vocab_size(), n_layer=2, n_head=2, n_kv_head=2,
+                       n_embd=64)
+    model = quantize_for_generation(make_model(config), "int8")
+    engine = E.Engine(model, tok)
+    prompt = tok.encode("The cat", prepend=tok.get_bos_token_id())
+    sequences, masks = engine.generate_batch(prompt, num_samples=2, max_tokens=6, temperature=1.0, seed=0)
+    assert len(sequences) == 2 and all(len(s) > len(prompt) for s in sequences)
+    assert all(0 <= t < config.vocab_size for s in sequences for t in s)
+    # cast_for_compute casts floating parameters only: the int8 weights reach the compiled programs as int8
+    params = E.in_compute_dtype(nnx.state(model, nnx.Param), jnp.bfloat16)
+    assert params["lm_head"]["weight"].dtype == jnp.int8
+
+
+def test_bad_mode_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown quantize mode 'int4'; choose one of none, bf16, int8"):
+        quantize_for_generation(make_model(), "int4")
+    assert MODES == ("none", "bf16", "int8")
