@@ -37,6 +37,7 @@ import collections
 import dataclasses
 import functools
 import logging
+import os
 import threading
 import time
 from typing import Callable
@@ -71,6 +72,7 @@ class Request:
     temperature: float = 1.0
     top_k: int = 0  # 0: sample from the whole vocabulary
     seed: int = 0
+    top_p: float = 1.0  # nucleus sampling: keep the smallest set of tokens holding this much probability
     # Filled in as the request runs (read them after its "done" event).
     parts: list = dataclasses.field(default_factory=list)  # the reply as assistant-message parts
     tokens: list = dataclasses.field(default_factory=list)  # every generated id, forced tool output included
@@ -212,6 +214,7 @@ class Controls:
     seed: jax.Array  # int32
     temperature: jax.Array  # float32; 0 = greedy
     top_k: jax.Array  # int32; 0 = no cut
+    top_p: jax.Array  # float32; 1 = no nucleus cut
     push: jax.Array  # bool: give this slot a new forced queue before the chunk
     push_queue: jax.Array  # (N, F) int32
     push_len: jax.Array  # int32
@@ -256,11 +259,22 @@ def _inverse_cdf(scaled, u, block: int = 128):
     return b * block + j
 
 
-def sample_rows(logits, keys, temperature, top_k):
-    """One token per row of logits (B, V), each row with its own temperature (0 = greedy) and top_k (0 = all).
+def _nucleus_threshold(scaled, top_p):
+    """Each row's smallest kept value under nucleus sampling (Holtzman et al. 2019, arXiv:1904.09751): the
+    tokens whose probability mass above them is below top_p (so the top token is always kept)."""
+    s = -jnp.sort(-scaled, axis=-1)  # (B, V) largest first; a full sort, paid only when some row asks
+    p = jax.nn.softmax(s, axis=-1)
+    above = jnp.cumsum(p, axis=-1) - p
+    return jnp.min(jnp.where(above < top_p[:, None], s, jnp.inf), axis=-1)
+
+
+def sample_rows(logits, keys, temperature, top_k, top_p=None):
+    """One token per row of logits (B, V), each row with its own temperature (0 = greedy), top_k (0 = all)
+    and top_p (1 = all).
 
     Non-greedy rows draw by inverse CDF from softmax(logits / t) restricted to the row's top_k logits
-    (ties at the k-th value are kept). top_k larger than MAX_TOP_K is cut to it.
+    (ties at the k-th value are kept), then to its nucleus of mass top_p. top_k larger than MAX_TOP_K is
+    cut to it. The nucleus needs a sort, so it runs only when a sampled row has top_p < 1.
     """
     B, V = logits.shape
     x = jnp.pad(logits, ((0, 0), (0, (-V) % 128)), constant_values=-jnp.inf)  # whole blocks; padding never drawn
@@ -276,6 +290,11 @@ def sample_rows(logits, keys, temperature, top_k):
     thr = jax.lax.switch(branch, [lambda: jnp.full((B,), -jnp.inf)] + [threshold(k) for k in tiers])
     t = jnp.where(greedy, 1.0, temperature)[:, None]
     scaled = jnp.where(x >= thr[:, None], x / t, -jnp.inf)
+    if top_p is not None:
+        cut = ~greedy & (top_p < 1.0)
+        pthr = jax.lax.cond(jnp.any(cut), lambda: jnp.where(cut, _nucleus_threshold(scaled, top_p), -jnp.inf),
+                            lambda: jnp.full((B,), -jnp.inf))
+        scaled = jnp.where(scaled >= pthr[:, None], scaled, -jnp.inf)
     u = jax.vmap(lambda k: jax.random.uniform(k, ()))(keys)
     drawn = _inverse_cdf(scaled, u)
     # rounding at the very top of the CDF could land on a zero-probability entry: take the argmax then
@@ -321,7 +340,7 @@ def _decode(graphdef, params, state: SlotState, ctl: Controls, limit, *, rows, s
     forced_pos = jnp.where(ctl.push, 0, state.forced_pos)
     r = slice(0, rows)
     f_queue, f_len = forced[r], forced_len[r]
-    temperature, top_k, remaining = ctl.temperature[r], ctl.top_k[r], ctl.remaining[r]
+    temperature, top_k, top_p, remaining = ctl.temperature[r], ctl.top_k[r], ctl.top_p[r], ctl.remaining[r]
     base = jax.random.key(0)
     seeds, offsets = ctl.seed[r], ctl.offset[r]
     stops = jnp.asarray(stop_tokens, jnp.int32)
@@ -334,7 +353,7 @@ def _decode(graphdef, params, state: SlotState, ctl: Controls, limit, *, rows, s
     def body(c):
         cache, logits, f_pos, out, step, live, _ = c
         keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.fold_in(base, s), n))(seeds, offsets + step)
-        sampled = sample_rows(logits, keys, temperature, top_k)
+        sampled = sample_rows(logits, keys, temperature, top_k, top_p)
         is_forced = f_pos < f_len
         token = jnp.where(is_forced, f_queue[row_ids, jnp.minimum(f_pos, f_queue.shape[1] - 1)], sampled)
         new_logits, new_cache = model.forward_cached(token[:, None], cache)
@@ -356,6 +375,19 @@ def _decode(graphdef, params, state: SlotState, ctl: Controls, limit, *, rows, s
 
 
 _PROGRAMS: list = []  # [(graphdef, (prefill, decode))], most recent last
+
+
+_SCORERS: list = []
+
+
+def _score_program(graphdef):
+    """The jitted log_softmax(model(x)) for a graphdef (found by equality, like _programs)."""
+    for g, f in _SCORERS:
+        if g == graphdef:
+            return f
+    f = jax.jit(lambda params, x: jax.nn.log_softmax(nnx.merge(graphdef, params)(x).astype(jnp.float32), axis=-1))
+    _SCORERS.append((graphdef, f))
+    return f
 
 
 def _programs(graphdef):
@@ -380,6 +412,41 @@ def batch_rows(highest_slot: int, slots: int) -> int:
 
 # -----------------------------------------------------------------------------
 # The scheduler
+
+
+def available_memory() -> int | None:
+    """Bytes the KV cache may come from: the first device's free memory on an accelerator (when it reports
+    memory_stats), else the machine's physical memory; None if neither is known."""
+    device = jax.devices()[0]
+    if device.platform != "cpu":
+        try:
+            stats = device.memory_stats() or {}
+        except Exception:  # some backends do not implement it
+            stats = {}
+        if "bytes_limit" in stats:
+            return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def auto_slots(model, capacity: int | None = None, memory: int | None = None, fraction: float = 0.25,
+               most: int = 32) -> tuple[int, str]:
+    """Slots for a server: the largest power of two up to `most` whose KV cache stays under `fraction` of the
+    available memory -> (slots, a sentence saying why). Per slot the cache holds K and V for every layer:
+    2 * n_layer * capacity * n_kv_head * head_dim * dtype bytes."""
+    c = model.config
+    capacity = capacity or c.sequence_len
+    per_slot = 2 * c.n_layer * capacity * c.n_kv_head * c.head_dim * jnp.dtype(model.dtype).itemsize
+    memory = available_memory() if memory is None else memory
+    if memory is None:
+        return 8, f"{8} slots (memory size unknown; {per_slot / 2**20:.1f} MiB of KV cache per slot)"
+    slots = 1
+    while slots * 2 <= most and slots * 2 * per_slot <= fraction * memory:
+        slots *= 2
+    return slots, (f"{slots} slots: {per_slot / 2**20:.1f} MiB of KV cache each, {slots * per_slot / 2**30:.2f} GiB "
+                   f"of {memory / 2**30:.1f} GiB available")
 
 
 class QueueFull(Exception):
@@ -436,6 +503,8 @@ class Scheduler:
             raise ValueError(f"a {len(request.prompt)}-token prompt leaves no room in the {self.capacity}-token context")
         request.max_tokens = max(0, min(request.max_tokens, self.capacity - len(request.prompt)))
         request.top_k = min(max(int(request.top_k), 0), MAX_TOP_K)
+        if not 0.0 < request.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {request.top_p}")
         with self._lock:
             if self._closing:
                 raise RuntimeError("the scheduler is shutting down")
@@ -448,6 +517,21 @@ class Scheduler:
     def cancel(self, request: Request) -> None:
         request.cancel()
         self._wake.set()
+
+    def score(self, ids: list[int], top: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """One forward pass over ids -> (logprob of each token given those before it, (T,), the first NaN;
+        the `top` likeliest tokens at each position (T, top) and their logprobs). Any thread may call it: it
+        reads the parameters and calls a jitted function, which JAX serialises with the scheduler's own calls."""
+        if not 0 < len(ids) <= self.capacity:
+            raise ValueError(f"a scored prompt needs 1..{self.capacity} tokens, got {len(ids)}")
+        T = min(self.capacity, 1 << (len(ids) - 1).bit_length())  # padded to a power of two: few compilations
+        x = np.zeros((1, T), np.int32)
+        x[0, : len(ids)] = ids
+        logp = np.asarray(_score_program(nnx.split(self.model)[0])(self.params, jnp.asarray(x)))[0, : len(ids)]
+        chosen = np.full(len(ids), np.nan, np.float32)
+        chosen[1:] = logp[np.arange(len(ids) - 1), ids[1:]]
+        alt = np.argsort(-logp[:, :], axis=-1, kind="stable")[:, :top] if top else np.zeros((len(ids), 0), int)
+        return chosen, alt[:-1], np.take_along_axis(logp, alt, axis=-1)[:-1]
 
     def stats(self) -> dict:
         with self._lock:
@@ -545,16 +629,17 @@ class Scheduler:
         N = self.slots
         active, remaining, offset = np.zeros(N, bool), np.zeros(N, np.int32), np.zeros(N, np.int32)
         seed, temperature, top_k = np.zeros(N, np.int32), np.zeros(N, np.float32), np.zeros(N, np.int32)
+        top_p = np.ones(N, np.float32)
         push, queue, qlen = np.zeros(N, bool), np.zeros((N, FORCED_CAPACITY), np.int32), np.zeros(N, np.int32)
         for i, req in enumerate(self._active):
             if req is None:
                 continue
             active[i], remaining[i], offset[i] = True, req.max_tokens - req.completion_tokens, req.completion_tokens
-            seed[i], temperature[i], top_k[i] = req.seed % 2**31, req.temperature, req.top_k
+            seed[i], temperature[i], top_k[i], top_p[i] = req.seed % 2**31, req.temperature, req.top_k, req.top_p
         for i, tokens in pushes.items():
             push[i], queue[i, : len(tokens)], qlen[i] = True, tokens, len(tokens)
         return Controls(active=active, remaining=remaining, offset=offset, seed=seed, temperature=temperature,
-                        top_k=top_k, push=push, push_queue=queue, push_len=qlen)
+                        top_k=top_k, top_p=top_p, push=push, push_queue=queue, push_len=qlen)
 
     def _decode_chunk(self, highest: int, limit: int) -> None:
         rows = batch_rows(highest, self.slots)

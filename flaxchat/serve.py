@@ -5,9 +5,11 @@ this module only speaks the protocols, keeps each WebSocket's conversation, and 
 
 Routes
     GET  /                      the chat page
-    GET  /health                {"status": "ok", "slots", "active", "queued", "connections", counters...}
+    GET  /health                {"status": "ok", "slots", "active", "queued", "utilisation" (active / slots),
+                                 "connections", counters...}
     GET  /v1/models             OpenAI model list (one model)
     POST /v1/chat/completions   OpenAI chat completions; "stream": true answers with server-sent events
+    POST /v1/completions        OpenAI legacy completions (no streaming); echo + logprobs + max_tokens 0 scores a prompt
     WS   /ws                    the chat protocol below
 
 WebSocket protocol (JSON text frames). The server keeps the conversation of each connection.
@@ -28,7 +30,11 @@ WebSocket protocol (JSON text frames). The server keeps the conversation of each
     too_many_connections (then the socket closes with code 1013).
 
 Limits (ServeConfig): prompt tokens, new tokens per reply, concurrent connections (WebSockets + in-flight HTTP
-completions), message/body bytes, and requests per minute per client address (a token bucket).
+completions), message/body bytes, and requests per minute per client address (a token bucket; loopback clients
+are exempt unless ServeConfig.limit_loopback).
+
+The OpenAI endpoint honours temperature, top_p, top_k, seed, max_tokens / max_completion_tokens, n, stop and
+stream_options.include_usage; OpenAI's other request fields are accepted and ignored.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import importlib.resources
+import ipaddress
 import json
 import logging
 import threading
@@ -64,6 +71,7 @@ class ServeConfig:
     max_message_bytes: int = 32 * 1024  # one WebSocket frame or one HTTP body
     rate_limit: float = 30.0  # generation requests per minute per client address; 0 turns it off
     rate_burst: int = 10
+    limit_loopback: bool = False  # loopback clients (127.0.0.1, ::1: this machine's own user) skip the rate limit
 
 
 # -----------------------------------------------------------------------------
@@ -94,34 +102,58 @@ class WsReset(_Strict):
 CLIENT_MESSAGE = TypeAdapter(Annotated[Union[WsMessage, WsStop, WsReset], Field(discriminator="type")])
 
 
-class ContentPart(_Strict):
+class _OpenAI(BaseModel):
+    """OpenAI's request shapes: fields this server does not use (presence_penalty, logit_bias, user, store,
+    metadata...) are accepted and ignored, as clients send them routinely; the fields it uses stay strict."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+MAX_CHOICES = 8  # most choices (`n`) one request may ask for: each takes a scheduler slot
+MAX_STOPS = 4  # as OpenAI
+
+
+class ContentPart(_OpenAI):
     type: Literal["text", "python", "python_output"]  # python parts: flaxchat's tool calls, for round trips
     text: str
 
 
-class ChatMessage(_Strict):
+class ChatMessage(_OpenAI):
     role: Literal["system", "user", "assistant"]
     content: str | list[ContentPart]
     name: str | None = None
 
 
-class StreamOptions(_Strict):
+class StreamOptions(_OpenAI):
     include_usage: bool = False
 
 
-class ChatCompletionRequest(_Strict):
+class ResponseFormat(_OpenAI):
+    type: Literal["text"]  # json_object / json_schema cannot be honoured, so they are refused
+
+
+class ChatCompletionRequest(_OpenAI):
     messages: list[ChatMessage] = Field(min_length=1)
     model: str | None = None  # any name is accepted; this server has one model
     stream: bool = False
     stream_options: StreamOptions | None = None
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_k: int | None = Field(None, ge=0, le=MAX_TOP_K)  # not OpenAI's, but nanochat's main knob
-    top_p: float | None = Field(None, ge=1.0, le=1.0)  # accepted only as 1 (no nucleus cut here)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
     max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name; wins over max_tokens
     seed: int | None = Field(None, ge=0, lt=2**63)
-    n: int = Field(1, ge=1, le=1)
-    user: str | None = None
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
+    stop: str | list[str] | None = None
+    logprobs: Literal[False] | None = None  # per-token log-probabilities are not returned by this endpoint
+    tools: list[dict] | None = Field(None, max_length=0)  # the model calls only its own calculator
+    response_format: ResponseFormat | None = None
+
+    def stops(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stops) > MAX_STOPS or any(not x for x in stops):
+            raise ClientError("invalid_message", f"stop: at most {MAX_STOPS} non-empty strings")
+        return stops
 
 
 def describe_errors(error: ValidationError) -> str:
@@ -187,6 +219,13 @@ class RateLimiter:
         return 0.0
 
 
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # "unknown", a test client's name
+        return False
+
+
 class ChatServer:
     """Shared state of one app: the scheduler, the limits, the connection count."""
 
@@ -208,18 +247,20 @@ class ChatServer:
         self.connections -= 1
 
     def check_rate(self, client: str) -> None:
+        if not self.config.limit_loopback and is_loopback(client):
+            return
         wait = self.limiter.check(client)
         if wait > 0:
             raise ClientError("rate_limited", f"too many requests; try again in {wait:.1f} s", 429)
 
-    def sampling(self, temperature, top_k, max_tokens, seed) -> dict:
+    def sampling(self, temperature, top_k, max_tokens, seed, top_p=None) -> dict:
         c = self.config
         if max_tokens is not None and max_tokens > self.max_new_tokens:
             raise ClientError("invalid_message", f"max_tokens: at most {self.max_new_tokens} new tokens per reply")
         return dict(temperature=c.default_temperature if temperature is None else temperature,
                     top_k=c.default_top_k if top_k is None else top_k,
                     max_tokens=min(c.default_max_tokens, self.max_new_tokens) if max_tokens is None else max_tokens,
-                    seed=new_seed() if seed is None else seed)
+                    seed=new_seed() if seed is None else seed, top_p=1.0 if top_p is None else top_p)
 
     def render(self, messages: list[dict], drop_old: bool) -> tuple[list[int], int]:
         """Prompt ids for the reply to `messages` -> (ids, messages dropped). With drop_old, the oldest
@@ -416,6 +457,84 @@ class HeldStream(StreamingResponse):
             self.server.release()
 
 
+class StopFilter:
+    """One choice's text with OpenAI's `stop` strings: the reply ends before the first occurrence of any.
+    Text that could still be the start of a stop string is held back until the next piece decides it."""
+
+    def __init__(self, stops: list[str]):
+        self.stops, self.held, self.stopped = stops, "", False
+
+    def feed(self, text: str) -> str:
+        """The text that is safe to send now."""
+        if self.stopped or not self.stops:
+            return "" if self.stopped else text
+        self.held += text
+        cut = min((i for i in (self.held.find(x) for x in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self.stopped, out, self.held = True, self.held[:cut], ""
+            return out
+        keep = max((k for x in self.stops for k in range(1, len(x)) if self.held.endswith(x[:k])), default=0)
+        out, self.held = self.held[: len(self.held) - keep], self.held[len(self.held) - keep:]
+        return out
+
+    def flush(self) -> str:
+        out, self.held = self.held, ""
+        return out
+
+
+class Choices:
+    """The n scheduler requests behind one OpenAI completion, their stop filters and finish reasons."""
+
+    def __init__(self, server: ChatServer, jobs: list[Request], stops: list[str]):
+        self.server, self.jobs = server, jobs
+        self.filters = [StopFilter(stops) for _ in jobs]
+        self.reasons: list[str | None] = [None] * len(jobs)
+
+    def handle(self, index: int, event: dict) -> tuple[str, bool]:
+        """An event of choice `index` -> (text to send, whether the choice just ended)."""
+        f = self.filters[index]
+        if self.reasons[index] is not None:
+            return "", False  # after a stop string: the cancelled request's stragglers
+        if event["type"] == "done":
+            self.reasons[index] = self.jobs[index].finish_reason
+            return f.flush(), True
+        text = f.feed(reply_text(event))
+        if f.stopped:
+            self.reasons[index] = "stop"
+            self.server.scheduler.cancel(self.jobs[index])
+            return text, True
+        return text, False
+
+    @property
+    def done(self) -> bool:
+        return all(r is not None for r in self.reasons)
+
+    def usage(self) -> dict:
+        prompt = len(self.jobs[0].prompt)  # counted once, as OpenAI does for n > 1
+        completion = sum(j.completion_tokens for j in self.jobs)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def cancel_unfinished(self) -> None:
+        for job in self.jobs:
+            if not job.finished:
+                self.server.scheduler.cancel(job)
+
+
+def submit_choices(server: ChatServer, prompt: list[int], settings: dict, n: int, seeded: bool,
+                   events: asyncio.Queue) -> list[Request]:
+    """n scheduler requests for one prompt, seeds seed+i when the client gave a seed (all or none are queued)."""
+    jobs = []
+    try:
+        for i in range(n):
+            seed = settings["seed"] + i if seeded else (settings["seed"] if i == 0 else new_seed())
+            jobs.append(server.submit(prompt, {**settings, "seed": seed % 2**63}, thread_emitter(events, i)))
+    except ClientError:
+        for job in jobs:
+            server.scheduler.cancel(job)
+        raise
+    return jobs
+
+
 async def completions(server: ChatServer, request: HTTPRequest):
     """POST /v1/chat/completions. Returns a JSONResponse, or a StreamingResponse of SSE chunks."""
     try:
@@ -424,70 +543,178 @@ async def completions(server: ChatServer, request: HTTPRequest):
             req = ChatCompletionRequest.model_validate(data)
         except ValidationError as e:
             raise ClientError("invalid_message", describe_errors(e)) from None
-        settings = server.sampling(req.temperature, req.top_k, req.max_completion_tokens or req.max_tokens, req.seed)
+        stops = req.stops()
+        settings = server.sampling(req.temperature, req.top_k, req.max_completion_tokens or req.max_tokens, req.seed,
+                                   req.top_p)
         prompt, _ = server.render(openai_messages(req), drop_old=False)
         server.check_rate(request.client.host if request.client else "unknown")
         events: asyncio.Queue = asyncio.Queue()
-        job = server.submit(prompt, settings, thread_emitter(events))
+        choices = Choices(server, submit_choices(server, prompt, settings, req.n, req.seed is not None, events), stops)
     except ClientError as e:
         return openai_error(e)
     meta = {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "object": "", "created": int(time.time()),
             "model": server.config.model_name}  # "object" is filled in per response, keeping OpenAI's key order
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return HeldStream(server, _sse(server, job, events, meta, include_usage), media_type="text/event-stream",
+        return HeldStream(server, _sse(choices, events, meta, include_usage), media_type="text/event-stream",
                           headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    return await _collect(server, request, job, events, meta)
+    return await _collect(request, choices, events, meta)
 
 
-async def _collect(server, request, job, events, meta):
-    text = []
+async def _collect(request, choices: Choices, events, meta):
+    texts = [[] for _ in choices.jobs]
     try:
-        while True:
+        while not choices.done:
             try:
-                _, event = await asyncio.wait_for(events.get(), timeout=1.0)
+                index, event = await asyncio.wait_for(events.get(), timeout=1.0)
             except asyncio.TimeoutError:
                 if await request.is_disconnected():
-                    server.scheduler.cancel(job)  # nobody is waiting for the answer: free the slot
-                    return JSONResponse({}, status_code=499)
+                    return JSONResponse({}, status_code=499)  # nobody is waiting: the finally frees the slots
                 continue
             if event["type"] == "error":
                 return openai_error(ClientError(event["reason"], event["message"], 500))
-            if event["type"] == "done":
-                break
-            text.append(reply_text(event))
+            texts[index].append(choices.handle(index, event)[0])
     finally:
-        if not job.finished:
-            server.scheduler.cancel(job)
-    choice = {"index": 0, "message": {"role": "assistant", "content": "".join(text)},
-              "finish_reason": job.finish_reason, "logprobs": None}
-    return JSONResponse({**meta, "object": "chat.completion", "choices": [choice], "usage": job.usage()})
+        choices.cancel_unfinished()
+    out = [{"index": i, "message": {"role": "assistant", "content": "".join(t)}, "finish_reason": reason,
+            "logprobs": None} for i, (t, reason) in enumerate(zip(texts, choices.reasons))]
+    return JSONResponse({**meta, "object": "chat.completion", "choices": out, "usage": choices.usage()})
 
 
-def _sse_chunk(meta: dict, delta: dict, finish_reason=None, **extra) -> str:
+def _sse_chunk(meta: dict, delta: dict, finish_reason=None, index: int = 0, **extra) -> str:
     chunk = {**meta, "object": "chat.completion.chunk",
-             "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}], **extra}
+             "choices": [{"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": None}], **extra}
     return f"data: {json.dumps(chunk)}\n\n"
 
 
-async def _sse(server, job, events, meta, include_usage):
+async def _sse(choices: Choices, events, meta, include_usage):
     try:
-        yield _sse_chunk(meta, {"role": "assistant", "content": ""})
-        while True:
-            _, event = await events.get()
+        for i in range(len(choices.jobs)):
+            yield _sse_chunk(meta, {"role": "assistant", "content": ""}, index=i)
+        while not choices.done:
+            index, event = await events.get()
             if event["type"] == "error":
                 yield f"data: {json.dumps({'error': {'message': event['message'], 'code': event['reason']}})}\n\n"
                 break
-            if event["type"] == "done":
-                yield _sse_chunk(meta, {}, job.finish_reason)
-                if include_usage:
-                    yield f"data: {json.dumps({**meta, 'object': 'chat.completion.chunk', 'choices': [], 'usage': job.usage()})}\n\n"
-                break
-            yield _sse_chunk(meta, {"content": reply_text(event)})
+            text, ended = choices.handle(index, event)
+            if text:
+                yield _sse_chunk(meta, {"content": text}, index=index)
+            if ended:
+                yield _sse_chunk(meta, {}, choices.reasons[index], index=index)
+        else:
+            if include_usage:
+                yield f"data: {json.dumps({**meta, 'object': 'chat.completion.chunk', 'choices': [], 'usage': choices.usage()})}\n\n"
         yield "data: [DONE]\n\n"
     finally:  # also runs when the client disconnects mid-stream (the response task is cancelled)
-        if not job.finished:
-            server.scheduler.cancel(job)
+        choices.cancel_unfinished()
+
+
+# -----------------------------------------------------------------------------
+# Legacy OpenAI completions (raw text in and out; lm-evaluation-harness scores prompts through it)
+
+
+class CompletionRequest(_OpenAI):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    model: str | None = None
+    max_tokens: int = Field(16, ge=0)  # OpenAI's default; 0 with echo scores the prompt only
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0, le=MAX_TOP_K)
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
+    stop: str | list[str] | None = None
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=5)
+    stream: Literal[False] = False  # TODO: streaming for the legacy endpoint
+
+    stops = ChatCompletionRequest.stops
+
+
+def legacy_prompts(server: ChatServer, req: CompletionRequest) -> list[tuple[str, list[int]]]:
+    """The request's prompts as (text, ids): text is encoded without BOS (send ids to choose the tokens)."""
+    p = req.prompt
+    items = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
+    if not items or any(len(x) == 0 for x in items):
+        raise ClientError("invalid_message", "prompt: give at least one non-empty prompt")
+    vocab = server.tokenizer.get_vocab_size()
+    out = []
+    for x in items:
+        ids = server.tokenizer.encode(x) if isinstance(x, str) else list(x)
+        if not ids or any(not 0 <= t < vocab for t in ids):
+            raise ClientError("invalid_message", f"prompt: token ids must be in 0..{vocab - 1}")
+        out.append((x if isinstance(x, str) else server.tokenizer.decode(ids), ids))
+    return out
+
+
+async def prompt_logprobs(server: ChatServer, ids: list[int], top: int) -> dict:
+    """OpenAI's legacy logprobs object for a prompt's tokens (the first has no logprob: nothing precedes it)."""
+    chosen, alt, alt_logp = await asyncio.to_thread(server.scheduler.score, ids, top)
+    decode = lambda t: server.tokenizer.decode([int(t)])
+    tokens = [decode(t) for t in ids]
+    offsets = [0]
+    for t in tokens[:-1]:
+        offsets.append(offsets[-1] + len(t))
+    tops = [None] + [{decode(a): float(v) for a, v in zip(row, vals)} for row, vals in zip(alt, alt_logp)]
+    return {"tokens": tokens, "token_logprobs": [None] + [float(x) for x in chosen[1:]],
+            "top_logprobs": tops if top else [None] + [{} for _ in ids[1:]], "text_offset": offsets}
+
+
+async def legacy_completions(server: ChatServer, request: HTTPRequest):
+    """POST /v1/completions: text completion of raw prompts; echo + logprobs + max_tokens 0 scores prompts."""
+    try:
+        data = parse_json(await read_body(request, server.config.max_message_bytes), server.config.max_message_bytes)
+        try:
+            req = CompletionRequest.model_validate(data)
+        except ValidationError as e:
+            raise ClientError("invalid_message", describe_errors(e)) from None
+        stops, prompts = req.stops(), legacy_prompts(server, req)
+        if req.logprobs is not None and req.max_tokens > 0:
+            raise ClientError("invalid_message", "logprobs: returned for the prompt only (echo with max_tokens 0)")
+        limit = server.max_prompt_tokens if req.max_tokens else server.scheduler.capacity
+        if any(len(ids) > limit for _, ids in prompts):
+            raise ClientError("prompt_too_long", f"a prompt is over the {limit}-token limit")
+        settings = server.sampling(req.temperature, req.top_k, req.max_tokens or None, req.seed, req.top_p)
+        server.check_rate(request.client.host if request.client else "unknown")
+        out, usage = [], {"prompt_tokens": sum(len(ids) for _, ids in prompts), "completion_tokens": 0}
+        for p, (text, ids) in enumerate(prompts):
+            logprobs = await prompt_logprobs(server, ids, req.logprobs) if req.logprobs is not None and req.echo \
+                else None
+            if req.max_tokens == 0:
+                replies, reasons = [""] * req.n, ["length"] * req.n
+            else:
+                events: asyncio.Queue = asyncio.Queue()
+                choices = Choices(server, submit_choices(server, ids, settings, req.n, req.seed is not None, events),
+                                  stops)
+                replies = await _gather(request, choices, events)
+                reasons = choices.reasons
+                usage["completion_tokens"] += choices.usage()["completion_tokens"]
+            for i, (reply, reason) in enumerate(zip(replies, reasons)):
+                out.append({"text": (text if req.echo else "") + reply, "index": p * req.n + i,
+                            "logprobs": logprobs if req.logprobs is not None else None, "finish_reason": reason})
+    except ClientError as e:
+        return openai_error(e)
+    usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+    return JSONResponse({"id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion",
+                         "created": int(time.time()), "model": server.config.model_name, "choices": out,
+                         "usage": usage})
+
+
+async def _gather(request, choices: Choices, events) -> list[str]:
+    texts = [[] for _ in choices.jobs]
+    try:
+        while not choices.done:
+            try:
+                index, event = await asyncio.wait_for(events.get(), timeout=1.0)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    raise ClientError("cancelled", "the client went away", 499) from None
+                continue
+            if event["type"] == "error":
+                raise ClientError(event["reason"], event["message"], 500)
+            texts[index].append(choices.handle(index, event)[0])
+    finally:
+        choices.cancel_unfinished()
+    return ["".join(t) for t in texts]
 
 
 # -----------------------------------------------------------------------------
@@ -519,8 +746,9 @@ def create_app(scheduler: Scheduler, tokenizer, config: ServeConfig | None = Non
 
     @app.get("/health")
     async def health():
+        stats = scheduler.stats()
         return {"status": "ok", "model": server.config.model_name, "connections": server.connections,
-                **scheduler.stats()}
+                "utilisation": round(stats["active"] / stats["slots"], 3), **stats}
 
     @app.get("/v1/models")
     async def models():
@@ -538,6 +766,15 @@ def create_app(scheduler: Scheduler, tokenizer, config: ServeConfig | None = Non
         finally:
             if not isinstance(response, HeldStream):  # a stream gives its connection back when it ends
                 server.release()
+
+    @app.post("/v1/completions")
+    async def text_completions(request: HTTPRequest):
+        if not server.acquire():
+            return openai_error(ClientError("too_many_connections", "the server is at its connection limit", 503))
+        try:
+            return await legacy_completions(server, request)
+        finally:
+            server.release()
 
     @app.websocket("/ws")
     async def chat_socket(ws: WebSocket):

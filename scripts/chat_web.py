@@ -2,7 +2,8 @@
 
     python -m scripts.chat_web                                    # latest SFT model at http://127.0.0.1:8000
     python -m scripts.chat_web -i rl --slots 16 --port 8080       # the RL model, 16 conversations at once
-    python -m scripts.chat_web --host 0.0.0.0 --max-connections 200 --rate-limit 20
+    python -m scripts.chat_web --host 0.0.0.0 --max-connections 200 --rate-limit 20   # expose it on the network
+    python -m scripts.chat_web --limit-everyone --rate-limit 10   # rate-limit this machine's own clients too
     python -m scripts.chat_web --random-init --depth 4            # an untrained model (tokenizer from the base dir)
     # measure: 1 and then 16 concurrent WebSocket clients against an in-process server; prints JSON, exits
     python -m scripts.chat_web --random-init --depth 4 --slots 16 --load-test 1,16 --load-tokens 128
@@ -42,7 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--depth", type=int, default=4, help="model depth for --random-init")
     p.add_argument("--seq-len", type=int, default=512, help="context length for --random-init")
     p.add_argument("--seed", type=int, default=0, help="parameter seed for --random-init")
-    p.add_argument("--slots", type=int, default=8, help="conversations generated at once (rows of the KV cache)")
+    p.add_argument("--slots", type=int, default=None,
+                   help="conversations generated at once (rows of the KV cache); default: the largest power of two "
+                        "up to 32 whose KV cache fits in a quarter of the free memory")
     p.add_argument("--chunk", type=int, default=8, help="decode steps per scheduler iteration")
     p.add_argument("--max-tokens", type=int, default=512, help="most new tokens one reply may ask for")
     p.add_argument("--default-max-tokens", type=int, default=256, help="new tokens when a request does not say")
@@ -51,7 +54,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-k", "--top-k", type=int, default=50, help="default top-k (0 = the whole vocabulary)")
     p.add_argument("--max-connections", type=int, default=64, help="open WebSockets + in-flight HTTP requests")
     p.add_argument("--max-message-bytes", type=int, default=32768, help="largest WebSocket frame / HTTP body")
-    p.add_argument("--rate-limit", type=float, default=30.0, help="requests per minute per client address (0 = off)")
+    p.add_argument("--rate-limit", type=float, default=30.0,
+                   help="requests per minute per client address (0 = off); loopback clients (127.0.0.1, ::1) are "
+                        "exempt unless --limit-everyone")
+    p.add_argument("--limit-everyone", action="store_true",
+                   help="apply --rate-limit to loopback clients too (e.g. behind a reverse proxy on this machine, "
+                        "where every client arrives from 127.0.0.1)")
     p.add_argument("--rate-burst", type=int, default=10, help="requests a client may send at once")
     p.add_argument("--no-warmup", action="store_true", help="compile lazily instead of before serving")
     p.add_argument("--load-test", default=None, help="comma-separated client counts: measure them and exit")
@@ -63,7 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
 def get_args(argv=None) -> argparse.Namespace:
     parser = build_parser()
     args = parse_args(parser, argv)
-    for name in ("slots", "chunk", "max_tokens", "default_max_tokens", "max_connections", "max_message_bytes",
+    if args.slots is not None and args.slots < 1:
+        parser.error(f"--slots must be >= 1, got {args.slots}")
+    for name in ("chunk", "max_tokens", "default_max_tokens", "max_connections", "max_message_bytes",
                  "depth", "seq_len", "load_tokens", "load_repeats", "rate_burst"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -169,7 +179,7 @@ def main(argv=None) -> int:
 
     from flaxchat.common import enable_compilation_cache, get_base_dir
 
-    from flaxchat.scheduler import Scheduler
+    from flaxchat.scheduler import Scheduler, auto_slots
     from flaxchat.serve import BackgroundServer, ServeConfig, create_app, uvicorn_config
 
     try:
@@ -181,6 +191,9 @@ def main(argv=None) -> int:
     enable_compilation_cache(os.path.join(get_base_dir(), "jax_cache"))
     c = model.config
     print(f"model {name}: {c.n_layer} layers, width {c.n_embd}, vocab {c.vocab_size}, context {c.sequence_len}")
+    if args.slots is None:
+        args.slots, why = auto_slots(model)
+        print(f"slots: {why} (--slots sets it)")
     scheduler = Scheduler(model, tokenizer, slots=args.slots, chunk=args.chunk)
     if not args.no_warmup:
         print(f"compiling for {args.slots} slots...", flush=True)
@@ -188,7 +201,8 @@ def main(argv=None) -> int:
     config = ServeConfig(model_name=name, max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_tokens,
                          default_max_tokens=args.default_max_tokens, default_temperature=args.temperature,
                          default_top_k=args.top_k, max_connections=args.max_connections,
-                         max_message_bytes=args.max_message_bytes, rate_limit=args.rate_limit, rate_burst=args.rate_burst)
+                         max_message_bytes=args.max_message_bytes, rate_limit=args.rate_limit, rate_burst=args.rate_burst,
+                         limit_loopback=args.limit_everyone)
     if args.load_test:
         config = ServeConfig(**{**config.__dict__, "rate_limit": 0.0, "max_connections": max(args.load_test) + 8})
         with BackgroundServer(create_app(scheduler, tokenizer, config)) as url:

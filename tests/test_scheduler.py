@@ -133,6 +133,21 @@ def test_inverse_cdf_sampling_matches_softmax():
     assert freq[3:].sum() == 0  # outside the top 3
 
 
+def test_top_p_keeps_the_nucleus_per_row():
+    logits = jnp.array([2.0, 1.0, 0.0, -1.0, -30.0])  # softmax ~ [.64, .24, .09, .03, 0]
+    n = 4000
+    keys = jax.random.split(jax.random.key(5), n)
+    rows = jnp.tile(logits, (n, 1))
+    top_p = jnp.where(jnp.arange(n) % 2 == 0, 0.8, 1.0).astype(jnp.float32)  # 0.8: the top two only
+    out = np.asarray(SAMPLE(rows, keys, jnp.ones((n,)), jnp.zeros((n,), jnp.int32), top_p))
+    assert set(out[0::2].tolist()) == {0, 1}
+    assert len(set(out[1::2].tolist())) >= 3  # top_p 1: no cut for those rows
+    freq = np.bincount(out[0::2], minlength=5)[:2] / (n // 2)
+    np.testing.assert_allclose(freq, np.asarray(jax.nn.softmax(logits[:2])), atol=0.04)
+    tiny = jnp.full((n,), 1e-6, jnp.float32)  # the top token is always kept
+    assert set(np.asarray(SAMPLE(rows, keys, jnp.ones((n,)), jnp.zeros((n,), jnp.int32), tiny)).tolist()) == {0}
+
+
 def test_reply_decodes_split_characters_and_runs_the_tool(tok):
     sp = tok.encode_special
     calls = []

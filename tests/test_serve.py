@@ -8,6 +8,8 @@ import random
 import time
 
 import httpx
+import jax.numpy as jnp
+import numpy as np
 import pytest
 import websockets
 from flax import nnx
@@ -15,7 +17,7 @@ from flax import nnx
 from flaxchat.config import GPTConfig
 from flaxchat.gpt import GPT
 from flaxchat.scheduler import Scheduler
-from flaxchat.serve import BackgroundServer, ServeConfig, create_app, reply_text
+from flaxchat.serve import BackgroundServer, ClientError, ServeConfig, StopFilter, create_app, reply_text
 from flaxchat.tokenizer import Tokenizer
 
 MAX_BYTES = 2048
@@ -45,7 +47,7 @@ def url(scheduler, tok):
 @pytest.fixture(scope="module")
 def strict_url(scheduler, tok):
     """A second app on the same scheduler with tight connection and rate limits."""
-    config = ServeConfig(rate_limit=6, rate_burst=2, max_connections=2, **LIMITS)
+    config = ServeConfig(rate_limit=6, rate_burst=2, max_connections=2, limit_loopback=True, **LIMITS)
     with BackgroundServer(create_app(scheduler, tok, config, own_scheduler=False)) as url:
         yield url
 
@@ -391,6 +393,38 @@ def test_rate_limit(strict_url):
     assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limited"
 
 
+def test_loopback_clients_are_not_rate_limited_by_default(scheduler, tok):
+    app = create_app(scheduler, tok, ServeConfig(**LIMITS), own_scheduler=False)
+    with BackgroundServer(app) as url:
+        async def go():
+            async with httpx.AsyncClient(timeout=60) as client:
+                body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+                return await asyncio.gather(*(client.post(url + "/v1/chat/completions", json=body) for _ in range(16)))
+
+        assert [r.status_code for r in run(go())] == [200] * 16
+        h = wait_idle(url)
+        assert h["slots"] == scheduler.slots and h["utilisation"] == 0.0 and "queued" in h
+    server = app.state.chat
+    server.check_rate("::1")
+    for _ in range(ServeConfig().rate_burst):
+        server.check_rate("203.0.113.7")  # another machine: the burst, then the limit
+    with pytest.raises(ClientError) as e:
+        server.check_rate("203.0.113.7")
+    assert e.value.status == 429
+
+
+def test_auto_slots_fit_the_memory(scheduler):
+    from flaxchat.scheduler import auto_slots
+
+    model, c = scheduler.model, scheduler.model.config
+    per_slot = 2 * c.n_layer * c.sequence_len * c.n_kv_head * c.head_dim * jnp.dtype(model.dtype).itemsize
+    assert auto_slots(model, memory=10**15)[0] == 32
+    assert auto_slots(model, memory=per_slot * 4 * 5)[0] == 4  # a quarter of the memory holds 5: a power of two
+    assert auto_slots(model, memory=1)[0] == 1
+    slots, why = auto_slots(model)
+    assert 1 <= slots <= 32 and "slots" in why
+
+
 # -----------------------------------------------------------------------------
 # OpenAI-compatible HTTP
 
@@ -439,10 +473,21 @@ def test_openai_multi_turn_with_system_and_parts(url):
 
 
 @pytest.mark.parametrize("body, status, code", [
-    ({"messages": [{"role": "user", "content": "hi"}], "tools": []}, 400, "invalid_message"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400, "invalid_message"),
     ({"messages": [{"role": "user", "content": "hi"}], "temperature": "warm"}, 400, "invalid_message"),
-    ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "invalid_message"),
-    ({"messages": [{"role": "user", "content": "hi"}], "top_p": 0.9}, 400, "invalid_message"),
+    ({"messages": [{"role": "user", "content": "hi"}], "temperature": 2.5}, 400, "invalid_message"),
+    ({"messages": [{"role": "user", "content": "hi"}], "n": 0}, 400, "invalid_message"),
+    ({"messages": [{"role": "user", "content": "hi"}], "n": 9}, 400, "invalid_message"),
+    ({"messages": [{"role": "user", "content": "hi"}], "n": "2"}, 400, "invalid_message"),
+    ({"messages": [{"role": "user", "content": "hi"}], "top_p": 0}, 400, "invalid_message"),
+    ({"messages": [{"role": "user", "content": "hi"}], "top_p": 1.5}, 400, "invalid_message"),
+    ({"messages": [{"role": "user", "content": "hi"}], "stop": ["a", "b", "c", "d", "e"]}, 400, "invalid_message"),
+    ({"messages": [{"role": "user", "content": "hi"}], "stop": 3}, 400, "invalid_message"),
+    ({"messages": [{"role": "user", "content": "hi"}], "stop": [""]}, 400, "invalid_message"),
+    ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, 400, "invalid_message"),
+    ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}, 400,
+     "invalid_message"),
+    ({"messages": [{"role": "user", "content": "hi"}], "seed": -1}, 400, "invalid_message"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 101}, 400, "invalid_message"),
     ({"messages": []}, 400, "invalid_message"),
     ({"messages": [{"role": "tool", "content": "hi"}]}, 400, "invalid_message"),
@@ -459,6 +504,107 @@ def test_openai_errors(url, body, status, code):
     assert r.status_code == status
     error = r.json()["error"]
     assert error["code"] == code and error["message"] and error["type"] == "invalid_request_error"
+
+
+def test_openai_accepts_and_ignores_fields_it_does_not_use(url):
+    r = completion(url, max_tokens=3, presence_penalty=0.5, frequency_penalty=0.1, logit_bias={"5": 2}, user="u1",
+                   logprobs=False, top_logprobs=0, response_format={"type": "text"}, parallel_tool_calls=False,
+                   service_tier="auto", store=False, metadata={"k": "v"}, modalities=["text"], tools=[],
+                   messages=[{"role": "user", "content": "hi", "tool_calls": None, "refusal": None}])
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["role"] == "assistant"
+
+
+def test_openai_max_completion_tokens_wins_and_tiny_top_p_is_greedy(url):
+    r = completion(url, max_tokens=10, max_completion_tokens=2, temperature=0.0)
+    assert r.json()["usage"]["completion_tokens"] <= 2
+    greedy = completion(url, max_tokens=12, temperature=0.0).json()["choices"][0]["message"]["content"]
+    for seed in range(3):  # top_p tiny keeps only the most likely token, whatever the temperature and seed
+        r = completion(url, max_tokens=12, temperature=1.5, top_p=1e-6, seed=seed)
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == greedy
+
+
+def _greedy_reply(url, n_tokens=20):
+    return completion(url, max_tokens=n_tokens, temperature=0.0).json()["choices"][0]["message"]["content"]
+
+
+def test_openai_stop_strings_end_the_reply(url):
+    text = _greedy_reply(url)
+    assert len(text) >= 6, text
+    stop = text[3:6]
+    first = text.find(stop)
+    r = completion(url, max_tokens=20, temperature=0.0, stop=[stop, "\u2603never"])
+    choice = r.json()["choices"][0]
+    assert choice["message"]["content"] == text[:first] and choice["finish_reason"] == "stop"
+    r = completion(url, max_tokens=20, temperature=0.0, stop=stop, stream=True)
+    chunks = [json.loads(d) for d in sse_events(r.text)[:-1]]
+    streamed = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    assert streamed == text[:first] and chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    r = completion(url, max_tokens=20, temperature=0.0, stop="\u2603never")  # never matched: the whole reply
+    assert r.json()["choices"][0]["message"]["content"] == text
+
+
+def test_stop_filter_holds_back_a_possible_prefix():
+    f = StopFilter(["END", "xyz"])
+    assert f.feed("abcE") == "abc"  # "E" may begin END
+    assert f.feed("N") == ""
+    assert f.feed("x") == "EN"  # "ENx" is not END, but "x" may begin xyz
+    assert f.held == "x"
+    assert f.feed("q") == "xq"
+    assert f.feed("1EN") == "1" and f.feed("D2") == "" and f.stopped
+    g = StopFilter(["ab"])
+    assert g.feed("za") == "z" and g.flush() == "a"
+
+
+def test_openai_n_choices_are_seeded_requests(url):
+    body = dict(max_tokens=8, temperature=1.0, seed=11)
+    r = completion(url, n=3, **body).json()
+    assert [c["index"] for c in r["choices"]] == [0, 1, 2]
+    singles = [completion(url, **{**body, "seed": 11 + i}).json() for i in range(3)]
+    assert [c["message"]["content"] for c in r["choices"]] == [s["choices"][0]["message"]["content"] for s in singles]
+    assert r["usage"]["completion_tokens"] == sum(s["usage"]["completion_tokens"] for s in singles)
+    assert r["usage"]["prompt_tokens"] == singles[0]["usage"]["prompt_tokens"]
+    s = completion(url, n=2, stream=True, stream_options={"include_usage": True}, **body)
+    chunks = [json.loads(d) for d in sse_events(s.text)[:-1]]
+    for i in range(2):
+        mine = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["index"] == i]
+        assert "".join(c["delta"].get("content", "") for c in mine) == r["choices"][i]["message"]["content"]
+        assert mine[-1]["finish_reason"] == r["choices"][i]["finish_reason"]
+    assert chunks[-1]["usage"]["completion_tokens"] == sum(s["usage"]["completion_tokens"] for s in singles[:2])
+
+
+def test_legacy_completions_score_prompts_like_the_model(url, scheduler, tok):
+    import jax
+    import openai
+
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    text = "the cat sat on the mat"
+    r = client.completions.create(model="flaxchat", prompt=text, echo=True, logprobs=1, max_tokens=0)
+    choice = r.choices[0]
+    ids = tok.encode(text)
+    logp = np.asarray(jax.nn.log_softmax(scheduler.model(jnp.asarray([ids]))[0], axis=-1))
+    expected = [logp[i - 1, ids[i]] for i in range(1, len(ids))]
+    lp = choice.logprobs
+    assert choice.text == text and lp.token_logprobs[0] is None and "".join(lp.tokens) == text
+    np.testing.assert_allclose(lp.token_logprobs[1:], expected, atol=1e-4)
+    assert lp.top_logprobs[0] is None and all(len(d) == 1 for d in lp.top_logprobs[1:])
+    best = [tok.decode([int(logp[i - 1].argmax())]) for i in range(1, len(ids))]
+    assert [next(iter(d)) for d in lp.top_logprobs[1:]] == best
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(ids))]
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == 0
+
+    # token ids and a list of prompts; generation with n, seed, stop; echo prepends the prompt
+    r = client.completions.create(model="m", prompt=[ids, ids[:3]], max_tokens=5, temperature=0.0, n=2, echo=True)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert r.choices[0].text.startswith(text) and r.choices[0].text == r.choices[1].text  # greedy
+    assert r.usage.prompt_tokens == len(ids) + 3 and 0 < r.usage.completion_tokens <= 20
+    plain = client.completions.create(model="m", prompt=text, max_tokens=5, temperature=0.0)
+    assert r.choices[0].text == text + plain.choices[0].text and plain.choices[0].finish_reason in ("length", "stop")
+    for bad in (dict(logprobs=6), dict(logprobs=1, max_tokens=3), dict(prompt=[]), dict(prompt=[10**9]),
+                dict(stream=True), dict(max_tokens=-1)):
+        body = {"prompt": text, "max_tokens": 0, "echo": True, **bad}
+        resp = httpx.post(url + "/v1/completions", json=body)
+        assert resp.status_code == 400 and resp.json()["error"]["type"] == "invalid_request_error", (bad, resp.text)
 
 
 def test_openai_fuzz_never_breaks_the_server(url):
