@@ -227,6 +227,7 @@ class ReaderStream:
         self.docs, self.first_epoch = docs, int(first_epoch)
         self.prefix = [tuple(int(x) for x in r) for r in prefix if r[1] > r[0]]
         self._prefix_offsets = np.cumsum([0] + [hi - lo for lo, hi, _ in self.prefix])
+        self._prefix_starts = np.array([lo for lo, _, _ in self.prefix], np.int64)
         self.prefix_len, self.epoch_len = int(self._prefix_offsets[-1]), len(docs)
         # tokenizer batches as (stream position, global start, count): the prefix's, then one epoch's
         self._prefix_chunks = [(int(off) + k, lo + k, min(tb, hi - lo - k))
@@ -253,8 +254,7 @@ class ReaderStream:
         early = pos < self.prefix_len
         if early.any():
             r = np.searchsorted(self._prefix_offsets, pos[early], side="right") - 1
-            starts = np.array([lo for lo, _, _ in self.prefix], np.int64)
-            out[early] = starts[r] + pos[early] - self._prefix_offsets[r]
+            out[early] = self._prefix_starts[r] + pos[early] - self._prefix_offsets[r]
         if (~early).any():
             out[~early] = self.docs.global_index(pos[~early] - self.prefix_len)
         return out

@@ -441,7 +441,7 @@ def auto_slots(model, capacity: int | None = None, memory: int | None = None, fr
     per_slot = 2 * c.n_layer * capacity * c.n_kv_head * c.head_dim * jnp.dtype(model.dtype).itemsize
     memory = available_memory() if memory is None else memory
     if memory is None:
-        return 8, f"{8} slots (memory size unknown; {per_slot / 2**20:.1f} MiB of KV cache per slot)"
+        return 8, f"8 slots (memory size unknown; {per_slot / 2**20:.1f} MiB of KV cache per slot)"
     slots = 1
     while slots * 2 <= most and slots * 2 * per_slot <= fraction * memory:
         slots *= 2
@@ -473,6 +473,7 @@ class Scheduler:
         graphdef, params = nnx.split(model)
         self.params = in_compute_dtype(params, model.dtype)  # once: serving reads bf16 weights on accelerators
         self._prefill, self._decode = _programs(graphdef)
+        self._score = _score_program(graphdef)
         self._state = self._fresh_state()
         self._queue: collections.deque[Request] = collections.deque()
         self._lock = threading.Lock()
@@ -527,7 +528,7 @@ class Scheduler:
         T = min(self.capacity, 1 << (len(ids) - 1).bit_length())  # padded to a power of two: few compilations
         x = np.zeros((1, T), np.int32)
         x[0, : len(ids)] = ids
-        logp = np.asarray(_score_program(nnx.split(self.model)[0])(self.params, jnp.asarray(x)))[0, : len(ids)]
+        logp = np.asarray(self._score(self.params, jnp.asarray(x)))[0, : len(ids)]
         chosen = np.full(len(ids), np.nan, np.float32)
         chosen[1:] = logp[np.arange(len(ids) - 1), ids[1:]]
         alt = np.argsort(-logp[:, :], axis=-1, kind="stable")[:, :top] if top else np.zeros((len(ids), 0), int)

@@ -535,14 +535,19 @@ def submit_choices(server: ChatServer, prompt: list[int], settings: dict, n: int
     return jobs
 
 
+async def read_request(server: ChatServer, request: HTTPRequest, model: type[BaseModel]):
+    """The request body parsed and validated as `model`; ClientError (400/413) otherwise."""
+    limit = server.config.max_message_bytes
+    try:
+        return model.model_validate(parse_json(await read_body(request, limit), limit))
+    except ValidationError as e:
+        raise ClientError("invalid_message", describe_errors(e)) from None
+
+
 async def completions(server: ChatServer, request: HTTPRequest):
     """POST /v1/chat/completions. Returns a JSONResponse, or a StreamingResponse of SSE chunks."""
     try:
-        data = parse_json(await read_body(request, server.config.max_message_bytes), server.config.max_message_bytes)
-        try:
-            req = ChatCompletionRequest.model_validate(data)
-        except ValidationError as e:
-            raise ClientError("invalid_message", describe_errors(e)) from None
+        req = await read_request(server, request, ChatCompletionRequest)
         stops = req.stops()
         settings = server.sampling(req.temperature, req.top_k, req.max_completion_tokens or req.max_tokens, req.seed,
                                    req.top_p)
@@ -662,11 +667,7 @@ async def prompt_logprobs(server: ChatServer, ids: list[int], top: int) -> dict:
 async def legacy_completions(server: ChatServer, request: HTTPRequest):
     """POST /v1/completions: text completion of raw prompts; echo + logprobs + max_tokens 0 scores prompts."""
     try:
-        data = parse_json(await read_body(request, server.config.max_message_bytes), server.config.max_message_bytes)
-        try:
-            req = CompletionRequest.model_validate(data)
-        except ValidationError as e:
-            raise ClientError("invalid_message", describe_errors(e)) from None
+        req = await read_request(server, request, CompletionRequest)
         stops, prompts = req.stops(), legacy_prompts(server, req)
         if req.logprobs is not None and req.max_tokens > 0:
             raise ClientError("invalid_message", "logprobs: returned for the prompt only (echo with max_tokens 0)")
