@@ -1,32 +1,38 @@
-"""Inference: bucketed prefill, generation jitted end to end, the streaming Engine with tools, speculative sampling.
+"""Inference: the one generation core and what is built on it.
 
-Everything here works on token ids; only `Engine` needs the tokenizer (for its special tokens and the tool).
+The core (used by `generate`, the streaming `Engine` for the CLI, evaluation and RL rollouts, the server's
+continuous-batching `flaxchat.scheduler`, and `bench`):
 
-- The KV cache is `flaxchat.gpt.KVCache`, explicit state of fixed capacity (model.config.sequence_len by
-  default) with a position per row, so rows of one batch may hold prompts of different lengths.
-- Prefill is one jitted call over the whole prompt, padded to a power-of-two bucket so a handful of prompt
-  shapes ever compile.
-- Decoding is one jitted `lax.while_loop`: sampling (temperature, top-k, top-p, greedy), forced tokens,
-  per-row stop tokens and the step limit all live inside it. `generate` runs the whole answer in one call;
-  the streaming `Engine` runs the same loop a few steps at a time and returns to Python only to stream
-  tokens and to run the tool when a row closes a `<|python_start|>...<|python_end|>` block.
-- `generate_speculative`: a small draft model proposes, the model verifies several tokens in one forward pass,
-  and rejection sampling keeps the model's own distribution (Leviathan et al. 2023, Chen et al. 2023).
+- `Slots`: a KV cache of N rows (`flaxchat.gpt.KVCache`, fixed capacity, a position per row) with each row's
+  next-token logits and a queue of tokens to force (a tool's output).
+- One jitted prefill: prompts padded to a power-of-two bucket, run once, written into rows of the slots (one
+  prompt may be copied into several rows: num_samples draws share its prefill).
+- One jitted decode loop (`lax.while_loop`) over the lowest `rows` slots, attending over only the first `span`
+  cache positions (the used part, a power of two). Each row has its own sampling settings, seed, token budget
+  and forced tokens (`Controls`); a row freezes when it stops; the loop returns early when every row stopped or
+  a row closed a tool call, so the host can run the tool.
+- One sampler (`sample_rows`): greedy, temperature, top-k, top-p, per row, by inverse CDF.
+- One tool state machine (`Reply`): `<|python_start|>expr<|python_end|>` runs the calculator and
+  `<|output_start|>result<|output_end|>` is forced into the row; it also decodes text incrementally for streaming.
 
-Randomness is explicit: step t of row b samples with fold_in(fold_in(key(seed), t), b), so the same seed gives
-the same tokens however the loop is cut into calls, and a row's tokens do not depend on the other rows.
+Randomness is explicit: token n of row `lane` of a request with `seed` draws with
+fold_in(fold_in(key(seed), lane), n), so the same seed gives the same tokens however the loop is cut into calls,
+whichever slot the row lands in and whoever else is in the batch.
+
+Speculative sampling (flaxchat.speculative) reuses the sampler and cache helpers; the Engine streams from it
+when given a draft model.
 """
 
 from __future__ import annotations
 
 import ast
+import codecs
 import dataclasses
 import functools
 import numbers
 import statistics
 import time
-import weakref
-from collections import deque
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -40,7 +46,8 @@ from flaxchat.gpt import KVCache, rms_norm, write_cache
 MIN_BUCKET = 16  # smallest padded prompt length
 STREAM_CHUNK = 16  # most decode steps per jitted call while streaming (a ~50 ms burst on a laptop CPU)
 FORCED_CAPACITY = 128  # tokens a tool call may force into a row; longer outputs are cut to fit
-MAX_STOP_TOKENS = 4  # stop ids are a fixed-size traced array, so changing them never recompiles
+MAX_TOP_K = 200  # largest per-row top_k the server's sampler takes (0 = no top-k cut)
+TOP_K_TIERS = (50, MAX_TOP_K)  # the server's static top-k sizes; a chunk uses the smallest covering its rows
 
 
 def bucket_length(n: int, capacity: int) -> int:
@@ -48,94 +55,33 @@ def bucket_length(n: int, capacity: int) -> int:
     return min(max(MIN_BUCKET, 1 << max(n - 1, 0).bit_length()), capacity)
 
 
-# -----------------------------------------------------------------------------
-# Sampling
+def attention_span(positions_needed: int, capacity: int) -> int:
+    """Cache positions a decode chunk attends over: a power of two (at least capacity/16, at least 64) holding
+    `positions_needed`, at most the capacity. Few distinct spans keep the number of compiled programs small."""
+    floor = max(64, capacity // 16)
+    return min(max(floor, 1 << max(positions_needed - 1, 0).bit_length()), capacity)
 
 
-def _check_sampling(temperature, top_k, top_p):
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if top_k is not None and top_k < 1:
-        raise ValueError(f"top_k must be a positive integer or None, got {top_k}")
-    if top_p is not None and not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1] or None, got {top_p}")
+def pad_prompts(prompts, capacity: int, max_new_tokens: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """Prompts (lists of ids) -> (tokens (B, bucket) int32, lengths (B,) int32), checked against the cache.
 
-
-def filter_logits(logits, temperature, top_k=None, top_p=None):
-    """Logits (B, V) scaled by 1/temperature, cut to the top_k and to the top_p nucleus.
-
-    Returns (values, ids): values (B, K) with -inf outside the nucleus, ids (B, K) their token ids, or None
-    when no top-k/top-p cut was made (values are then the whole vocabulary in order).
+    Each row is padded with its own last token: a padded prefill then leaves the smear state (the embedding
+    of the last token fed) exactly as an unpadded one would; the padding's K/V sit past the row's position
+    and are never attended to.
     """
-    V = logits.shape[-1]
-    ids = None
-    if top_k is not None and top_k < V:
-        logits, ids = jax.lax.top_k(logits, top_k)  # sorted, largest first (as nanochat: top-k, then temperature)
-    logits = logits / temperature
-    if top_p is not None and top_p < 1.0:
-        if ids is None:
-            logits, ids = jax.lax.top_k(logits, V)  # a full sort: only paid when top_p is used without top_k
-        probs = jax.nn.softmax(logits, axis=-1)
-        mass_before = jnp.cumsum(probs, axis=-1) - probs
-        logits = jnp.where(mass_before < top_p, logits, -jnp.inf)  # the most likely token always stays
-    return logits, ids
-
-
-def argmax(x):
-    """argmax over the last axis (first index among ties), as int32.
-
-    A max and a min: on CPU this is ~10x faster than jnp.argmax's variadic reduce, which costs a tenth of a
-    small model's decode step over a 32k vocabulary.
-    """
-    iota = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
-    first = jnp.min(jnp.where(x == jnp.max(x, axis=-1, keepdims=True), iota, x.shape[-1]), axis=-1)
-    return jnp.minimum(first, x.shape[-1] - 1)  # NaN rows: some index rather than out of range
-
-
-def inverse_cdf(weights, u):
-    """Index drawn with probability proportional to weights (..., K) >= 0, given uniforms u (...) in [0, 1).
-
-    One uniform per draw and a cumulative sum (as torch.multinomial does) instead of K Gumbel variates,
-    which cost more than the rest of a small model's decode step on a CPU.
-    """
-    cdf = jnp.cumsum(weights, axis=-1)
-    target = u[..., None] * cdf[..., -1:]
-    index = jnp.sum(cdf <= target, axis=-1)  # first i with cdf[i] > target: zero-weight entries are never picked
-    iota = jax.lax.broadcasted_iota(jnp.int32, weights.shape, weights.ndim - 1)
-    last = jnp.max(jnp.where(weights > 0, iota, 0), axis=-1)  # if u * total rounds up to total
-    return jnp.minimum(index, last).astype(jnp.int32)
-
-
-def _sample(logits, key, temperature, greedy, top_k, top_p):
-    """(B, V) -> (B,) int32. Row b draws with fold_in(key, b), independent of the batch size."""
-    if greedy:
-        return argmax(logits)
-    values, ids = filter_logits(logits, temperature, top_k, top_p)
-    u = jax.vmap(lambda b: jax.random.uniform(jax.random.fold_in(key, b)))(jnp.arange(logits.shape[0]))
-    choice = inverse_cdf(jnp.exp(values - jnp.max(values, axis=-1, keepdims=True)), u)
-    if ids is not None:
-        choice = jnp.take_along_axis(ids, choice[:, None], axis=-1)[:, 0]
-    return choice.astype(jnp.int32)
-
-
-def sample_next_token(logits, key, temperature=1.0, top_k=None, top_p=None):
-    """One token per row of logits (B, V): argmax at temperature 0, else a draw from the filtered softmax."""
-    _check_sampling(temperature, top_k, top_p)
-    return _sample(logits, key, temperature, temperature == 0, top_k, top_p)
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token (start it with <|bos|>)")
+    longest = max(len(p) for p in prompts)
+    if longest + max_new_tokens > capacity:
+        raise ValueError(f"a {longest}-token prompt leaves no room for {max_new_tokens} new tokens in a "
+                         f"{capacity}-token KV cache; shorten the prompt")
+    width = bucket_length(longest, capacity)
+    tokens = np.array([list(p) + [p[-1]] * (width - len(p)) for p in prompts], dtype=np.int32)
+    return tokens, np.array([len(p) for p in prompts], dtype=np.int32)
 
 
 # -----------------------------------------------------------------------------
 # Cache helpers (functions over KVCache)
-
-
-def repeat_rows(cache: KVCache, n: int) -> KVCache:
-    """A batch-1 cache copied into n rows (one prefill shared by n samples)."""
-    return KVCache(
-        k=tuple(jnp.repeat(k, n, axis=0) for k in cache.k),
-        v=tuple(jnp.repeat(v, n, axis=0) for v in cache.v),
-        pos=jnp.repeat(cache.pos, n, axis=0),
-        prev_embedding=jnp.repeat(cache.prev_embedding, n, axis=0),
-    )
 
 
 def take_rows(cache: KVCache, rows: int, span: int) -> KVCache:
@@ -161,13 +107,6 @@ def put_rows(cache: KVCache, part: KVCache, start, width: int) -> KVCache:
                    prev_embedding=cache.prev_embedding.at[:rows].set(part.prev_embedding))
 
 
-def attention_span(positions_needed: int, capacity: int) -> int:
-    """Cache positions a decode chunk attends over: a power of two (at least capacity/16, at least 64) holding
-    `positions_needed`, at most the capacity. Few distinct spans keep the number of compiled programs small."""
-    floor = max(64, capacity // 16)
-    return min(max(floor, 1 << max(positions_needed - 1, 0).bit_length()), capacity)
-
-
 def in_compute_dtype(params, dtype):
     """Floating parameters cast to the compute dtype: decoding then reads half the bytes per step in bf16, and the
     numbers do not change (every forward casts each weight to that dtype before using it)."""
@@ -191,201 +130,251 @@ def rewind(model, cache: KVCache, pos, last_token) -> KVCache:
     return dataclasses.replace(cache, pos=pos.astype(jnp.int32), prev_embedding=prev.astype(cache.prev_embedding.dtype))
 
 
-def pad_prompts(prompts, capacity: int, max_new_tokens: int = 1) -> tuple[np.ndarray, np.ndarray]:
-    """Prompts (lists of ids) -> (tokens (B, bucket) int32, lengths (B,) int32), checked against the cache.
-
-    Each row is padded with its own last token: a padded prefill then leaves the smear state (the embedding
-    of the last token fed) exactly as an unpadded one would; the padding's K/V sit past the row's position
-    and are never attended to.
-    """
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("every prompt needs at least one token (start it with <|bos|>)")
-    longest = max(len(p) for p in prompts)
-    if longest + max_new_tokens > capacity:
-        raise ValueError(f"a {longest}-token prompt leaves no room for {max_new_tokens} new tokens in a "
-                         f"{capacity}-token KV cache; shorten the prompt")
-    width = bucket_length(longest, capacity)
-    tokens = np.array([list(p) + [p[-1]] * (width - len(p)) for p in prompts], dtype=np.int32)
-    return tokens, np.array([len(p) for p in prompts], dtype=np.int32)
-
-
 # -----------------------------------------------------------------------------
-# The decode loop
+# The sampler
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class DecodeState:
-    """Everything the jitted decode loop carries from one step (and one call) to the next."""
-
-    cache: KVCache
-    logits: jax.Array  # (B, V) fp32: the distribution of each row's next token
-    key: jax.Array  # PRNG key of the whole generation
-    step: jax.Array  # () int32: columns generated so far
-    tokens: jax.Array  # (B, N) int32: generated columns
-    sampled: jax.Array  # (B, N) bool: True where sampled, False where forced (nanochat's mask 1 / 0)
-    done: jax.Array  # (B,) bool: row emitted a stop token
-    forced: jax.Array  # (B, F) int32: per-row queue of tokens to force (a tool's output)
-    forced_len: jax.Array  # (B,) int32: queue length
-    forced_pos: jax.Array  # (B,) int32: next queue entry to emit
-    paused: jax.Array  # () bool: a row emitted the tool's end token; Python must run the tool
+def _check_sampling(temperature, top_k, top_p):
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be a positive integer or None, got {top_k}")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1] or None, got {top_p}")
 
 
-def _prefill(graphdef, params, tokens, lengths, key, *, num_rows, capacity):
-    """Prefill padded prompts (Bp, T) and return the decode state for num_rows rows (Bp = 1 is shared)."""
-    model = nnx.merge(graphdef, params)
-    cast_for_compute(model)
-    Bp = tokens.shape[0]
-    cache = model.init_cache(Bp, capacity)
-    logits, cache = model.forward_cached(tokens, cache, logits_at=lengths - 1)  # (Bp, V): each row's last real token
-    cache = dataclasses.replace(cache, pos=lengths.astype(jnp.int32))
-    if num_rows != Bp:
-        cache, logits = repeat_rows(cache, num_rows), jnp.repeat(logits, num_rows, axis=0)
-    zeros = lambda *shape: jnp.zeros(shape, jnp.int32)
-    return DecodeState(
-        cache=cache, logits=logits, key=key, step=jnp.zeros((), jnp.int32),
-        tokens=zeros(num_rows, capacity), sampled=jnp.zeros((num_rows, capacity), bool),
-        done=jnp.zeros((num_rows,), bool), forced=zeros(num_rows, FORCED_CAPACITY),
-        forced_len=zeros(num_rows), forced_pos=zeros(num_rows), paused=jnp.zeros((), bool),
-    )
+def argmax(x):
+    """argmax over the last axis (first index among ties), as int32.
 
-
-def _replicated(state, replicated):
-    """Pin what the host reads (tokens, masks, step, done) to every device of the mesh: fetching an array split
-    over another process's devices fails, and XLA's own layout choice is not a promise."""
-    if replicated is None:
-        return state
-    pin = lambda x: jax.lax.with_sharding_constraint(x, replicated)
-    return dataclasses.replace(state, tokens=pin(state.tokens), sampled=pin(state.sampled), step=pin(state.step),
-                               done=pin(state.done))
-
-
-def _decode(graphdef, params, state, limit, temperature, stops, tool_end, *, greedy, top_k, top_p, span, width,
-            replicated=None):
-    """Run decode steps until `limit` columns exist, every row has stopped, or a row closed a tool call.
-
-    stops: (MAX_STOP_TOKENS,) int32 ids padded with -1; tool_end: the id that pauses the loop, or -1. Both are
-    traced, as are limit and temperature, so only the sampling rule (greedy, top_k, top_p) and the cache
-    window select a program. Attention reads only the first `span` cache positions (which must hold every
-    position this call writes); the at most `width` positions written per row are copied back at the end.
+    A max and a min: on CPU this is ~10x faster than jnp.argmax's variadic reduce, which costs a tenth of a
+    small model's decode step over a 32k vocabulary.
     """
-    model = nnx.merge(graphdef, params)
-    cast_for_compute(model)
-    full = state.cache
-    state = dataclasses.replace(state, cache=take_rows(full, full.pos.shape[0], span))
-    rows = jnp.arange(state.done.shape[0])
-    last_slot = state.forced.shape[1] - 1
-
-    def cond(s):
-        return (s.step < limit) & ~jnp.all(s.done) & ~s.paused
-
-    def body(s):
-        sampled = _sample(s.logits, jax.random.fold_in(s.key, s.step), temperature, greedy, top_k, top_p)
-        is_forced = s.forced_pos < s.forced_len
-        token = jnp.where(is_forced, s.forced[rows, jnp.minimum(s.forced_pos, last_slot)], sampled)
-        paused = jnp.any((token == tool_end) & ~s.done)
-        logits, cache = model.forward_cached(token[:, None], s.cache)
-        return DecodeState(
-            cache=cache, logits=logits[:, 0], key=s.key, step=s.step + 1,
-            tokens=s.tokens.at[:, s.step].set(token), sampled=s.sampled.at[:, s.step].set(~is_forced),
-            done=s.done | jnp.isin(token, stops), forced=s.forced, forced_len=s.forced_len,
-            forced_pos=s.forced_pos + is_forced, paused=paused,
-        )
-
-    state = jax.lax.while_loop(cond, body, dataclasses.replace(state, paused=jnp.zeros((), bool)))
-    return _replicated(dataclasses.replace(state, cache=put_rows(full, state.cache, full.pos, width)), replicated)
+    iota = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    first = jnp.min(jnp.where(x == jnp.max(x, axis=-1, keepdims=True), iota, x.shape[-1]), axis=-1)
+    return jnp.minimum(first, x.shape[-1] - 1)  # NaN rows: some index rather than out of range
 
 
-@functools.partial(jax.jit, donate_argnames=("state",))
-def _push_forced(state, rows, queue, lengths):
-    """Give the rows where `rows` (B,) is True a new forced-token queue (B, F) of `lengths` (B,) tokens."""
-    return dataclasses.replace(
-        state,
-        forced=jnp.where(rows[:, None], queue, state.forced),
-        forced_len=jnp.where(rows, lengths, state.forced_len),
-        forced_pos=jnp.where(rows, 0, state.forced_pos),
-    )
+def inverse_cdf(weights, u, block: int = 128):
+    """Index drawn with probability proportional to weights (..., K) >= 0, given uniforms u (...) in [0, 1).
+
+    One uniform per draw and a cumulative sum (as torch.multinomial does) instead of K Gumbel variates, which
+    cost more than the rest of a small model's decode step on a CPU. Two levels (which block of `block`
+    entries, then where in it) keep the cumulative sums short. Zero-weight entries are never drawn.
+    """
+    lead, K = weights.shape[:-1], weights.shape[-1]
+    w = jnp.pad(weights.reshape(-1, K), ((0, 0), (0, (-K) % block)))
+    B, n = w.shape[0], w.shape[1] // block
+    p = w.reshape(B, n, block)
+    mass = jnp.sum(p, axis=-1)  # (B, blocks)
+    cum = jnp.cumsum(mass, axis=-1)
+    target = jnp.reshape(u, (-1,)) * cum[:, -1]
+    b = jnp.minimum(jnp.sum(cum <= target[:, None], axis=-1), n - 1)  # <=: skips zero-mass blocks
+    rest = target - jnp.take_along_axis(cum - mass, b[:, None], axis=1)[:, 0]
+    inner = jnp.cumsum(jnp.take_along_axis(p, b[:, None, None], axis=1)[:, 0], axis=-1)  # (B, block)
+    index = b * block + jnp.minimum(jnp.sum(inner <= rest[:, None], axis=-1), block - 1)
+    # rounding at the very top of the CDF can land past the last positive weight: take that one then
+    iota = jax.lax.broadcasted_iota(jnp.int32, w.shape, 1)
+    last = jnp.max(jnp.where(w > 0, iota, 0), axis=-1)
+    return jnp.minimum(index, last).astype(jnp.int32).reshape(lead)
 
 
-class _Programs:
-    """The jitted prefill and decode programs for one model structure (closing over its graphdef, which
-    holds Python lists and so cannot be a static jit argument) and the mesh its parameters live on."""
+def _kth_largest(x, k: int, ks, block: int = 32, barrier: bool = True):
+    """Each row's ks[b]-th largest value (1 <= ks <= k) of x (B, V).
 
-    def __init__(self, graphdef, mesh=None):
-        self.graphdef, self.mesh = graphdef, mesh
-        replicated = None if mesh is None else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-        self.prefill = jax.jit(functools.partial(_prefill, graphdef), static_argnames=("num_rows", "capacity"))
-        self.decode = jax.jit(functools.partial(_decode, graphdef, replicated=replicated), donate_argnames=("state",),
-                              static_argnames=("greedy", "top_k", "top_p", "span", "width"))
-
-
-_PROGRAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _programs(model) -> tuple[_Programs, nnx.State]:
-    """(compiled programs, current parameters) for a model; programs are reused while its structure holds,
-    and parameters are read afresh on every call so in-place updates (RL) are always seen."""
-    graphdef, params = nnx.split(model)
-    sharding = getattr(jax.tree.leaves(params)[0], "sharding", None)
-    mesh = sharding.mesh if isinstance(sharding, jax.sharding.NamedSharding) and sharding.mesh.size > 1 else None
-    programs = _PROGRAMS.get(model)
-    if programs is None or programs.graphdef != graphdef or programs.mesh != mesh:
-        programs = _PROGRAMS[model] = _Programs(graphdef, mesh)
-    return programs, params
+    The k largest values lie in the k blocks with the largest maxima, so top_k runs on k*block candidates
+    instead of V. The optimisation barriers keep XLA from rewriting top_k-then-index into a full sort, which
+    on a CPU is two orders of magnitude slower; a program partitioned over several devices cannot have them
+    (XLA's top-k rewriting fails on them), so barrier=False there.
+    """
+    fence = jax.lax.optimization_barrier if barrier else (lambda x: x)
+    x = jnp.pad(x, ((0, 0), (0, (-x.shape[1]) % block)), constant_values=-jnp.inf)
+    B, V = x.shape
+    candidates = x
+    if k < V // block:  # (a top_k of a whole axis is rewritten into a sort, and fails behind a barrier)
+        xb = x.reshape(B, V // block, block)
+        _, best = fence(jax.lax.top_k(jnp.max(xb, axis=-1), k))  # (B, k) block ids
+        candidates = jnp.take_along_axis(xb, best[:, :, None], axis=1).reshape(B, k * block)
+    k = min(k, candidates.shape[1])
+    if k < candidates.shape[1]:
+        values, _ = fence(jax.lax.top_k(candidates, k))  # (B, k), largest first
+    else:
+        values = -jnp.sort(-candidates, axis=-1)
+    return jnp.take_along_axis(values, jnp.clip(ks - 1, 0, k - 1)[:, None], axis=1)[:, 0]
 
 
-def _sampling_kwargs(temperature, top_k, top_p):
+def _nucleus_threshold(scaled, top_p):
+    """Each row's smallest kept value under nucleus sampling (Holtzman et al. 2019, arXiv:1904.09751): the
+    tokens whose probability mass above them is below top_p (so the top token is always kept)."""
+    s = -jnp.sort(-scaled, axis=-1)  # (B, V) largest first; a full sort, paid only when some row asks
+    p = jax.nn.softmax(s, axis=-1)
+    above = jnp.cumsum(p, axis=-1) - p
+    return jnp.min(jnp.where(above < top_p[:, None], s, jnp.inf), axis=-1)
+
+
+def kept_logits(logits, temperature, top_k, top_p=None, tiers=TOP_K_TIERS, barrier=True):
+    """Each row of logits (B, V) divided by its temperature, -inf outside its top_k (0 = all; ties at the k-th
+    value are kept) and then outside its top_p nucleus (1 = all). Greedy rows (temperature 0) are unscaled.
+
+    tiers: the static top-k sizes compiled (a row's top_k is cut to the largest); the chunk runs the smallest
+    tier covering its sampled rows, or none. The nucleus needs a sort, so it runs only when a row asks.
+    """
+    B, V = logits.shape
+    greedy = temperature <= 0
+    thr = jnp.full((B,), -jnp.inf)
+    tiers = sorted({min(int(k), V) for k in tiers if k > 0})
+    if tiers:
+        top_k = jnp.minimum(top_k, tiers[-1])
+        kmax = jnp.max(jnp.where(greedy, 0, top_k))
+        branch = (kmax > 0).astype(jnp.int32) + sum((kmax > t).astype(jnp.int32) for t in tiers[:-1])
+        cut = lambda k: lambda: jnp.where(top_k > 0, _kth_largest(logits, k, top_k, barrier=barrier), -jnp.inf)
+        thr = jax.lax.switch(branch, [lambda: thr] + [cut(k) for k in tiers])
+    t = jnp.where(greedy, 1.0, temperature)[:, None]
+    scaled = jnp.where(logits >= thr[:, None], logits / t, -jnp.inf)
+    if top_p is not None:
+        nucleus = ~greedy & (top_p < 1.0)
+        pthr = jax.lax.cond(jnp.any(nucleus), lambda: jnp.where(nucleus, _nucleus_threshold(scaled, top_p), -jnp.inf),
+                            lambda: jnp.full((B,), -jnp.inf))
+        scaled = jnp.where(scaled >= pthr[:, None], scaled, -jnp.inf)
+    return scaled
+
+
+def sample_rows(logits, keys, temperature, top_k, top_p=None, tiers=TOP_K_TIERS, barrier=True):
+    """One token per row of logits (B, V), each row with its own key, temperature (0 = greedy), top_k (0 = all)
+    and top_p (1 = all): the argmax, or an inverse-CDF draw from softmax(kept_logits). A batch of greedy rows
+    pays for the argmax only."""
+    greedy = temperature <= 0
+    best = argmax(logits)
+
+    def draw():
+        scaled = kept_logits(logits, temperature, top_k, top_p, tiers, barrier)
+        u = jax.vmap(lambda k: jax.random.uniform(k, ()))(keys)
+        drawn = inverse_cdf(jnp.exp(scaled - jnp.max(scaled, axis=-1, keepdims=True)), u)
+        return jnp.where(greedy, best, drawn)
+
+    return jax.lax.cond(jnp.all(greedy), lambda: best, draw).astype(jnp.int32)
+
+
+def _rule(B, temperature, top_k, top_p):
+    """One sampling rule (Python numbers) as per-row arrays for kept_logits/sample_rows, and its tiers."""
+    rows = lambda value, dtype: jnp.full((B,), value, dtype)
+    return (rows(temperature, jnp.float32), rows(top_k or 0, jnp.int32),
+            None if top_p in (None, 1.0) else rows(top_p, jnp.float32)), ((top_k,) if top_k else ())
+
+
+def sample_next_token(logits, key, temperature=1.0, top_k=None, top_p=None):
+    """One token per row of logits (B, V) under one rule; row b draws with fold_in(key, b)."""
     _check_sampling(temperature, top_k, top_p)
-    return dict(greedy=temperature == 0, top_k=top_k, top_p=None if top_p == 1.0 else top_p)
+    B = logits.shape[0]
+    (t, k, p), tiers = _rule(B, temperature, top_k, top_p)
+    keys = jax.vmap(lambda b: jax.random.fold_in(key, b))(jnp.arange(B))
+    return sample_rows(logits, keys, t, k, p, tiers)
 
 
-def _decode_args(limit, temperature, stop_tokens=(), tool_end=None):
-    """The traced arguments of the decode program after its state."""
-    stop_tokens = tuple(stop_tokens)
-    if len(stop_tokens) > MAX_STOP_TOKENS:
-        raise ValueError(f"at most {MAX_STOP_TOKENS} stop tokens, got {len(stop_tokens)}")
-    stops = np.full(MAX_STOP_TOKENS, -1, np.int32)
-    stops[: len(stop_tokens)] = stop_tokens
-    return np.int32(limit), np.float32(temperature), stops, np.int32(-1 if tool_end is None else tool_end)
-
-
-def generate(model, prompts, max_tokens, *, temperature=1.0, top_k=None, top_p=None, seed=0, stop_tokens=(),
-             capacity=None) -> list[list[int]]:
-    """Continue each prompt (a list of ids; lengths may differ) by up to max_tokens tokens, in one jitted loop.
-
-    A row ends after its first stop token, which is included. Returns the new tokens of each row.
-    """
-    capacity = capacity or model.config.sequence_len
-    tokens, lengths = pad_prompts(prompts, capacity, max_tokens)
-    programs, params = _programs(model)
-    state = programs.prefill(params, tokens, lengths, jax.random.key(seed), num_rows=len(prompts), capacity=capacity)
-    span = attention_span(int(lengths.max()) + max_tokens, capacity)
-    state = programs.decode(params, state, *_decode_args(max_tokens, temperature, stop_tokens),
-                            **_sampling_kwargs(temperature, top_k, top_p), span=span, width=span)
-    columns, step = jax.device_get((state.tokens, state.step))
-    return [_until_stop(row[:step].tolist(), stop_tokens) for row in columns]
-
-
-def _until_stop(tokens: list[int], stop_tokens) -> list[int]:
-    for i, t in enumerate(tokens):
-        if t in stop_tokens:
-            return tokens[: i + 1]
-    return tokens
+def rule_probs(logits, temperature=1.0, top_k=None, top_p=None):
+    """The full-vocabulary probabilities (..., V) a rule samples from (one-hot argmax when greedy)."""
+    if temperature == 0:
+        return jax.nn.one_hot(argmax(logits), logits.shape[-1], dtype=jnp.float32)
+    flat = logits.reshape(-1, logits.shape[-1])
+    (t, k, p), tiers = _rule(flat.shape[0], temperature, top_k, top_p)
+    return jax.nn.softmax(kept_logits(flat, t, k, p, tiers), axis=-1).reshape(logits.shape)
 
 
 # -----------------------------------------------------------------------------
-# The Engine: streaming, num_samples rows from one prefill, the tool state machine
+# The tool state machine
 
 
-class RowState:
-    """Where one row stands in the tool state machine (nanochat's RowState)."""
+class Reply:
+    """One reply's tool state machine and text stream (nanochat's RowState, plus incremental decoding).
 
-    def __init__(self, current_tokens=None):
-        self.current_tokens = current_tokens or []  # prompt + everything generated
-        self.forced_tokens = deque()  # tokens waiting to be forced (mirrors the device queue)
-        self.in_python_block = False
-        self.python_expr_tokens = []
-        self.completed = False
+    `feed` each generated token (forced ones included). `<|python_start|>expr<|python_end|>` is a tool call:
+    `run_tool(expr)` runs and, when it returns text, `<|output_start|>result<|output_end|>` is to be forced into
+    the row. With text=True, text between special tokens is decoded with an incremental UTF-8 decoder (a
+    character split over several tokens comes out whole) and the reply is kept as assistant-message parts and
+    stream events:
+        {"type": "token", "text": str}                     text the model wrote (consecutive tokens coalesced)
+        {"type": "tool", "kind": "call"|"output", "text"}  a complete tool call, then the tool's output
+    run_tool=None follows the tokens without running anything (a display of someone else's stream).
+    """
+
+    def __init__(self, tokenizer, run_tool: Callable[[str], str | None] | None = None, *, text: bool = True):
+        sp = tokenizer.encode_special
+        self.tokenizer, self.run_tool, self.track_text = tokenizer, run_tool, text
+        self.python_start, self.python_end = sp("<|python_start|>"), sp("<|python_end|>")
+        self.output_start, self.output_end = sp("<|output_start|>"), sp("<|output_end|>")
+        self.stop_tokens = {sp("<|assistant_end|>"), tokenizer.get_bos_token_id()}
+        self.specials = {sp(name) for name in tokenizer.get_special_tokens()}
+        self.mode = "text"  # text | python | python_output
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.text = ""  # the current text part
+        self.pending = ""  # text not yet sent
+        self.block: list[int] = []  # tokens of the current tool call or output
+        self.parts: list[dict] = []
+        self.events: list[dict] = []
+        self.ended = False
+
+    def feed(self, token: int) -> tuple[bool, list[int] | None]:
+        """Take one generated token -> (reply ended, tokens to force next or None)."""
+        if self.ended or token in self.stop_tokens:
+            self.ended = True
+            return True, None
+        if token == self.python_start and self.mode == "text":
+            self._close_text()
+            self.mode, self.block = "python", []
+        elif token == self.python_end and self.mode == "python":
+            expr = self._close_block("call")
+            result = self.run_tool(expr) if self.run_tool is not None and expr.strip() else None
+            if result is not None:
+                body = self.tokenizer.encode(result)[: FORCED_CAPACITY - 2]
+                return False, [self.output_start, *body, self.output_end]
+        elif token == self.output_start and self.mode == "text":
+            self._close_text()
+            self.mode, self.block = "python_output", []
+        elif token == self.output_end and self.mode == "python_output":
+            self._close_block("output")
+        elif self.mode != "text":
+            self.block.append(token)
+        elif self.track_text and token not in self.specials:  # a stray special token in text carries no text
+            piece = self.decoder.decode(self.tokenizer.decode_single_token_bytes(token))
+            self.text += piece
+            self.pending += piece
+        return False, None
+
+    def _flush_pending(self) -> None:
+        if self.pending:
+            self.events.append({"type": "token", "text": self.pending})
+            self.pending = ""
+
+    def _close_text(self) -> None:
+        tail = self.decoder.decode(b"", final=True)
+        self.text += tail
+        self.pending += tail
+        self._flush_pending()
+        if self.text:
+            self.parts.append({"type": "text", "text": self.text})
+        self.text = ""
+        self.decoder.reset()
+
+    def _close_block(self, kind: str) -> str:
+        text = self.tokenizer.decode(self.block)
+        if self.track_text:
+            self.events.append({"type": "tool", "kind": kind, "text": text})
+            self.parts.append({"type": self.mode, "text": text})
+        self.mode, self.block = "text", []
+        return text
+
+    def take_events(self) -> list[dict]:
+        """Events since the last call (pending text is sent as one token event)."""
+        self._flush_pending()
+        events, self.events = self.events, []
+        return events
+
+    def finish(self) -> list[dict]:
+        """Close whatever part is open (an unfinished tool call is shown as it stands); returns the parts."""
+        if self.mode == "text":
+            self._close_text()
+        else:
+            self._close_block("call" if self.mode == "python" else "output")
+        return self.parts
 
 
 def run_python(code: str, timeout: float = 5.0) -> str | None:
@@ -405,18 +394,230 @@ def run_python(code: str, timeout: float = 5.0) -> str | None:
     return text or None
 
 
-class Engine:
-    """nanochat's Engine on a jitted loop: `generate` streams (token column, mask column) per step."""
+# -----------------------------------------------------------------------------
+# Device state and the two programs
 
-    def __init__(self, model, tokenizer, *, capacity=None, use_sandbox=False, stream_chunk=STREAM_CHUNK):
-        self.model = model
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Slots:
+    """What lives on the device between calls, one row per slot."""
+
+    cache: KVCache
+    logits: jax.Array  # (N, V) fp32: each row's next-token distribution
+    forced: jax.Array  # (N, F) int32: per-row queue of tokens to force (a tool's output)
+    forced_len: jax.Array  # (N,) int32
+    forced_pos: jax.Array  # (N,) int32: next queue entry to emit
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Controls:
+    """Per-row settings the host sends with each decode call (small arrays, (N,) or (N, F))."""
+
+    active: jax.Array  # bool: the row is generating
+    remaining: jax.Array  # int32: tokens it may still generate
+    offset: jax.Array  # int32: tokens it generated so far (the RNG counter)
+    seed: jax.Array  # int32
+    lane: jax.Array  # int32: which of a request's samples the row is (the RNG's second level)
+    temperature: jax.Array  # float32; 0 = greedy
+    top_k: jax.Array  # int32; 0 = no cut
+    top_p: jax.Array  # float32; 1 = no nucleus cut
+    push: jax.Array  # bool: give this row a new forced queue before the call
+    push_queue: jax.Array  # (N, F) int32
+    push_len: jax.Array  # int32
+
+
+def controls(n: int, *, active=True, remaining=0, offset=0, seed=0, lane=0, temperature=1.0, top_k=0, top_p=1.0,
+             pushes: dict[int, list[int]] | None = None) -> Controls:
+    """Controls for n rows from per-row sequences or one value for all; pushes: {row: tokens to force}."""
+    row = lambda x, dtype: np.broadcast_to(np.asarray(x, dtype), (n,)).copy()
+    queue, qlen = np.zeros((n, FORCED_CAPACITY), np.int32), np.zeros(n, np.int32)
+    for i, tokens in (pushes or {}).items():
+        queue[i, : len(tokens)], qlen[i] = tokens, len(tokens)
+    return Controls(active=row(active, bool), remaining=row(remaining, np.int32), offset=row(offset, np.int32),
+                    seed=row(np.asarray(seed, np.int64) % 2**31, np.int32), lane=row(lane, np.int32),
+                    temperature=row(temperature, np.float32), top_k=row(top_k, np.int32),
+                    top_p=row(top_p, np.float32), push=qlen > 0, push_queue=queue, push_len=qlen)
+
+
+def empty_slots(model, rows: int, capacity: int) -> Slots:
+    zeros = lambda *shape: jnp.zeros(shape, jnp.int32)
+    return Slots(cache=model.init_cache(rows, capacity), logits=jnp.zeros((rows, model.config.vocab_size), jnp.float32),
+                 forced=zeros(rows, FORCED_CAPACITY), forced_len=zeros(rows), forced_pos=zeros(rows))
+
+
+def _prefill(graphdef, params, slots: Slots, start, tokens, lengths, *, copies: int = 1) -> Slots:
+    """Prefill padded prompts (B, T) and write them, each into `copies` consecutive rows, from row `start` on."""
+    model = nnx.merge(graphdef, params)
+    cast_for_compute(model)
+    B = tokens.shape[0]
+    logits, part = model.forward_cached(tokens, model.init_cache(B, tokens.shape[1]), logits_at=lengths - 1)
+    many = lambda x: jnp.repeat(x, copies, axis=0)
+    at = lambda x, new: jax.lax.dynamic_update_slice(x, many(new).astype(x.dtype), (start,) + (0,) * (x.ndim - 1))
+    cache = slots.cache
+    zero = jnp.zeros((B,), jnp.int32)
+    cache = KVCache(k=tuple(at(c, n) for c, n in zip(cache.k, part.k)),  # stale entries past T are never attended to
+                    v=tuple(at(c, n) for c, n in zip(cache.v, part.v)),
+                    pos=at(cache.pos, lengths), prev_embedding=at(cache.prev_embedding, part.prev_embedding))
+    return Slots(cache=cache, logits=at(slots.logits, logits), forced=slots.forced,
+                 forced_len=at(slots.forced_len, zero), forced_pos=at(slots.forced_pos, zero))
+
+
+def _start(graphdef, params, tokens, lengths, *, copies: int, rows: int, capacity: int) -> Slots:
+    """Fresh slots of `rows` rows with the prompts prefilled from row 0 (the Engine's and generate's start)."""
+    slots = empty_slots(nnx.merge(graphdef, params), rows, capacity)
+    return _prefill(graphdef, params, slots, 0, tokens, lengths, copies=copies)
+
+
+def _decode(graphdef, params, slots: Slots, ctl: Controls, limit, *, rows, span, chunk, stop_tokens, tool_end, tiers,
+            replicated=None):
+    """Up to `limit` (<= chunk) decode steps over the first `rows` slots
+    -> (slots, tokens (rows, chunk), forced (rows, chunk) bool, steps).
+
+    Attention reads only the first `span` cache positions, which must hold every live row to the end of the
+    call: reading the whole cache for every row at every step would make a batch of short conversations cost
+    like a batch of full contexts. The at most `chunk` positions written per row are copied back at the end.
+
+    A row is live from the start (if active) until it emits a stop token or spends its `remaining` budget;
+    after that its position is frozen (it keeps computing, harmlessly, in place). The loop ends early when no
+    row is live or when a live row emitted `tool_end` (the host must run the tool before that row goes on).
+    `replicated`: a sharding the outputs the host reads are pinned to (every device of a multi-process mesh).
+    """
+    model = nnx.merge(graphdef, params)
+    cast_for_compute(model)
+    forced = jnp.where(ctl.push[:, None], ctl.push_queue, slots.forced)
+    forced_len = jnp.where(ctl.push, ctl.push_len, slots.forced_len)
+    forced_pos = jnp.where(ctl.push, 0, slots.forced_pos)
+    r = slice(0, rows)
+    f_queue, f_len = forced[r], forced_len[r]
+    temperature, top_k, top_p, remaining = ctl.temperature[r], ctl.top_k[r], ctl.top_p[r], ctl.remaining[r]
+    streams = jax.vmap(lambda s, lane: jax.random.fold_in(jax.random.key(s), lane))(ctl.seed[r], ctl.lane[r])
+    offsets = ctl.offset[r]
+    stops = jnp.asarray(tuple(stop_tokens) or (-1,), jnp.int32)
+    row_ids = jnp.arange(rows)
+
+    def cond(c):
+        _, _, _, _, _, step, live, paused = c
+        return (step < limit) & jnp.any(live) & ~paused
+
+    def body(c):
+        cache, logits, f_pos, out, was_forced, step, live, _ = c
+        keys = jax.vmap(jax.random.fold_in)(streams, offsets + step)
+        sampled = sample_rows(logits, keys, temperature, top_k, top_p, tiers, barrier=replicated is None)
+        is_forced = f_pos < f_len
+        token = jnp.where(is_forced, f_queue[row_ids, jnp.minimum(f_pos, f_queue.shape[1] - 1)], sampled)
+        new_logits, new_cache = model.forward_cached(token[:, None], cache)
+        new_cache = dataclasses.replace(new_cache, pos=jnp.where(live, new_cache.pos, cache.pos))
+        ended = jnp.isin(token, stops) | (step + 1 >= remaining)
+        paused = jnp.any(live & ~ended & (token == tool_end))
+        return (new_cache, new_logits[:, 0], f_pos + (is_forced & live), out.at[:, step].set(token),
+                was_forced.at[:, step].set(is_forced), step + 1, live & ~ended, paused)
+
+    live = ctl.active[r] & (remaining > 0)
+    init = (take_rows(slots.cache, rows, span), slots.logits[r], forced_pos[r], jnp.zeros((rows, chunk), jnp.int32),
+            jnp.zeros((rows, chunk), bool), jnp.int32(0), live, jnp.bool_(False))
+    cache, logits, f_pos, out, was_forced, steps, _, _ = jax.lax.while_loop(cond, body, init)
+    slots = Slots(cache=put_rows(slots.cache, cache, slots.cache.pos[r], chunk), logits=slots.logits.at[r].set(logits),
+                  forced=forced, forced_len=forced_len, forced_pos=forced_pos.at[r].set(f_pos))
+    if replicated is not None:  # fetching an array split over another process's devices fails
+        out, was_forced, steps = (jax.lax.with_sharding_constraint(x, replicated) for x in (out, was_forced, steps))
+    return slots, out, was_forced, steps
+
+
+class Programs:
+    """The jitted programs for one model structure (closing over its graphdef, which holds Python lists and so
+    cannot be a static jit argument) and the mesh its parameters live on.
+
+    start(params, tokens, lengths, copies=, rows=, capacity=) -> Slots
+    prefill(params, slots, start, tokens, lengths, copies=) -> Slots            (slots donated)
+    decode(params, slots, controls, limit, rows=, span=, chunk=, stop_tokens=, tool_end=, tiers=)
+        -> (slots, tokens, forced, steps)                                      (slots donated)
+    """
+
+    def __init__(self, graphdef, mesh=None):
+        self.graphdef, self.mesh = graphdef, mesh
+        replicated = None if mesh is None else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        self.start = jax.jit(functools.partial(_start, graphdef), static_argnames=("copies", "rows", "capacity"))
+        self.prefill = jax.jit(functools.partial(_prefill, graphdef), donate_argnames=("slots",),
+                               static_argnames=("copies",))
+        self.decode = jax.jit(functools.partial(_decode, graphdef, replicated=replicated), donate_argnames=("slots",),
+                              static_argnames=("rows", "span", "chunk", "stop_tokens", "tool_end", "tiers"))
+
+
+_PROGRAMS: list[Programs] = []  # most recent last; a graphdef is unhashable, so it is found by equality
+
+
+def programs_for(graphdef, mesh=None) -> Programs:
+    """The programs of one model structure: models (and servers) of the same shape share compilations."""
+    for p in _PROGRAMS:
+        if p.mesh == mesh and p.graphdef == graphdef:
+            return p
+    _PROGRAMS[:] = _PROGRAMS[-7:] + [Programs(graphdef, mesh)]
+    return _PROGRAMS[-1]
+
+
+def programs(model) -> tuple[Programs, nnx.State]:
+    """(compiled programs, current parameters) for a model; parameters are read afresh on every call so
+    in-place updates (RL) are always seen."""
+    graphdef, params = nnx.split(model)
+    sharding = getattr(jax.tree.leaves(params)[0], "sharding", None)
+    mesh = sharding.mesh if isinstance(sharding, jax.sharding.NamedSharding) and sharding.mesh.size > 1 else None
+    return programs_for(graphdef, mesh), params
+
+
+def decode_chunk(n: int) -> int:
+    """Static chunk size (a power of two) that holds n decode steps."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+# -----------------------------------------------------------------------------
+# Users of the core: generate (one call) and the streaming Engine
+
+
+def generate(model, prompts, max_tokens, *, temperature=1.0, top_k=None, top_p=None, seed=0, stop_tokens=(),
+             capacity=None) -> list[list[int]]:
+    """Continue each prompt (a list of ids; lengths may differ) by up to max_tokens tokens, in one jitted loop.
+
+    Row b samples as lane b of `seed`. A row ends after its first stop token, which is included. Returns the
+    new tokens of each row.
+    """
+    _check_sampling(temperature, top_k, top_p)
+    capacity = capacity or model.config.sequence_len
+    tokens, lengths = pad_prompts(prompts, capacity, max_tokens)
+    n, stop_tokens = len(prompts), tuple(int(t) for t in stop_tokens)
+    progs, params = programs(model)
+    slots = progs.start(params, tokens, lengths, copies=1, rows=n, capacity=capacity)
+    ctl = controls(n, remaining=max_tokens, seed=seed, lane=np.arange(n), temperature=temperature, top_k=top_k or 0,
+                   top_p=top_p or 1.0)
+    span = attention_span(int(lengths.max()) + max_tokens, capacity)
+    _, out, _, steps = progs.decode(params, slots, ctl, np.int32(max_tokens), rows=n, span=span,
+                                    chunk=decode_chunk(max_tokens), stop_tokens=stop_tokens, tool_end=-1,
+                                    tiers=(top_k,) if top_k else ())
+    out, steps = jax.device_get((out, steps))
+    return [_until_stop(row[: int(steps)].tolist(), stop_tokens) for row in out]
+
+
+def _until_stop(tokens: list[int], stop_tokens) -> list[int]:
+    for i, t in enumerate(tokens):
+        if t in stop_tokens:
+            return tokens[: i + 1]
+    return tokens
+
+
+class Engine:
+    """nanochat's Engine on the jitted core: `generate` streams (token column, mask column) per step."""
+
+    def __init__(self, model, tokenizer, *, capacity=None, use_sandbox=False, stream_chunk=STREAM_CHUNK,
+                 draft_model=None, draft_steps=4):
+        self.model, self.draft_model, self.draft_steps = model, draft_model, draft_steps
         self.tokenizer = tokenizer
-        self.capacity = capacity or model.config.sequence_len
+        lengths = [m.config.sequence_len for m in (model, draft_model) if m is not None]
+        self.capacity = capacity or min(lengths)
         self.use_sandbox = use_sandbox  # False (default): calculator only, as nanochat; True: also run other code
         self.stream_chunk = stream_chunk
         special = tokenizer.encode_special
-        self.python_start, self.python_end = special("<|python_start|>"), special("<|python_end|>")
-        self.output_start, self.output_end = special("<|output_start|>"), special("<|output_end|>")
+        self.python_end = special("<|python_end|>")
         self.stop_tokens = (special("<|assistant_end|>"), tokenizer.get_bos_token_id())
 
     def run_tool(self, expr: str) -> str | None:
@@ -439,69 +640,74 @@ class Engine:
     def generate(self, tokens, num_samples=1, max_tokens=None, temperature=1.0, top_k=None, seed=42, top_p=None):
         """Yield (token_column, mask_column) lists, one entry per row; mask 1 = sampled, 0 = forced by the tool.
 
-        One prefill of `tokens` is shared by num_samples rows. Stops when every row has emitted
-        <|assistant_end|> or <|bos|>, after max_tokens columns, or when the KV cache is full.
+        One prefill of `tokens` is shared by num_samples rows (lanes 0.. of `seed`). Stops when every row has
+        emitted <|assistant_end|> or <|bos|>, after max_tokens columns, or when the KV cache is full. Entries
+        of a row after its stop token are meaningless. With a draft model, one sample is drawn by speculative
+        sampling (the same distribution; several samples use the plain loop).
         """
         if isinstance(tokens, (str, bytes)) or not all(isinstance(t, numbers.Integral) for t in tokens):
             raise ValueError("tokens must be a list of token ids (ints)")
-        tokens = [int(t) for t in tokens]
+        _check_sampling(temperature, top_k, top_p)
+        tokens, n = [int(t) for t in tokens], num_samples
         room = self.capacity - len(tokens)
         max_tokens = room if max_tokens is None else min(max_tokens, room)
         padded, lengths = pad_prompts([tokens], self.capacity, max(max_tokens, 1))
-        programs, params = _programs(self.model)
-        state = programs.prefill(params, padded, lengths, jax.random.key(seed), num_rows=num_samples,
-                                 capacity=self.capacity)
-        sampling = _sampling_kwargs(temperature, top_k, top_p)
-        rows = [RowState(list(tokens)) for _ in range(num_samples)]
+        if self.draft_model is not None and n == 1:
+            yield from self._speculate(padded[0], lengths[0], max_tokens, temperature, top_k, top_p, seed)
+            return
+        progs, params = programs(self.model)
+        slots = progs.start(params, padded, lengths, copies=n, rows=n, capacity=self.capacity)
+        replies = [Reply(self.tokenizer, self.run_tool, text=False) for _ in range(n)]
+        pushes: dict[int, list[int]] = {}
         emitted, chunk = 0, 1  # the first call makes one token: time to first token is one prefill + one step
-        while emitted < max_tokens and not all(r.completed for r in rows):
-            limit = min(emitted + chunk, max_tokens)
-            args = _decode_args(limit, temperature, self.stop_tokens, self.python_end)
-            span = attention_span(len(tokens) + limit, self.capacity)  # every position this call can write
-            state = programs.decode(params, state, *args, **sampling, span=span, width=self.stream_chunk)
-            columns, masks, step = jax.device_get((state.tokens, state.sampled, state.step))
-            queues = {}
-            for t in range(emitted, int(step)):
-                column = columns[:, t].tolist()
-                queues.update(self._advance(rows, column))
-                yield column, masks[:, t].astype(int).tolist()
-            emitted, chunk = int(step), min(2 * chunk, self.stream_chunk)
-            if queues:  # the loop paused right after the python_end, so these are forced from the next step on
-                state = self._force(state, queues)
+        while emitted < max_tokens and not all(r.ended for r in replies):
+            limit = min(emitted + chunk, max_tokens) - emitted
+            ctl = controls(n, active=[not r.ended for r in replies], remaining=max_tokens - emitted, offset=emitted,
+                           seed=seed, lane=np.arange(n), temperature=temperature, top_k=top_k or 0,
+                           top_p=top_p or 1.0, pushes=pushes)
+            span = attention_span(len(tokens) + emitted + limit, self.capacity)  # every position this call can write
+            slots, out, forced, steps = progs.decode(
+                params, slots, ctl, np.int32(limit), rows=n, span=span, chunk=self.stream_chunk,
+                stop_tokens=self.stop_tokens, tool_end=self.python_end, tiers=(top_k,) if top_k else ())
+            out, forced, steps = jax.device_get((out, forced, steps))
+            pushes = {}
+            for t in range(int(steps)):
+                column = out[:, t].tolist()
+                for i, reply in enumerate(replies):
+                    if not reply.ended:
+                        _, push = reply.feed(column[i])
+                        if push:  # the loop paused right after the python_end: forced from the next call on
+                            pushes[i] = push
+                yield column, (~forced[:, t]).astype(int).tolist()
+            emitted, chunk = emitted + int(steps), min(2 * chunk, self.stream_chunk)
 
-    def _advance(self, rows, column) -> dict[int, list[int]]:
-        """nanochat's per-row state machine for one column; returns {row: tokens to force} for closed tool calls."""
-        queues = {}
-        for i, (state, token) in enumerate(zip(rows, column)):
-            if state.forced_tokens:
-                state.forced_tokens.popleft()  # the device forced this very token
-            state.current_tokens.append(token)
-            if state.completed:
-                continue  # nothing a finished row does is used, so its tool calls are not run
-            if token in self.stop_tokens:
-                state.completed = True
-            elif token == self.python_start:
-                state.in_python_block, state.python_expr_tokens = True, []
-            elif token == self.python_end and state.in_python_block:
-                state.in_python_block = False
-                if state.python_expr_tokens:
-                    result = self.run_tool(self.tokenizer.decode(state.python_expr_tokens))
-                    if result is not None:
-                        body = self.tokenizer.encode(result)[: FORCED_CAPACITY - 2]
-                        state.forced_tokens.extend([self.output_start, *body, self.output_end])
-                        queues[i] = list(state.forced_tokens)
-                state.python_expr_tokens = []
-            elif state.in_python_block:
-                state.python_expr_tokens.append(token)
-        return queues
+    def _speculate(self, prompt, length, max_tokens, temperature, top_k, top_p, seed):
+        """One sample by speculative sampling, streamed as (column, mask) pairs like `generate`."""
+        from flaxchat import speculative
 
-    def _force(self, state, queues: dict[int, list[int]]):
-        """Give rows their tool output to force (a row's device queue is always empty when a new one comes)."""
-        B = state.done.shape[0]
-        queue, lengths, rows = np.zeros((B, FORCED_CAPACITY), np.int32), np.zeros(B, np.int32), np.zeros(B, bool)
-        for i, tokens in queues.items():
-            queue[i, : len(tokens)], lengths[i], rows[i] = tokens, len(tokens), True
-        return _push_forced(state, rows, queue, lengths)
+        rule = speculative._check(temperature, top_k, top_p, self.draft_steps)
+        progs, params = speculative.programs(self.model, self.draft_model)
+        spec, first = progs.start(params, prompt, length, jax.random.key(seed), capacity=self.capacity, rule=rule)
+        reply = Reply(self.tokenizer, self.run_tool, text=False)
+        queue, emitted, chunk = [(int(first), 1)], 0, 1
+        while queue:
+            push = None
+            for token, mask in queue:
+                yield [token], [mask]
+                emitted += 1
+                ended, push = reply.feed(token)
+                if ended or emitted >= max_tokens:
+                    return
+            if push:  # the last token was the tool's end: its output goes into both caches, then on
+                forced = np.zeros(FORCED_CAPACITY, np.int32)
+                forced[: len(push)] = push
+                spec = progs.force(params, spec, forced, np.int32(len(push)))
+                queue = [(t, 0) for t in push]
+                continue
+            spec, out, n = progs.run(params, spec, np.int32(min(chunk, max_tokens - emitted)), k=self.draft_steps,
+                                     rule=rule, stops=self.stop_tokens, tool_end=self.python_end, chunk=self.stream_chunk)
+            queue = [(t, 1) for t in np.asarray(out)[: int(n)].tolist()]  # none: the cache is full
+            chunk = min(2 * chunk, self.stream_chunk)
 
     def generate_batch(self, tokens, num_samples=1, **kwargs):
         """Non-streaming: (sequences, masks), each sequence = prompt + generated tokens without the terminal
@@ -524,124 +730,6 @@ class Engine:
 
 
 # -----------------------------------------------------------------------------
-# Speculative sampling
-
-
-def _probs(logits, temperature, greedy, top_k, top_p):
-    """Full-vocabulary probabilities (..., V) of the sampling rule: one-hot argmax when greedy."""
-    if greedy:
-        return jax.nn.one_hot(argmax(logits), logits.shape[-1], dtype=jnp.float32)
-    flat = logits.reshape(-1, logits.shape[-1])
-    values, ids = filter_logits(flat, temperature, top_k, top_p)
-    p = jax.nn.softmax(values, axis=-1)
-    if ids is not None:
-        p = jnp.zeros_like(flat).at[jnp.arange(flat.shape[0])[:, None], ids].set(p)
-    return p.reshape(logits.shape)
-
-
-def _draw(key, p):
-    return inverse_cdf(p, jax.random.uniform(key))
-
-
-def speculative_program(model, draft_model, *, max_tokens, draft_steps=4, temperature=1.0, top_k=None, top_p=None,
-                        stop_tokens=(), capacity=None):
-    """(run, target_params, draft_params) where run(target_params, draft_params, prompt (T,), length, key)
-    -> (tokens (N,), count, rounds, accepted) samples one continuation of prompt[:length]. Pure, so it can
-    be jitted (generate_speculative) or vmapped over keys (the distribution test).
-
-    Both caches always hold the committed sequence minus its last token `last`. A round: the draft feeds
-    `last` and then samples x1..xk one at a time (k+1 forwards, so xk lands in its cache too); the model
-    scores [last, x1..xk] in one forward; xi is kept with probability min(1, p(xi)/q(xi)) up to the first
-    rejection, which is replaced by a draw from max(0, p - q) (normalised); if all k survive, a bonus token
-    comes from the model's last distribution. Each committed token is then distributed exactly as the model
-    alone would sample it; greedy (one-hot p and q) keeps the model's greedy tokens.
-    """
-    _check_sampling(temperature, top_k, top_p)
-    if draft_steps < 1:
-        raise ValueError(f"draft_steps must be >= 1, got {draft_steps}")
-    k, greedy = draft_steps, temperature == 0
-    capacity = capacity or min(model.config.sequence_len, draft_model.config.sequence_len)
-    stops = jnp.asarray(tuple(stop_tokens), jnp.int32)
-    probs = functools.partial(_probs, temperature=temperature, greedy=greedy, top_k=top_k, top_p=top_p)
-    t_graph, t_params = nnx.split(model)
-    d_graph, d_params = nnx.split(draft_model)
-
-    def prefill(m, prompt, length):
-        logits, cache = m.forward_cached(prompt[None], m.init_cache(1, capacity), logits_at=jnp.reshape(length - 1, (1,)))
-        return logits[0], dataclasses.replace(cache, pos=jnp.reshape(length, (1,)).astype(jnp.int32))
-
-    def run(tp, dp, prompt, length, key):
-        target, draft = nnx.merge(t_graph, tp), nnx.merge(d_graph, dp)
-        logits, tcache = prefill(target, prompt, length)
-        _, dcache = prefill(draft, prompt, length)
-        key, sub = jax.random.split(key)
-        first = _draw(sub, probs(logits))  # the first token needs no draft: the prefill already scored it
-        out = jnp.zeros((max_tokens + k + 1,), jnp.int32).at[0].set(first)
-        init = (tcache, dcache, first, out, jnp.int32(1), key, jnp.int32(0), jnp.int32(0), jnp.isin(first, stops))
-
-        def cond(s):
-            tcache, _, _, _, n, _, _, _, stopped = s
-            return (n < max_tokens) & ~stopped & (tcache.pos[0] + k + 1 <= capacity)
-
-        def body(s):
-            tcache, dcache, last, out, n, key, rounds, accepted, _ = s
-            key, k_draft, k_accept, k_fix = jax.random.split(key, 4)
-
-            def draft_step(carry, j):
-                cache, token = carry
-                logits, cache = draft.forward_cached(token[None, None], cache)
-                q = probs(logits[0, 0])
-                x = _draw(jax.random.fold_in(k_draft, j), q)
-                return (cache, x), (x, q)
-
-            (dcache_new, _), (xs, qs) = jax.lax.scan(draft_step, (dcache, last), jnp.arange(k + 1))
-            xs, qs = xs[:k], qs[:k]  # the (k+1)-th forward only put xk in the draft cache
-            fed = jnp.concatenate([last[None], xs])  # (k+1,)
-            logits, tcache_new = target.forward_cached(fed[None], tcache)
-            ps = probs(logits[0])  # (k+1, V): ps[i] is the model's distribution after fed[i]
-            px, qx = ps[jnp.arange(k), xs], qs[jnp.arange(k), xs]
-            keep = jax.random.uniform(k_accept, (k,)) * qx < px  # u < p/q without dividing by q
-            n_ok = jnp.sum(jnp.cumprod(keep)).astype(jnp.int32)
-            q_next = jnp.concatenate([qs, jnp.zeros_like(qs[:1])])[n_ok]  # zero after k: the bonus draw is plain p
-            residual = jnp.maximum(ps[n_ok] - q_next, 0.0)
-            residual = jnp.where(jnp.sum(residual) > 0, residual, ps[n_ok])  # p == q: rejection had probability 0
-            y = _draw(k_fix, residual / jnp.sum(residual))
-            new = jnp.where(jnp.arange(k + 1) < n_ok, jnp.concatenate([xs, xs[:1]]), y)  # x1..x_n_ok, y, (y...)
-            out = jax.lax.dynamic_update_slice(out, new, (n,))
-            # keep [.., last, x1..x_n_ok] in both caches; y becomes the new `last`
-            tcache_new = rewind(target, tcache_new, tcache.pos + 1 + n_ok, fed[n_ok][None])
-            dcache_new = rewind(draft, dcache_new, dcache.pos + 1 + n_ok, fed[n_ok][None])
-            stopped = jnp.any(jnp.isin(new, stops) & (jnp.arange(k + 1) <= n_ok))
-            return (tcache_new, dcache_new, y, out, n + n_ok + 1, key, rounds + 1, accepted + n_ok, stopped)
-
-        tcache, dcache, last, out, n, key, rounds, accepted, stopped = jax.lax.while_loop(cond, body, init)
-        return out, n, rounds, accepted
-
-    return run, t_params, d_params
-
-
-def generate_speculative(model, draft_model, prompt_tokens, max_tokens, draft_steps=4, temperature=1.0, top_k=None,
-                         top_p=None, seed=0, stop_tokens=(), capacity=None, return_stats=False):
-    """Continue prompt_tokens by up to max_tokens tokens with draft_model proposing draft_steps at a time.
-
-    The tokens follow the model's own sampling distribution exactly (its greedy output at temperature 0).
-    Ends after the first stop token (included), or early if the KV cache fills. With return_stats, also
-    returns {"rounds", "accepted", "acceptance_rate"} (accepted draft tokens / proposed).
-    """
-    capacity = capacity or min(model.config.sequence_len, draft_model.config.sequence_len)
-    tokens, lengths = pad_prompts([prompt_tokens], capacity, max_tokens)
-    run, tp, dp = speculative_program(model, draft_model, max_tokens=max_tokens, draft_steps=draft_steps,
-                                      temperature=temperature, top_k=top_k, top_p=top_p,
-                                      stop_tokens=stop_tokens, capacity=capacity)
-    out, n, rounds, accepted = jax.device_get(jax.jit(run)(tp, dp, tokens[0], lengths[0], jax.random.key(seed)))
-    result = _until_stop(out[: min(int(n), max_tokens)].tolist(), tuple(stop_tokens))
-    if not return_stats:
-        return result
-    rate = int(accepted) / max(int(rounds) * draft_steps, 1)
-    return result, {"rounds": int(rounds), "accepted": int(accepted), "acceptance_rate": rate}
-
-
-# -----------------------------------------------------------------------------
 # Measurement (scripts/bench.py --what generate)
 
 
@@ -658,25 +746,26 @@ def measure_generation(model, batch_size, prompt_len, max_new_tokens, seed=0, te
     rng = np.random.default_rng(seed)
     prompts = rng.integers(0, model.config.vocab_size, (batch_size, prompt_len)).tolist()
     tokens, lengths = pad_prompts(prompts, capacity, max_new_tokens)
-    programs, params = _programs(model)
-    kwargs = _sampling_kwargs(temperature, top_k, None)
+    progs, params = programs(model)
     span = attention_span(prompt_len + max_new_tokens, capacity)
+    decode = functools.partial(progs.decode, rows=batch_size, span=span, chunk=decode_chunk(max_new_tokens),
+                               stop_tokens=(), tool_end=-1, tiers=(top_k,) if top_k else ())
+    ctl = controls(batch_size, remaining=max_new_tokens, seed=seed, lane=np.arange(batch_size),
+                   temperature=temperature, top_k=top_k or 0)
 
     def prefill():
-        return programs.prefill(params, tokens, lengths, jax.random.key(seed), num_rows=batch_size, capacity=capacity)
+        return progs.start(params, tokens, lengths, copies=1, rows=batch_size, capacity=capacity)
 
     def one_run():
         t0 = time.perf_counter()
-        state = jax.block_until_ready(prefill())
+        slots = jax.block_until_ready(prefill())
         t1 = time.perf_counter()
-        state = programs.decode(params, state, *_decode_args(max_new_tokens, temperature), **kwargs, span=span, width=span)
-        state = jax.block_until_ready(state)
+        slots, out, _, steps = jax.block_until_ready(decode(params, slots, ctl, np.int32(max_new_tokens)))
         t2 = time.perf_counter()
-        first = prefill()
-        first = programs.decode(params, first, *_decode_args(1, temperature), **kwargs, span=span, width=span)
-        np.asarray(first.tokens[:, 0])  # the first tokens, on the host
+        _, first, _, _ = decode(params, prefill(), ctl, np.int32(1))
+        np.asarray(first[:, 0])  # the first tokens, on the host
         t3 = time.perf_counter()
-        assert int(state.step) == max_new_tokens
+        assert int(steps) == max_new_tokens
         return t1 - t0, t2 - t1, t3 - t2
 
     t0 = time.perf_counter()

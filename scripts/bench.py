@@ -12,6 +12,8 @@ Generation (KV-cache engine; batch 1 and 32 are the usual points):
     python -m scripts.bench --what generate --depth 4 --max-seq-len 512 --window-pattern SSSL \
         --vocab-size 32768 --prompt-len 16 --max-new-tokens 256 --batch-size 1
     (add --quantize bf16|int8 to decode from weight-only quantized matmul weights, as chat_cli/eval can)
+Speculative sampling, a trained model and a trained draft (plain vs speculative, acceptance rate):
+    python -m scripts.bench --what generate --checkpoint sft:d12 --draft-model d4 --max-new-tokens 128 -t 0
 Data loader (needs a tokenizer and parquet shards in $FLAXCHAT_BASE_DIR):
     python -m scripts.bench --what data --device-batch-size 8 --max-seq-len 512
 The CPU suite (the shapes compared with nanochat; one JSON line per shape; the "real" row needs a tokenizer and
@@ -42,6 +44,7 @@ from flaxchat.common import (StepProfiler, compute_dtype, get_base_dir, parse_ar
 from flaxchat.config import GPTConfig, add_model_flags, config_from_flags
 from flaxchat.gpt import GPT, add_kernel_flags
 from flaxchat.quantize import add_quantize_flag, quantize_for_generation, weight_bytes
+from flaxchat.speculative import add_draft_flags, load_draft, measure_speculative
 
 
 def build_parser():
@@ -59,6 +62,10 @@ def build_parser():
     p.add_argument("--max-new-tokens", type=int, default=256, help="generated tokens per row")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="compute dtype")
     add_quantize_flag(p)
+    p.add_argument("--checkpoint", default=None, metavar="[SOURCE:]TAG",
+                   help="generate: time a trained checkpoint (e.g. sft:d4) instead of a random model of the flags' shape")
+    add_draft_flags(p)
+    p.add_argument("-t", "--temperature", type=float, default=1.0, help="generate: sampling temperature (0 = greedy)")
     p.add_argument("--show-ops", action="store_true", help="comms: list every collective (kind, shape, times, source op)")
     p.add_argument("--suite", choices=["cpu"], default=None,
                    help="train: run every shape of a suite (CPU_SUITE), one JSON line each; other flags still apply")
@@ -192,12 +199,27 @@ def bench_comms(args, mesh) -> dict:
 def bench_generate(args, mesh) -> dict:
     from flaxchat.engine import measure_generation
 
-    config = make_config(args)
-    model = quantize_for_generation(GPT(config, rngs=nnx.Rngs(0), dtype=compute_dtype(args.dtype)), args.quantize)
+    if args.checkpoint:
+        model = load_draft(args.checkpoint, "sft", dtype=compute_dtype(args.dtype))  # any [SOURCE:]TAG checkpoint
+    else:
+        model = GPT(make_config(args), rngs=nnx.Rngs(0), dtype=compute_dtype(args.dtype))
+    model = quantize_for_generation(model, args.quantize)
+    info = {"quantize": args.quantize, "weight_mb": weight_bytes(model) / 2**20, "checkpoint": args.checkpoint}
+    if args.draft_model:
+        from flaxchat.tokenizer import get_tokenizer
+
+        source = args.checkpoint.rpartition(":")[0] or "sft"
+        draft = quantize_for_generation(load_draft(args.draft_model, source, dtype=compute_dtype(args.dtype)),
+                                        args.quantize)
+        tokenizer = get_tokenizer()  # a text prompt: how often the draft agrees depends on real text
+        prompt = [tokenizer.get_bos_token_id()] + tokenizer.encode("Once upon a time, there was a little")
+        out = measure_speculative(model, draft, prompt, args.max_new_tokens, draft_steps=args.draft_steps,
+                                  temperature=args.temperature)
+        return {"what": "generate", "speculative": True, "draft_model": args.draft_model, **out, **info,
+                "draft_weight_mb": weight_bytes(draft) / 2**20, "peak_mem_gb": peak_mem_gb()}
     out = measure_generation(model, batch_size=args.batch_size, prompt_len=args.prompt_len,
-                             max_new_tokens=args.max_new_tokens)
-    return {"what": "generate", **out, "quantize": args.quantize, "weight_mb": weight_bytes(model) / 2**20,
-            "peak_mem_gb": peak_mem_gb()}
+                             max_new_tokens=args.max_new_tokens, temperature=args.temperature)
+    return {"what": "generate", **out, **info, "peak_mem_gb": peak_mem_gb()}
 
 
 def bench_data(args, mesh) -> dict:
@@ -235,6 +257,8 @@ def main(argv=None):
         make_config(args)
     except ValueError as e:
         parser.error(str(e))
+    if args.draft_model and not args.checkpoint:
+        parser.error("--draft-model needs --checkpoint: a draft proposes tokens for a trained model")
     mesh = sharding.mesh_from_args(parser, args)
     if args.suite:
         return run_suite(args, mesh)

@@ -5,6 +5,7 @@
     python -m scripts.chat_cli -p "What is 23*17?" -t 0          # one greedy reply, then exit
     python -m scripts.chat_cli -i base --model-tag d4 --step 2000 -t 0.8 -k 50
     python -m scripts.chat_cli --quantize int8                   # int8 matmul weights: a quarter of fp32's memory
+    python -m scripts.chat_cli -g d12 --draft-model d4           # speculative sampling with a small draft model
 
 In the chat, /clear starts a new conversation and /quit (or Ctrl-D) leaves. Tool calls appear dimmed as
 [python: ...] and their results as [output: ...]; the tool is the calculator, as in training and evaluation
@@ -21,10 +22,11 @@ import sys
 
 from flaxchat.common import parse_args
 from flaxchat.quantize import add_quantize_flag
+from flaxchat.speculative import add_draft_flags
 
 DIM, RESET = "\033[2m", "\033[0m"
 # How each part of an assistant message is shown; the brackets stand for the special tokens around it.
-PART_STYLE = {"text": ("", ""), "python": ("[python: ", "]"), "python_output": ("[output: ", "]")}
+PART_STYLE = {"python": ("[python: ", "]"), "python_output": ("[output: ", "]")}
 
 
 # -----------------------------------------------------------------------------
@@ -51,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: calculator only, as in training and evaluation)")
     p.add_argument("--no-color", action="store_true", help="plain text even on a terminal")
     add_quantize_flag(p)
+    add_draft_flags(p)
     return p
 
 
@@ -65,6 +68,8 @@ def get_args(argv=None) -> argparse.Namespace:
         parser.error(f"--top-p must be in (0, 1], got {args.top_p}")
     if args.max_tokens < 1:
         parser.error(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    if args.draft_steps < 1:
+        parser.error(f"--draft-steps must be >= 1, got {args.draft_steps}")
     return args
 
 
@@ -73,58 +78,35 @@ def get_args(argv=None) -> argparse.Namespace:
 
 
 class ReplyPrinter:
-    """Turns the stream of reply tokens into printed text and the assistant message's parts.
-
-    Text is decoded per part, and a part's text is printed only up to its last complete character, so a
-    character split over several tokens appears whole.
-    """
+    """Prints a reply as its tokens stream in, through the Engine's own tool state machine (`Reply`, following
+    the tokens only: the Engine has already run the tool). Text appears a whole character at a time; a tool
+    call and its output appear, dimmed, once complete."""
 
     def __init__(self, tokenizer, out, color: bool):
-        self.tokenizer, self.out, self.color = tokenizer, out, color
-        sp = tokenizer.encode_special
-        self.opens = {sp("<|python_start|>"): "python", sp("<|output_start|>"): "python_output"}
-        self.closes = {sp("<|python_end|>"), sp("<|output_end|>")}
-        self.end = sp("<|assistant_end|>")
-        self.parts: list[dict] = []
-        self.kind, self.tokens, self.shown = "text", [], 0
+        from flaxchat.engine import Reply
 
-    def _write(self, text: str, styled: bool) -> None:
-        if text:
-            self.out.write(f"{DIM}{text}{RESET}" if styled and self.color else text)
-            self.out.flush()
+        self.reply, self.out, self.color = Reply(tokenizer), out, color
 
-    def _flush(self, final: bool) -> None:
-        text = self.tokenizer.decode(self.tokens)
-        if not final and text.endswith("\ufffd"):
-            return  # wait for the rest of a multi-byte character
-        self._write(text[self.shown:], self.kind != "text")
-        self.shown = len(text)
-
-    def _close_part(self) -> None:
-        self._flush(final=True)
-        if self.tokens or self.kind != "text":
-            self.parts.append({"type": self.kind, "text": self.tokenizer.decode(self.tokens)})
-        self._write(PART_STYLE[self.kind][1], self.kind != "text")
-        self.kind, self.tokens, self.shown = "text", [], 0
+    def _show(self) -> None:
+        for event in self.reply.take_events():
+            if event["type"] == "token":
+                self.out.write(event["text"])
+            else:
+                opening, closing = PART_STYLE["python" if event["kind"] == "call" else "python_output"]
+                text = f"{opening}{event['text']}{closing}"
+                self.out.write(f"{DIM}{text}{RESET}" if self.color else text)
+        self.out.flush()
 
     def add(self, token: int) -> bool:
         """Show one token; False once the reply has ended."""
-        if token == self.end:
-            return False
-        if token in self.opens:
-            self._close_part()
-            self.kind = self.opens[token]
-            self._write(PART_STYLE[self.kind][0], True)
-        elif token in self.closes:
-            self._close_part()
-        else:
-            self.tokens.append(token)
-            self._flush(final=False)
-        return True
+        ended, _ = self.reply.feed(token)
+        self._show()
+        return not ended
 
     def finish(self) -> list[dict]:
-        self._close_part()
-        return [p for p in self.parts if p["type"] != "text" or p["text"]]
+        parts = self.reply.finish()
+        self._show()
+        return parts
 
 
 def stream_reply(engine, tokenizer, prompt: list[int], args, seed: int, out, color: bool) -> list[dict]:
@@ -220,12 +202,21 @@ def main(argv=None) -> int:
     # compiled prefill/decode programs survive restarts, so a second session starts answering at once (also on CPU)
     enable_compilation_cache(os.path.join(get_base_dir(), "jax_cache"))
 
+    from flaxchat.speculative import load_draft
+
     try:
         model, tokenizer, meta = load_model(args.source, args.model_tag, args.step)
+        draft = load_draft(args.draft_model, args.source) if args.draft_model else None
     except (FileNotFoundError, ValueError) as e:
         print(f"chat_cli: {e}", file=sys.stderr)
         return 1
-    engine = Engine(quantize_for_generation(model, args.quantize), tokenizer, use_sandbox=args.sandbox)
+    if draft is not None and draft.config.vocab_size != model.config.vocab_size:
+        print(f"chat_cli: the draft model's vocabulary ({draft.config.vocab_size}) is not the model's "
+              f"({model.config.vocab_size}); a draft must use the same tokenizer", file=sys.stderr)
+        return 1
+    quantize = lambda m: None if m is None else quantize_for_generation(m, args.quantize)
+    engine = Engine(quantize(model), tokenizer, use_sandbox=args.sandbox, draft_model=quantize(draft),
+                    draft_steps=args.draft_steps)
     if not args.prompt:
         print(f"loaded {args.source} model (step {meta.get('step', '?')}, {model.config.n_layer} layers)")
     run_chat(engine, tokenizer, args)

@@ -32,6 +32,8 @@ from flaxchat.common import parse_args
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from flaxchat.quantize import add_quantize_flag
+
     p = argparse.ArgumentParser(description="Serve a flaxchat model in the browser and over HTTP",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
@@ -61,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="apply --rate-limit to loopback clients too (e.g. behind a reverse proxy on this machine, "
                         "where every client arrives from 127.0.0.1)")
     p.add_argument("--rate-burst", type=int, default=10, help="requests a client may send at once")
+    add_quantize_flag(p)
     p.add_argument("--no-warmup", action="store_true", help="compile lazily instead of before serving")
     p.add_argument("--load-test", default=None, help="comma-separated client counts: measure them and exit")
     p.add_argument("--load-tokens", type=int, default=128, help="tokens each load-test client asks for")
@@ -107,15 +110,20 @@ def build_model(args):
     from flaxchat.gpt import GPT
     from flaxchat.tokenizer import get_tokenizer
 
+    from flaxchat.quantize import quantize_for_generation
+
+    weights = "" if args.quantize == "none" else f"-{args.quantize}"
     if args.random_init:
         tokenizer = get_tokenizer()
         config = GPTConfig.from_depth(args.depth, vocab_size=tokenizer.get_vocab_size(), max_seq_len=args.seq_len)
-        return GPT(config, rngs=nnx.Rngs(args.seed)), tokenizer, f"d{args.depth}-random-init"
+        model = quantize_for_generation(GPT(config, rngs=nnx.Rngs(args.seed)), args.quantize)
+        return model, tokenizer, f"d{args.depth}-random-init{weights}"
     from flaxchat.checkpoint import find_model_tag, load_model
 
     tag = args.model_tag or find_model_tag(args.source)
     model, tokenizer, meta = load_model(args.source, tag, args.step)
-    return model, tokenizer, f"{tag}-{args.source}-step{meta.get('step', 'latest')}"
+    model = quantize_for_generation(model, args.quantize)
+    return model, tokenizer, f"{tag}-{args.source}-step{meta.get('step', 'latest')}{weights}"
 
 
 # -----------------------------------------------------------------------------

@@ -53,3 +53,26 @@ def test_suite_prints_one_line_per_shape_and_reads_real_batches(capsys, monkeypa
     assert rows[1]["data"] == "grain loader" and rows[1]["grad_accum"] == 2
     assert rows[1]["config"]["vocab_size"] == 512  # the tiny corpus's tokenizer
     assert all(r["tok_per_s"] > 0 for r in rows)
+
+
+def test_generate_times_speculative_sampling_between_checkpoints(capsys, tiny_base_dir):
+    from flax import nnx
+
+    from flaxchat.checkpoint import Checkpointer, checkpoint_dir
+    from flaxchat.config import GPTConfig
+    from flaxchat.gpt import GPT
+    from flaxchat.tokenizer import get_tokenizer
+
+    vocab = get_tokenizer().get_vocab_size()
+    for tag, layers in (("d2", 2), ("d1", 1)):
+        config = GPTConfig(sequence_len=64, vocab_size=vocab, n_layer=layers, n_head=2, n_kv_head=2, n_embd=64)
+        ckpt = Checkpointer(checkpoint_dir("sft", tag), async_save=False)
+        ckpt.save(1, GPT(config, rngs=nnx.Rngs(layers)))
+        ckpt.close()
+    out = run(capsys, ["--what", "generate", "--checkpoint", "sft:d2", "--draft-model", "d1", "--draft-steps", "2",
+                       "--max-new-tokens", "8", "-t", "0"])
+    assert out["speculative"] and out["checkpoint"] == "sft:d2" and out["draft_model"] == "d1"
+    assert out["tok_per_s"] > 0 and out["plain_tok_per_s"] > 0 and 0 <= out["acceptance_rate"] <= 1
+    with pytest.raises(SystemExit):
+        main(["--what", "generate", "--draft-model", "d1"])
+    assert "--draft-model needs --checkpoint" in capsys.readouterr().err

@@ -198,3 +198,12 @@ def test_main_loads_a_checkpoint(tok, capsys, monkeypatch, compile_cache_restore
     assert printed.endswith("\n") and len(printed) > 1
     assert chat_cli.main(["-i", "sft", "-g", "d1", "-s", "9", "-p", "hi"]) == 1
     assert "no checkpoint for step 9" in capsys.readouterr().err
+    # speculative sampling with a draft checkpoint: the same greedy reply
+    assert chat_cli.main(flags) == 0
+    plain = capsys.readouterr().out
+    assert chat_cli.main([*flags, "--draft-model", "sft:d1", "--draft-steps", "2"]) == 0
+    assert capsys.readouterr().out == plain and engines[-1].draft_model is not None
+    for bad, message in (("dpo:d1", "SOURCE base, sft or rl"), ("d9", "d9")):
+        assert chat_cli.main([*flags, "--draft-model", bad]) == 1
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1

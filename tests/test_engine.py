@@ -11,6 +11,7 @@ import pytest
 from flax import nnx
 
 from flaxchat import engine as E
+from flaxchat import speculative as S
 from flaxchat.config import GPTConfig
 from flaxchat.gpt import GPT, KVCache
 from flaxchat.tokenizer import Tokenizer
@@ -75,20 +76,22 @@ def test_cached_logits_equal_full_forward_every_step(model):
     """Padded prefill of different-length rows, then one decode step per call: the logits the loop samples from
     equal a full forward over each row's whole sequence so far. The cache has room for 1024 positions and each
     call attends over (and writes back) only the span its rows use."""
-    programs, params = E._programs(model)
+    programs, params = E.programs(model)
     tokens, lengths = E.pad_prompts(PROMPTS, 1024, 24)
-    state = programs.prefill(params, tokens, lengths, jax.random.key(0), num_rows=3, capacity=1024)
-    cached, spans = [], set()
-    for step in range(1, 25):
-        cached.append(np.array(state.logits))  # a copy: the next call donates the state
-        span = E.attention_span(max(map(len, PROMPTS)) + step, 1024)
+    slots = programs.start(params, tokens, lengths, copies=1, rows=3, capacity=1024)
+    cached, spans, columns = [], set(), []
+    for step in range(24):
+        cached.append(np.array(slots.logits))  # a copy: the next call donates the slots
+        span = E.attention_span(max(map(len, PROMPTS)) + step + 1, 1024)
         spans.add(span)
-        state = programs.decode(params, state, *E._decode_args(step, 0.0), greedy=True, top_k=None, top_p=None,
-                                span=span, width=1)
-        assert int(state.step) == step
-    assert spans == {64} and state.cache.k[0].shape[2] == 1024  # 64 of 1024 positions read
-    assert np.asarray(state.cache.pos).tolist() == [len(p) + 24 for p in PROMPTS]
-    columns = np.asarray(state.tokens)
+        ctl = E.controls(3, remaining=24 - step, offset=step, temperature=0.0)
+        slots, out, forced, steps = programs.decode(params, slots, ctl, np.int32(1), rows=3, span=span, chunk=1,
+                                                    stop_tokens=(), tool_end=-1, tiers=())
+        assert int(steps) == 1 and not np.asarray(forced).any()
+        columns.append(np.asarray(out)[:, 0])
+    assert spans == {64} and slots.cache.k[0].shape[2] == 1024  # 64 of 1024 positions read
+    assert np.asarray(slots.cache.pos).tolist() == [len(p) + 24 for p in PROMPTS]
+    columns = np.stack(columns, axis=1)
     for b, prompt in enumerate(PROMPTS):
         seq = prompt + columns[b, :23].tolist()
         full = np.asarray(full_forward(model, jnp.array([seq + [0] * (64 - len(seq))]))[0])
@@ -161,10 +164,18 @@ def test_engine_stream_equals_one_loop(model, tok):
 # Tool use, with a mock model that follows a script
 
 
+class NoEmbedding(nnx.Module):
+    """The embedding speculative sampling reads when it rewinds a cache: nothing to smear in a scripted model."""
+
+    def __init__(self):
+        self.wte = lambda tokens, dtype: jnp.zeros(tokens.shape + (2,), dtype)
+
+
 class ScriptedModel(nnx.Module):
     """Mock model: after absolute position p it puts all mass on script[p + 1], whatever the tokens are."""
 
     def __init__(self, script, vocab_size, sequence_len=64):
+        self.transformer = NoEmbedding()
         self.config = GPTConfig(sequence_len=sequence_len, vocab_size=vocab_size, n_layer=1, n_head=1, n_kv_head=1,
                                 n_embd=2)
         self.script = nnx.Variable(jnp.asarray(script + [script[-1]] * (sequence_len + 1 - len(script)), jnp.int32))
@@ -210,6 +221,31 @@ def test_tool_injection_with_mock_model(tok):
     assert tok.decode(results[0][len(prompt):]).endswith("4<|output_end|> The cat")  # no <|assistant_end|>
 
 
+def test_speculative_engine_runs_the_tool(tok):
+    """With a draft model the Engine streams from speculative sampling, and a tool's output is forced into both
+    caches between calls: the same tokens and masks as the plain loop."""
+    sp = tok.encode_special
+    forced = [sp("<|output_start|>"), *tok.encode("4"), sp("<|output_end|>")]
+    prompt, call, after, reply = tool_script(tok, "2+2", len(forced))
+    model = ScriptedModel(prompt + reply, tok.get_vocab_size())
+    draft = ScriptedModel(prompt + reply[:3] + [7] * 40, tok.get_vocab_size())  # right at first, then wrong
+    engine = E.Engine(model, tok, draft_model=draft, draft_steps=3, stream_chunk=4)
+    for temperature in (0.0, 1.0):
+        stream = list(engine.generate(prompt, max_tokens=40, temperature=temperature))
+        assert [c[0] for c, _ in stream] == call + forced + after
+        assert [m[0] for _, m in stream] == [1] * len(call) + [0] * len(forced) + [1] * len(after)
+
+
+def test_speculative_engine_equals_plain_greedy(model, tok):
+    config = dataclasses.replace(model.config, n_layer=1)
+    draft = make_model(config, 5, 0.3)
+    prompt = [tok.get_bos_token_id()] + tok.encode("The cat sat on the mat")
+    plain = [c[0] for c, _ in E.Engine(model, tok).generate(prompt, max_tokens=30, temperature=0.0)]
+    fast = E.Engine(model, tok, draft_model=draft, draft_steps=3)
+    assert [c[0] for c, _ in fast.generate(prompt, max_tokens=30, temperature=0.0)] == plain
+    assert [c[0] for c, _ in fast.generate(prompt, max_tokens=7, temperature=0.0)] == plain[:7]  # stops at max_tokens
+
+
 def test_tool_is_the_calculator_unless_the_sandbox_is_asked_for(tok):
     sp = tok.encode_special
     forced = [sp("<|output_start|>"), *tok.encode("42"), sp("<|output_end|>")]
@@ -251,7 +287,7 @@ def test_speculative_greedy_equals_target_greedy(pair):
     target, draft = pair
     prompt = [1, 5]
     expected = naive_greedy(target, prompt, 12, width=16)
-    spec, stats = E.generate_speculative(target, draft, prompt, 12, draft_steps=3, temperature=0.0, return_stats=True)
+    spec, stats = S.generate_speculative(target, draft, prompt, 12, draft_steps=3, temperature=0.0, return_stats=True)
     assert spec == expected
     assert naive_greedy(draft, prompt, 12, width=16) != expected  # the draft alone would have said otherwise
     assert 0 < stats["rounds"] <= 12 and stats["accepted"] <= 3 * stats["rounds"]
@@ -262,11 +298,11 @@ def test_speculative_sampling_preserves_distribution(pair):
     (chi-square), while the draft's own law is far from it."""
     target, draft = pair
     n, prompt = 24000, [1, 5]
-    run, tp, dp = E.speculative_program(target, draft, max_tokens=3, draft_steps=2, capacity=16)
+    run, params = S.speculative_program(target, draft, max_tokens=3, draft_steps=2, capacity=16)
     tokens, lengths = E.pad_prompts([prompt], 16, 3)
     keys = jax.random.split(jax.random.key(0), n)
-    sample_many = jax.jit(jax.vmap(run, in_axes=(None, None, None, None, 0)))
-    out, count, rounds, accepted = sample_many(tp, dp, tokens[0], lengths[0], keys)
+    sample_many = jax.jit(jax.vmap(run, in_axes=(None, None, None, 0)))
+    out, count, rounds, accepted = sample_many(params, tokens[0], lengths[0], keys)
     assert np.all(np.asarray(count) >= 3) and 0 < np.mean(accepted) < 2  # drafts were both accepted and rejected
     observed = np.bincount(np.asarray(out[:, :3]) @ np.array([V * V, V, 1]), minlength=V**3)
     seqs = np.stack(np.meshgrid(*[np.arange(V)] * 3, indexing="ij"), -1).reshape(-1, 3)
@@ -307,3 +343,17 @@ def test_engine_checks_prompts_and_clips_to_the_cache(tok):
         next(engine.generate("hello"))
     with pytest.raises(ValueError, match="at least one token"):
         next(engine.generate([]))
+
+
+@pytest.mark.eight_devices
+def test_sampling_on_a_mesh_equals_one_device(model):
+    """Parameters on an 8-device mesh: the decode program is partitioned (no optimisation barriers around
+    top-k there: XLA cannot rewrite them) and samples the same tokens as on one device."""
+    from flaxchat import sharding
+
+    mesh = sharding.make_mesh(data=-1)
+    sharded = nnx.eval_shape(lambda: model)
+    nnx.update(sharded, jax.device_put(nnx.state(model), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())))
+    for top_k in (None, 5, 50):
+        want = E.generate(model, PROMPTS, 6, temperature=1.0, top_k=top_k, seed=1)
+        assert E.generate(sharded, PROMPTS, 6, temperature=1.0, top_k=top_k, seed=1) == want

@@ -13,7 +13,8 @@ from flax import nnx
 
 from flaxchat.config import GPTConfig
 from flaxchat.gpt import GPT, rms_norm
-from flaxchat.scheduler import FORCED_CAPACITY, Reply, Request, Scheduler, batch_rows, sample_rows
+from flaxchat.engine import FORCED_CAPACITY, Reply, sample_rows
+from flaxchat.scheduler import Request, Scheduler, batch_rows
 from flaxchat.tokenizer import Tokenizer
 
 TEXT = ["The cat sat on the mat. 3*7 is 21 and 12+5 is 17. Héllo wörld, naïve café.\n" * 30]

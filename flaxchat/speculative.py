@@ -1,0 +1,276 @@
+"""Speculative sampling: a small draft model proposes, the model verifies several tokens in one forward pass.
+
+Rejection sampling keeps the model's own distribution exactly (Leviathan et al. 2023, arXiv:2211.17192; Chen et
+al. 2023, arXiv:2302.01318): the tokens are distributed as the model alone would sample them, and at temperature
+0 they are its greedy tokens. It pays when the draft is much cheaper than the model and agrees with it often.
+
+Built on the generation core (flaxchat.engine): its sampling rule (`rule_probs`, `inverse_cdf`), its cache
+helpers, its prompt padding. The state is explicit and the programs are jitted once per pair of model
+structures, so the Engine streams from it (`Engine(..., draft_model=...)`, `--draft-model` on chat_cli and
+bench) and a tool's output can be forced into it between calls.
+
+Both caches always hold the committed sequence minus its last token `last`. A round: the draft feeds `last`
+and then samples x1..xk one at a time (k+1 forwards, so xk lands in its cache too); the model scores
+[last, x1..xk] in one forward; xi is kept with probability min(1, p(xi)/q(xi)) up to the first rejection, which
+is replaced by a draw from max(0, p - q) (normalised); if all k survive, a bonus token y comes from the model's
+last distribution. A round commits x1..x_n, y, cut after a stop token or the tool's end token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from flaxchat.engine import (_check_sampling, _until_stop, cast_for_compute, decode_chunk, inverse_cdf, pad_prompts,
+                             rewind, rule_probs)
+from flaxchat.gpt import KVCache
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Speculation:
+    """One sequence's speculative state between calls."""
+
+    target: KVCache  # batch 1: the committed sequence minus `last`
+    draft: KVCache
+    last: jax.Array  # () int32: the last committed token, not yet in the caches
+    key: jax.Array
+    rounds: jax.Array  # () int32: verification rounds so far
+    accepted: jax.Array  # () int32: draft tokens the model kept
+
+
+def _draw(key, p):
+    return inverse_cdf(p, jax.random.uniform(key))
+
+
+def _models(graphs, params):
+    models = [nnx.merge(g, p) for g, p in zip(graphs, params)]
+    for m in models:
+        cast_for_compute(m)
+    return models
+
+
+def _start(graphs, params, prompt, length, key, *, capacity, rule):
+    """Prefill both models with prompt[:length] (prompt (T,) padded) -> (Speculation, first token)."""
+    target, draft = _models(graphs, params)
+
+    def prefill(m):
+        cache = m.init_cache(1, capacity)
+        logits, cache = m.forward_cached(prompt[None], cache, logits_at=jnp.reshape(length - 1, (1,)))
+        return logits[0], dataclasses.replace(cache, pos=jnp.reshape(length, (1,)).astype(jnp.int32))
+
+    logits, tcache = prefill(target)
+    _, dcache = prefill(draft)
+    key, sub = jax.random.split(key)
+    first = _draw(sub, rule_probs(logits, *rule))  # the first token needs no draft: the prefill scored it
+    zero = jnp.zeros((), jnp.int32)
+    return Speculation(target=tcache, draft=dcache, last=first, key=key, rounds=zero, accepted=zero), first
+
+
+def _run(graphs, params, spec: Speculation, limit, *, k, rule, stops, tool_end, chunk):
+    """Rounds until at least `limit` (<= chunk) tokens are committed, a committed token is a stop token or
+    `tool_end`, or the cache is full -> (Speculation, tokens (chunk + k + 1,), count)."""
+    target, draft = _models(graphs, params)
+    probs = functools.partial(rule_probs, temperature=rule[0], top_k=rule[1], top_p=rule[2])
+    ends = jnp.asarray(tuple(stops) + (tool_end,), jnp.int32)
+    capacity = spec.target.k[0].shape[2]
+
+    def cond(c):
+        s, _, n, stopped = c
+        return (n < limit) & ~stopped & (s.target.pos[0] + k + 1 <= capacity)
+
+    def body(c):
+        s, out, n, _ = c
+        key, k_draft, k_accept, k_fix = jax.random.split(s.key, 4)
+
+        def draft_step(carry, j):
+            cache, token = carry
+            logits, cache = draft.forward_cached(token[None, None], cache)
+            q = probs(logits[0, 0])
+            x = _draw(jax.random.fold_in(k_draft, j), q)
+            return (cache, x), (x, q)
+
+        (dcache, _), (xs, qs) = jax.lax.scan(draft_step, (s.draft, s.last), jnp.arange(k + 1))
+        xs, qs = xs[:k], qs[:k]  # the (k+1)-th forward only put xk in the draft cache
+        fed = jnp.concatenate([s.last[None], xs])  # (k+1,)
+        logits, tcache = target.forward_cached(fed[None], s.target)
+        ps = probs(logits[0])  # (k+1, V): ps[i] is the model's distribution after fed[i]
+        px, qx = ps[jnp.arange(k), xs], qs[jnp.arange(k), xs]
+        keep = jax.random.uniform(k_accept, (k,)) * qx < px  # u < p/q without dividing by q
+        n_ok = jnp.sum(jnp.cumprod(keep)).astype(jnp.int32)
+        q_next = jnp.concatenate([qs, jnp.zeros_like(qs[:1])])[n_ok]  # zero after k: the bonus draw is plain p
+        residual = jnp.maximum(ps[n_ok] - q_next, 0.0)
+        residual = jnp.where(jnp.sum(residual) > 0, residual, ps[n_ok])  # p == q: rejection had probability 0
+        y = _draw(k_fix, residual / jnp.sum(residual))
+        new = jnp.where(jnp.arange(k + 1) < n_ok, jnp.concatenate([xs, xs[:1]]), y)  # x1..x_n_ok, y
+        # commit new[:cut + 1]: everything, or up to the first stop / tool end
+        hit = jnp.isin(new, ends) & (jnp.arange(k + 1) <= n_ok)
+        cut = jnp.where(jnp.any(hit), jnp.argmax(hit), n_ok).astype(jnp.int32)
+        out = jax.lax.dynamic_update_slice(out, new, (n,))
+        # both caches keep [.., last, new[:cut]]; new[cut] becomes `last` (fed[cut] is the last cached token)
+        pos = s.target.pos + 1 + cut
+        s = Speculation(target=rewind(target, tcache, pos, fed[cut][None]), draft=rewind(draft, dcache, pos, fed[cut][None]),
+                        last=new[cut], key=key, rounds=s.rounds + 1, accepted=s.accepted + jnp.minimum(n_ok, cut))
+        return s, out, n + cut + 1, jnp.any(hit)
+
+    out = jnp.zeros((chunk + k + 1,), jnp.int32)
+    spec, out, n, _ = jax.lax.while_loop(cond, body, (spec, out, jnp.int32(0), jnp.bool_(False)))
+    return spec, out, n
+
+
+def _force(graphs, params, spec: Speculation, queue, length):
+    """Append forced tokens queue[:length] (a tool's output) after `last`; queue[length - 1] becomes `last`."""
+    models = _models(graphs, params)
+    fed = jnp.concatenate([spec.last[None], queue[:-1]])[None]  # [last, q0 .. q_{F-2}]; past length: ignored
+    pos = spec.target.pos + length
+    caches = []
+    for m, cache in zip(models, (spec.target, spec.draft)):
+        _, cache = m.forward_cached(fed, cache)  # writes past the capacity are dropped; past pos they are unseen
+        caches.append(rewind(m, cache, pos, fed[:, length - 1]))
+    return dataclasses.replace(spec, target=caches[0], draft=caches[1], last=queue[length - 1])
+
+
+class SpeculativePrograms:
+    """start / run / force jitted for one (model, draft) pair of structures; sampling settings are static."""
+
+    def __init__(self, graphs):
+        self.graphs = graphs
+        self.start = jax.jit(functools.partial(_start, graphs), static_argnames=("capacity", "rule"))
+        self.run = jax.jit(functools.partial(_run, graphs), donate_argnames=("spec",),
+                           static_argnames=("k", "rule", "stops", "tool_end", "chunk"))
+        self.force = jax.jit(functools.partial(_force, graphs), donate_argnames=("spec",))
+
+
+_PROGRAMS: list[SpeculativePrograms] = []
+
+
+def programs(model, draft_model) -> tuple[SpeculativePrograms, tuple]:
+    """(programs, (target params, draft params)): compiled once per pair of structures, params read afresh."""
+    (tg, tp), (dg, dp) = nnx.split(model), nnx.split(draft_model)
+    if model.config.vocab_size != draft_model.config.vocab_size:
+        raise ValueError(f"the draft model's vocabulary ({draft_model.config.vocab_size}) differs from the model's "
+                         f"({model.config.vocab_size}); it must use the same tokenizer")
+    for p in _PROGRAMS:
+        if p.graphs[0] == tg and p.graphs[1] == dg:
+            return p, (tp, dp)
+    _PROGRAMS[:] = _PROGRAMS[-3:] + [SpeculativePrograms((tg, dg))]
+    return _PROGRAMS[-1], (tp, dp)
+
+
+def _check(temperature, top_k, top_p, draft_steps):
+    _check_sampling(temperature, top_k, top_p)
+    if draft_steps < 1:
+        raise ValueError(f"draft_steps must be >= 1, got {draft_steps}")
+    return (float(temperature), top_k, None if top_p in (None, 1.0) else float(top_p))
+
+
+def speculative_program(model, draft_model, *, max_tokens, draft_steps=4, temperature=1.0, top_k=None, top_p=None,
+                        stop_tokens=(), capacity=None):
+    """(run, (target params, draft params)) where run(params, prompt (T,), length, key) -> (tokens (N,), count,
+    rounds, accepted) samples one continuation of prompt[:length]. Pure, so it can be vmapped over keys (the
+    distribution test) or jitted."""
+    rule = _check(temperature, top_k, top_p, draft_steps)
+    capacity = capacity or min(model.config.sequence_len, draft_model.config.sequence_len)
+    progs, params = programs(model, draft_model)
+    graphs, chunk = progs.graphs, decode_chunk(max_tokens)
+
+    def run(params, prompt, length, key):
+        spec, first = _start(graphs, params, prompt, length, key, capacity=capacity, rule=rule)
+        spec, out, n = _run(graphs, params, spec, max_tokens - 1, k=draft_steps, rule=rule, stops=tuple(stop_tokens),
+                            tool_end=-1, chunk=chunk)
+        stopped = jnp.isin(first, jnp.asarray(tuple(stop_tokens) or (-1,), jnp.int32))
+        out = jnp.concatenate([first[None], out])
+        return out, jnp.where(stopped, 1, n + 1), spec.rounds, spec.accepted
+
+    return run, params
+
+
+def generate_speculative(model, draft_model, prompt_tokens, max_tokens, draft_steps=4, temperature=1.0, top_k=None,
+                         top_p=None, seed=0, stop_tokens=(), capacity=None, return_stats=False):
+    """Continue prompt_tokens by up to max_tokens tokens with draft_model proposing draft_steps at a time.
+
+    The tokens follow the model's own sampling distribution exactly (its greedy output at temperature 0).
+    Ends after the first stop token (included), or early if the KV cache fills. With return_stats, also
+    returns {"rounds", "accepted", "acceptance_rate"} (accepted draft tokens / proposed).
+    """
+    rule = _check(temperature, top_k, top_p, draft_steps)
+    capacity = capacity or min(model.config.sequence_len, draft_model.config.sequence_len)
+    tokens, lengths = pad_prompts([prompt_tokens], capacity, max_tokens)
+    progs, params = programs(model, draft_model)
+    stops = tuple(int(t) for t in stop_tokens)
+    spec, first = progs.start(params, tokens[0], lengths[0], jax.random.key(seed), capacity=capacity, rule=rule)
+    result = [int(first)]
+    if result[0] not in stops and max_tokens > 1:
+        spec, out, n = progs.run(params, spec, np.int32(max_tokens - 1), k=draft_steps, rule=rule, stops=stops,
+                                 tool_end=-1, chunk=decode_chunk(max_tokens))
+        result += np.asarray(out)[: int(n)].tolist()
+    result = _until_stop(result[:max_tokens], stops)
+    if not return_stats:
+        return result
+    rounds, accepted = int(spec.rounds), int(spec.accepted)
+    rate = accepted / max(rounds * draft_steps, 1)
+    return result, {"rounds": rounds, "accepted": accepted, "acceptance_rate": rate}
+
+
+def add_draft_flags(parser) -> None:
+    """--draft-model and --draft-steps, the generation scripts' flags for speculative sampling."""
+    parser.add_argument("--draft-model", default=None, metavar="[SOURCE:]TAG",
+                        help="speculative sampling: a smaller checkpoint with the same tokenizer (e.g. d4, or base:d4; "
+                             "SOURCE defaults to the model's) proposes --draft-steps tokens that the model checks in "
+                             "one forward pass. Replies follow the same distribution (the same text at temperature "
+                             "0); faster when the model is much larger than the draft and they often agree")
+    parser.add_argument("--draft-steps", type=int, default=4, help="tokens the draft proposes per round (default: 4)")
+
+
+def load_draft(spec: str, default_source: str, dtype=None):
+    """The draft model named by --draft-model ("[SOURCE:]TAG"), from its latest checkpoint."""
+    from flaxchat.checkpoint import load_model
+
+    source, _, tag = spec.rpartition(":")
+    source = source or default_source
+    if source not in ("base", "sft", "rl") or not tag:
+        raise ValueError(f"--draft-model takes [SOURCE:]TAG with SOURCE base, sft or rl (e.g. d4 or base:d4), got {spec!r}")
+    model, _, _ = load_model(source, tag, dtype=dtype)
+    return model
+
+
+def measure_speculative(model, draft_model, prompt, max_new_tokens, *, draft_steps=4, temperature=0.0, top_k=None,
+                        seed=0, repeats=3) -> dict:
+    """Time one continuation of `prompt` (ids) with and without the draft, every token made (no stop tokens).
+
+    tok_per_s / plain_tok_per_s: generated tokens over wall time, prefill included (a chat reply's view);
+    acceptance_rate: draft tokens kept / proposed; compile_s: first (compiling) runs minus warm ones.
+    """
+    from flaxchat.engine import generate
+
+    def plain():
+        return generate(model, [prompt], max_new_tokens, temperature=temperature, top_k=top_k, seed=seed)[0]
+
+    def fast():
+        return generate_speculative(model, draft_model, prompt, max_new_tokens, draft_steps=draft_steps,
+                                    temperature=temperature, top_k=top_k, seed=seed, return_stats=True)
+
+    def timed(f):
+        t0 = time.perf_counter()
+        out = f()
+        return time.perf_counter() - t0, out
+
+    cold = timed(plain)[0] + timed(fast)[0]
+    plain_s = statistics.median(timed(plain)[0] for _ in range(repeats))
+    runs = [timed(fast) for _ in range(repeats)]
+    fast_s = statistics.median(t for t, _ in runs)
+    tokens, stats = runs[0][1]
+    if temperature == 0:  # greedy: speculative must give the model's own tokens
+        assert tokens == plain(), "speculative greedy tokens differ from the model's"
+    return {"max_new_tokens": max_new_tokens, "draft_steps": draft_steps, "temperature": temperature,
+            "tok_per_s": len(tokens) / fast_s, "plain_tok_per_s": max_new_tokens / plain_s,
+            "speedup": (len(tokens) / fast_s) / (max_new_tokens / plain_s),
+            "acceptance_rate": stats["acceptance_rate"], "rounds": stats["rounds"],
+            "compile_s": max(cold - plain_s - fast_s, 0.0), "repeats": repeats}
