@@ -9,7 +9,8 @@ Routes
                                  "connections", counters...}
     GET  /v1/models             OpenAI model list (one model)
     POST /v1/chat/completions   OpenAI chat completions; "stream": true answers with server-sent events
-    POST /v1/completions        OpenAI legacy completions (no streaming); echo + logprobs + max_tokens 0 scores a prompt
+    POST /v1/completions        OpenAI legacy completions ("stream": true streams one prompt); echo + logprobs +
+                                max_tokens 0 scores a prompt
     WS   /ws                    the chat protocol below
 
 WebSocket protocol (JSON text frames). The server keeps the conversation of each connection.
@@ -544,6 +545,9 @@ async def read_request(server: ChatServer, request: HTTPRequest, model: type[Bas
         raise ClientError("invalid_message", describe_errors(e)) from None
 
 
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
 async def completions(server: ChatServer, request: HTTPRequest):
     """POST /v1/chat/completions. Returns a JSONResponse, or a StreamingResponse of SSE chunks."""
     try:
@@ -561,8 +565,8 @@ async def completions(server: ChatServer, request: HTTPRequest):
             "model": server.config.model_name}  # "object" is filled in per response, keeping OpenAI's key order
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return HeldStream(server, _sse(choices, events, meta, include_usage), media_type="text/event-stream",
-                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return HeldStream(server, _sse(choices, events, _chat_chunks(meta), include_usage),
+                          media_type="text/event-stream", headers=SSE_HEADERS)
     return await _collect(request, choices, events, meta)
 
 
@@ -592,10 +596,20 @@ def _sse_chunk(meta: dict, delta: dict, finish_reason=None, index: int = 0, **ex
     return f"data: {json.dumps(chunk)}\n\n"
 
 
-async def _sse(choices: Choices, events, meta, include_usage):
+def _chat_chunks(meta: dict):
+    """The chat endpoint's SSE lines: (opening lines per choice, chunk(index, text, finish), usage line)."""
+    opening = lambda n: [_sse_chunk(meta, {"role": "assistant", "content": ""}, index=i) for i in range(n)]
+    chunk = lambda index, text, finish: _sse_chunk(meta, {"content": text} if text else {}, finish, index)
+    usage = lambda u: f"data: {json.dumps({**meta, 'object': 'chat.completion.chunk', 'choices': [], 'usage': u})}\n\n"
+    return opening, chunk, usage
+
+
+async def _sse(choices: Choices, events, lines, include_usage):
+    """Server-sent events for a streamed request: lines = (opening, chunk, usage) as _chat_chunks makes them."""
+    opening, chunk, usage = lines
     try:
-        for i in range(len(choices.jobs)):
-            yield _sse_chunk(meta, {"role": "assistant", "content": ""}, index=i)
+        for line in opening(len(choices.jobs)):
+            yield line
         while not choices.done:
             index, event = await events.get()
             if event["type"] == "error":
@@ -603,12 +617,12 @@ async def _sse(choices: Choices, events, meta, include_usage):
                 break
             text, ended = choices.handle(index, event)
             if text:
-                yield _sse_chunk(meta, {"content": text}, index=index)
+                yield chunk(index, text, None)
             if ended:
-                yield _sse_chunk(meta, {}, choices.reasons[index], index=index)
+                yield chunk(index, "", choices.reasons[index])
         else:
             if include_usage:
-                yield f"data: {json.dumps({**meta, 'object': 'chat.completion.chunk', 'choices': [], 'usage': choices.usage()})}\n\n"
+                yield usage(choices.usage())
         yield "data: [DONE]\n\n"
     finally:  # also runs when the client disconnects mid-stream (the response task is cancelled)
         choices.cancel_unfinished()
@@ -630,7 +644,8 @@ class CompletionRequest(_OpenAI):
     stop: str | list[str] | None = None
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=5)
-    stream: Literal[False] = False  # TODO: streaming for the legacy endpoint
+    stream: bool = False
+    stream_options: StreamOptions | None = None
 
     stops = ChatCompletionRequest.stops
 
@@ -675,7 +690,11 @@ async def legacy_completions(server: ChatServer, request: HTTPRequest):
         if any(len(ids) > limit for _, ids in prompts):
             raise ClientError("prompt_too_long", f"a prompt is over the {limit}-token limit")
         settings = server.sampling(req.temperature, req.top_k, req.max_tokens or None, req.seed, req.top_p)
+        if req.stream and (len(prompts) > 1 or req.max_tokens == 0 or req.logprobs is not None):
+            raise ClientError("invalid_message", "stream: one prompt, max_tokens > 0 and no logprobs")
         server.check_rate(request.client.host if request.client else "unknown")
+        if req.stream:
+            return legacy_stream(server, req, prompts[0], settings, stops)
         out, usage = [], {"prompt_tokens": sum(len(ids) for _, ids in prompts), "completion_tokens": 0}
         for p, (text, ids) in enumerate(prompts):
             logprobs = await prompt_logprobs(server, ids, req.logprobs) if req.logprobs is not None and req.echo \
@@ -698,6 +717,25 @@ async def legacy_completions(server: ChatServer, request: HTTPRequest):
     return JSONResponse({"id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion",
                          "created": int(time.time()), "model": server.config.model_name, "choices": out,
                          "usage": usage})
+
+
+def legacy_stream(server: ChatServer, req: CompletionRequest, prompt: tuple[str, list[int]], settings, stops):
+    """A streamed legacy completion: text_completion chunks (the echoed prompt first, with echo), then [DONE]."""
+    text, ids = prompt
+    events: asyncio.Queue = asyncio.Queue()
+    choices = Choices(server, submit_choices(server, ids, settings, req.n, req.seed is not None, events), stops)
+    meta = {"id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion", "created": int(time.time()),
+            "model": server.config.model_name}
+
+    def chunk(index, piece, finish):
+        body = {**meta, "choices": [{"text": piece, "index": index, "logprobs": None, "finish_reason": finish}]}
+        return f"data: {json.dumps(body)}\n\n"
+
+    opening = lambda n: [chunk(i, text, None) for i in range(n)] if req.echo else []
+    usage = lambda u: f"data: {json.dumps({**meta, 'choices': [], 'usage': u})}\n\n"
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    return HeldStream(server, _sse(choices, events, (opening, chunk, usage), include_usage),
+                      media_type="text/event-stream", headers=SSE_HEADERS)
 
 
 async def _gather(request, choices: Choices, events) -> list[str]:
@@ -756,26 +794,22 @@ def create_app(scheduler: Scheduler, tokenizer, config: ServeConfig | None = Non
         return {"object": "list", "data": [{"id": server.config.model_name, "object": "model",
                                             "created": 0, "owned_by": "flaxchat"}]}
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: HTTPRequest):
-        if not server.acquire():
-            return openai_error(ClientError("too_many_connections", "the server is at its connection limit", 503))
-        response = None
-        try:
-            response = await completions(server, request)
-            return response
-        finally:
-            if not isinstance(response, HeldStream):  # a stream gives its connection back when it ends
-                server.release()
+    def held(handler):
+        """An HTTP route that holds one of the server's connections while it runs (a stream: until sent)."""
+        async def route(request: HTTPRequest):
+            if not server.acquire():
+                return openai_error(ClientError("too_many_connections", "the server is at its connection limit", 503))
+            response = None
+            try:
+                response = await handler(server, request)
+                return response
+            finally:
+                if not isinstance(response, HeldStream):  # a stream gives its connection back when it ends
+                    server.release()
+        return route
 
-    @app.post("/v1/completions")
-    async def text_completions(request: HTTPRequest):
-        if not server.acquire():
-            return openai_error(ClientError("too_many_connections", "the server is at its connection limit", 503))
-        try:
-            return await legacy_completions(server, request)
-        finally:
-            server.release()
+    app.post("/v1/chat/completions")(held(completions))
+    app.post("/v1/completions")(held(legacy_completions))
 
     @app.websocket("/ws")
     async def chat_socket(ws: WebSocket):

@@ -600,8 +600,14 @@ def test_legacy_completions_score_prompts_like_the_model(url, scheduler, tok):
     assert r.usage.prompt_tokens == len(ids) + 3 and 0 < r.usage.completion_tokens <= 20
     plain = client.completions.create(model="m", prompt=text, max_tokens=5, temperature=0.0)
     assert r.choices[0].text == text + plain.choices[0].text and plain.choices[0].finish_reason in ("length", "stop")
+    # streaming (the official client's iterator): the same text as the plain reply, then usage
+    chunks = list(client.completions.create(model="m", prompt=text, max_tokens=5, temperature=0.0, stream=True,
+                                            echo=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == text + plain.choices[0].text
+    assert chunks[-2].choices[0].finish_reason == plain.choices[0].finish_reason
+    assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens and not chunks[-1].choices
     for bad in (dict(logprobs=6), dict(logprobs=1, max_tokens=3), dict(prompt=[]), dict(prompt=[10**9]),
-                dict(stream=True), dict(max_tokens=-1)):
+                dict(stream=True), dict(stream=True, max_tokens=2, prompt=[ids, ids]), dict(max_tokens=-1)):
         body = {"prompt": text, "max_tokens": 0, "echo": True, **bad}
         resp = httpx.post(url + "/v1/completions", json=body)
         assert resp.status_code == 400 and resp.json()["error"]["type"] == "invalid_request_error", (bad, resp.text)
