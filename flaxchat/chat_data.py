@@ -41,7 +41,8 @@ class SFTLoader:
     State nanochat's training loop reads: `last_step` (the epoch is used up, or num_batches batches were made),
     `progress` (0 -> 1 over the run, for the LR schedule), `epoch`. num_batches counts micro-batches: a run of
     N optimizer steps with gradient accumulation A passes N * A. The val loader is a fresh
-    SFTLoader over the val dataset, so every evaluation sees the same batches.
+    SFTLoader over the val dataset, so every evaluation sees the same batches. `get_state()` / `set_state()`
+    carry the position (the buffered conversations by index) across a resume.
     """
 
     def __init__(self, dataset, tokenizer, batch_size: int, seq_len: int, *, num_batches: int = -1,
@@ -57,6 +58,7 @@ class SFTLoader:
         self.place = place
         self.bos = tokenizer.get_bos_token_id()
         self.buffer: list[tuple[list[int], list[int]]] = []
+        self.buffer_index: list[int] = []  # the dataset index of each buffered conversation
         self.cursor = self.consumed = self.rank  # consumed: conversations taken, counted for all readers
         self.epoch, self.it = 1, 0
         self.last_step, self.progress = False, 0.0
@@ -67,12 +69,26 @@ class SFTLoader:
     def _refill(self) -> None:
         n = len(self.dataset)
         while len(self.buffer) < self.buffer_size:
-            ids, mask = self.tokenizer.render_conversation(self.dataset[self.cursor], max_tokens=self.row_capacity)
-            self.buffer.append((ids, mask))
+            self.buffer.append(self._render(self.cursor))
+            self.buffer_index.append(self.cursor)
             self.cursor += self.world
             if self.cursor >= n:
                 self.cursor %= n
                 self.epoch += 1
+
+    def _render(self, index: int) -> tuple[list[int], list[int]]:
+        return self.tokenizer.render_conversation(self.dataset[index], max_tokens=self.row_capacity)
+
+    STATE = ("cursor", "consumed", "epoch", "it", "last_step", "progress")
+
+    def get_state(self) -> dict:
+        return {**{k: getattr(self, k) for k in self.STATE}, "buffer_index": list(self.buffer_index)}
+
+    def set_state(self, state: dict) -> None:
+        for k in self.STATE:
+            setattr(self, k, state[k])
+        self.buffer_index = list(state["buffer_index"])
+        self.buffer = [self._render(i) for i in self.buffer_index]
 
     def _row(self) -> tuple[list[int], list[int]]:
         row, mask = [], []
@@ -88,6 +104,7 @@ class SFTLoader:
                 mask += [0] * remaining
                 break
             ids, m = self.buffer.pop(best)
+            self.buffer_index.pop(best)
             row += ids
             mask += m
             self.consumed += self.world

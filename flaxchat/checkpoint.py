@@ -88,10 +88,12 @@ class Checkpointer:
         return list(self.manager.all_steps())
 
     def save(self, step: int, model, optimizer=None, data_state=None, meta: dict | None = None,
-             metrics: dict | None = None) -> None:
-        """Start an (async) save of everything needed to resume at `step`; call wait() before exiting."""
+             metrics: dict | None = None, params=nnx.Param) -> None:
+        """Start an (async) save of everything needed to resume at `step`; call wait() before exiting.
+
+        params: which of the model's Variables to save (LoraConfig.trainable(): a LoRA run's trained weights alone)."""
         items = {
-            "model": ocp.args.StandardSave(nnx.state(model, nnx.Param)),
+            "model": ocp.args.StandardSave(nnx.state(model, params)),
             "meta": ocp.args.JsonSave({**(meta or {}), "step": step, "model_config": model.config.to_dict()}),
         }
         if optimizer is not None:
@@ -114,12 +116,12 @@ class Checkpointer:
         step = self._resolve(step)
         return self.manager.restore(step, args=ocp.args.Composite(**{item: ocp.args.JsonRestore()}))[item]
 
-    def restore(self, model, optimizer=None, step: int | None = None, mesh=None) -> dict:
+    def restore(self, model, optimizer=None, step: int | None = None, mesh=None, params=nnx.Param) -> dict:
         """Restore into `model` (and `optimizer`), which may be abstract (nnx.eval_shape); returns
         {"step", "meta", "data_states"}: data_states holds every saving process's loader state (or None), so a
-        loader on another number of processes can carry the data position over."""
+        loader on another number of processes can carry the data position over. params: as in `save`."""
         step = self._resolve(step)
-        items = {"model": ocp.args.StandardRestore(abstract_state(nnx.state(model, nnx.Param), mesh)),
+        items = {"model": ocp.args.StandardRestore(abstract_state(nnx.state(model, params), mesh)),
                  "meta": ocp.args.JsonRestore()}
         if optimizer is not None:
             items["optimizer"] = ocp.args.StandardRestore(abstract_state(optimizer, mesh))
@@ -161,7 +163,10 @@ def find_model_tag(phase: str, base_dir: str | None = None) -> str:
 
 def load_model(phase: str = "base", model_tag: str | None = None, step: int | None = None, mesh=None,
                base_dir: str | None = None, dtype=None):
-    """(model, tokenizer, meta) from a checkpoint; parameters are restored straight onto `mesh`."""
+    """(model, tokenizer, meta) from a checkpoint; parameters are restored straight onto `mesh`.
+
+    A LoRA checkpoint (meta["lora"]: the adapters and any weights trained in full, nothing else) loads its base
+    checkpoint (meta["base"]) and returns the base with them merged in (flaxchat.lora.merge_lora): an ordinary GPT."""
     from flaxchat.gpt import GPT
     from flaxchat.tokenizer import get_tokenizer
 
@@ -170,6 +175,8 @@ def load_model(phase: str = "base", model_tag: str | None = None, step: int | No
     try:
         meta = ckpt.read_meta(step)
         config = GPTConfig.from_dict(meta["model_config"])
+        if "lora" in meta:
+            return _load_lora(ckpt, meta, mesh, base_dir, dtype)
         model = nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0), dtype=dtype))
         info = ckpt.restore(model, step=step, mesh=mesh)
     finally:
@@ -179,3 +186,22 @@ def load_model(phase: str = "base", model_tag: str | None = None, step: int | No
         raise ValueError(f"tokenizer vocab {tokenizer.get_vocab_size()} != model vocab {config.vocab_size}; "
                          "was the tokenizer retrained after this model?")
     return model, tokenizer, info["meta"]
+
+
+def _load_lora(ckpt: Checkpointer, meta: dict, mesh, base_dir, dtype):
+    """(merged model, tokenizer, meta) of the adapter checkpoint `ckpt` at meta["step"]."""
+    from flaxchat.lora import LoraConfig, apply_lora, merge_lora
+
+    base = meta["base"]
+    try:
+        model, tokenizer, _ = load_model(base["phase"], base["model_tag"], base["step"], mesh, base_dir, dtype)
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"the LoRA checkpoint {ckpt.directory} (step {meta['step']}) needs its base model, "
+                                f"{base['phase']} {base['model_tag']} step {base['step']}: {e}") from None
+    if model.config.to_dict() != meta["model_config"]:
+        raise ValueError(f"the LoRA checkpoint {ckpt.directory} was trained on another model than {base['phase']} "
+                         f"{base['model_tag']} step {base['step']} now holds")
+    lora = LoraConfig.from_dict(meta["lora"])
+    lora_model = apply_lora(model, lora)
+    ckpt.restore(lora_model, step=meta["step"], mesh=mesh, params=lora.trainable())
+    return merge_lora(lora_model, lora), tokenizer, meta

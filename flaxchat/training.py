@@ -17,20 +17,23 @@ from jax.sharding import PartitionSpec as P
 from flaxchat import sharding
 
 
-def _accumulate_grads(model, xs, ys):
-    """Mean loss and mean gradient over micro-batches xs/ys (A, B, T), via lax.scan (one compile for any A).
+def _accumulate_grads(model, xs, ys, wrt=nnx.Param):
+    """Mean loss and mean gradient of the `wrt` parameters over micro-batches xs/ys (A, B, T), via lax.scan
+    (one compile for any A).
 
     Each micro-step's loss is its mean over the non-ignored targets of the whole (global) micro-batch, and
     the step's loss and gradient are the means over micro-steps, as nanochat's loss / grad_accum_steps.
     """
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    graphdef, params, rest = nnx.split(model, wrt, ...)
     axes = sharding.free_axes(sharding.REPLICA_AXES)
 
     def local(params, rest, xs, ys):
         counts = sharding.psum(jnp.sum(ys >= 0, axis=(1, 2)), axes)  # (A,) valid targets per global micro-batch
 
         def loss_fn(p, x, y, n):
-            return nnx.merge(graphdef, p, rest)(x, y, loss_reduction="sum") / jnp.maximum(n, 1)
+            # copy=True: fresh Variables for this trace; with a frozen part in `rest` (LoRA's base weights) the
+            # originals belong to the outer trace, and nnx.remat (--remat) may not write to those
+            return nnx.merge(graphdef, p, rest, copy=True)(x, y, loss_reduction="sum") / jnp.maximum(n, 1)
 
         def micro(acc, xyn):
             loss, g = jax.value_and_grad(loss_fn)(params, *xyn)
@@ -52,9 +55,10 @@ def train_step(model, optimizer, xs, ys):
     """One optimizer step over micro-batches: xs, ys are sequences of (B, T) arrays (inputs, targets -1 = ignore).
 
     The model and optimizer buffers are donated (updated in place on device). Returns the mean loss.
-    Run it under `jax.set_mesh(mesh)` when the arrays live on a mesh.
+    Run it under `jax.set_mesh(mesh)` when the arrays live on a mesh. Gradients are taken of the optimizer's
+    `wrt` parameters only (all nnx.Params; for LoRA its adapters and --lora-full weights: the frozen rest gets none).
     """
-    loss, grads = _accumulate_grads(model, jnp.stack(xs), jnp.stack(ys))
+    loss, grads = _accumulate_grads(model, jnp.stack(xs), jnp.stack(ys), optimizer.wrt)
     optimizer.update(model, grads)
     return loss
 

@@ -17,11 +17,22 @@ arithmetic with calculator tool calls, story requests, spelling and letter count
 and ARC validation as multiple choice. auto picks online when the Hugging Face hub is reachable. Test splits
 are never trained on; they only serve as validation data.
 
+Your own conversations (JSONL in the OpenAI chat format, a file or a folder; tasks/customjson.py), mixed into
+the built-in mixture by weight, or alone with --mixture none; 5% of each is held out for val:
+    python -m scripts.sft --chats my_chats.jsonl:3 --chats more_chats/ ...
+LoRA: train rank-R adapters on the block matrices (AdamW on the adapters alone, the base frozen); the checkpoint
+holds the adapters and names its base, and load_model (chat_cli, chat_web, eval) merges them on load:
+    python -m scripts.sft --lora-rank 16 --chats my_chats.jsonl --mixture none ...
+    python -m scripts.sft --merge --model-tag d4          # adapters -> full weights in chatsft_checkpoints/d4-merged
+Long runs: --save-every N checkpoints along the way; --resume continues from the latest one exactly.
+
 Outputs: $FLAXCHAT_BASE_DIR/chatsft_checkpoints/<tag>/ with the final checkpoint, metrics.jsonl, training.png.
 """
 
 import argparse
+import json
 import os
+import resource
 import sys
 import time
 
@@ -35,6 +46,8 @@ from flaxchat.checkpoint import Checkpointer, checkpoint_dir, find_model_tag, gi
 from flaxchat.common import agree_max, compute_dtype, is_main_process, parse_args, peak_flops_per_device, print0, progress_bar
 from flaxchat.config import GPTConfig
 from flaxchat.gpt import GPT, add_kernel_flags
+from flaxchat.lora import (DEFAULT_TARGETS, LoraConfig, adapter_modules, apply_lora, build_lora_optimizer, count_params,
+                           merge_checkpoint, merge_lora)
 from flaxchat.loss_eval import evaluate_bpb
 from flaxchat.optim import Schedule, build_optimizer
 from flaxchat.report import metrics_logger, plot_training, read_jsonl
@@ -55,13 +68,23 @@ INHERITED = {
 # -----------------------------------------------------------------------------
 # CLI
 
+EPILOG = """your own chats and LoRA:
+  --chats my_chats.jsonl:2   one conversation per line, {"messages": [{"role": "system"|"user"|"assistant",
+                             "content": "..."}, ...]}: optional system, then user/assistant alternating, ending
+                             with the assistant; every line is checked before training starts
+  --lora-rank 16             adapters only (AdamW); the checkpoint holds them and names its base model, and
+                             every script that loads the sft model merges them in on load
+  --merge --model-tag d4     write the adapters of sft/d4 merged into full weights as sft/d4-merged"""
+
 
 def build_parser():
-    p = argparse.ArgumentParser(description="Supervised fine-tuning of a base model into a chat model.")
+    p = argparse.ArgumentParser(description="Supervised fine-tuning of a base model into a chat model.",
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG)
     p.add_argument("--run", type=str, default="dummy", help="wandb run name ('dummy' disables wandb; needs wandb installed)")
     # model loading
     p.add_argument("--model-tag", type=str, default=None, help="base checkpoint tag, also the output tag (default: the largest)")
-    p.add_argument("--model-step", type=int, default=None, help="base checkpoint step (default: the latest)")
+    p.add_argument("--model-step", type=int, default=None, help="base checkpoint step (default: the latest; with --merge: the sft step)")
+    p.add_argument("--output-tag", type=str, default=None, help="tag of the output checkpoint (default: --model-tag's; with --merge: TAG-merged)")
     p.add_argument("--load-optimizer", type=int, default=1, choices=[0, 1], help="warm-start the optimizer state from the base checkpoint")
     p.add_argument("--dtype", type=str, default=None, choices=["float32", "bfloat16"], help="compute dtype (default: bf16 on GPU/TPU, fp32 on CPU)")
     add_kernel_flags(p)
@@ -87,7 +110,13 @@ def build_parser():
     p.add_argument("--chatcore-max-sample", type=int, default=24, help="problems per generative task (-1 = all)")
     p.add_argument("--reply-check", type=int, default=32, help="at the end, sample replies to N val prompts and count those ending with <|assistant_end|> (0 = off)")
     # data mixture
-    p.add_argument("--mixture", type=str, default="auto", choices=["auto", "online", "offline"], help="training mixture (auto: online if the HF hub is reachable)")
+    p.add_argument("--mixture", type=str, default="auto", choices=["auto", "online", "offline", "none"],
+                   help="built-in training mixture (auto: online if the HF hub is reachable; none: only --chats)")
+    p.add_argument("--chats", action="append", default=[], metavar="PATH[:WEIGHT]",
+                   help="your conversations: a JSONL file in the OpenAI chat format (one {\"messages\": [...]} per line; "
+                        "optional system, then user/assistant alternating) or a folder of them. WEIGHT: how many times "
+                        "it appears per epoch of the mixture (default 1; 0.5 = half of it, 3 = three times). Repeatable")
+    p.add_argument("--chats-val-fraction", type=float, default=0.05, help="share of each --chats source held out for val")
     p.add_argument("--mmlu-epochs", type=int, default=3, help="online: epochs of MMLU auxiliary_train")
     p.add_argument("--gsm8k-epochs", type=int, default=4, help="online: epochs of GSM8K train")
     p.add_argument("--mc-epochs", type=int, default=1, help="offline: epochs of MMLU dev+validation and ARC validation (0 = none)")
@@ -97,6 +126,24 @@ def build_parser():
     p.add_argument("--spelling-size", type=int, default=1000, help="offline: SpellingBee and SimpleSpelling examples each (0 = none)")
     p.add_argument("--val-size", type=int, default=200, help="offline: val conversations per synthetic task")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic conversations and of sampling")
+    # LoRA
+    p.add_argument("--lora-rank", type=int, default=0, help="train rank-R LoRA adapters (qwix) on the block matrices, "
+                   "base frozen, instead of every weight (0 = full fine-tuning)")
+    p.add_argument("--lora-alpha", type=float, default=None, help="LoRA updates are scaled by alpha / rank (default: 2 x rank)")
+    p.add_argument("--lora-targets", type=str, default=DEFAULT_TARGETS, help="matrices with adapters: a comma list of "
+                   "c_q,c_k,c_v,c_proj,c_fc,ve_gate (c_proj: attention's and MLP's) or a regex over module paths such as "
+                   "transformer/h/[0-3]/mlp/c_fc")
+    p.add_argument("--lora-full", type=str, default="lm_head", help="also train these in full, next to the adapters: a "
+                   "comma list of lm_head, wte, value_embeds, or none. A base model has never written the chat's special "
+                   "tokens: with a frozen lm_head no reply learns to end (measured on the demo's d4: 0%% vs 94%%)")
+    p.add_argument("--lora-lr", type=float, default=1e-2, help="AdamW LR of the adapters (and --lora-full), scaled by "
+                   "--init-lr-frac and the schedule (the best of 2e-3 / 1e-2 on the demo's d4; large models may want less)")
+    p.add_argument("--merge", action="store_true", help="no training: write the LoRA checkpoint of --model-tag (step "
+                   "--model-step) as full merged weights, an ordinary sft checkpoint under --output-tag")
+    # checkpoints
+    p.add_argument("--save-every", type=int, default=-1, help="also checkpoint every N steps (-1 = only at the end)")
+    p.add_argument("--keep", type=int, default=1, help="checkpoints kept (the latest ones)")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint under the output tag (same flags)")
     # mesh
     sharding.add_mesh_flags(p)
     return p
@@ -118,6 +165,29 @@ def check_args(parser, args):
             parser.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     if args.val_size < 1:
         parser.error(f"--val-size must be positive, got {args.val_size}")
+    if args.lora_rank < 0 or args.lora_lr <= 0 or (args.lora_alpha is not None and args.lora_alpha <= 0):
+        parser.error("--lora-rank must be >= 0, --lora-lr and --lora-alpha positive")
+    if args.keep < 1:
+        parser.error(f"--keep must be positive, got {args.keep}")
+    if not 0 <= args.chats_val_fraction < 1:
+        parser.error(f"--chats-val-fraction must be in [0, 1), got {args.chats_val_fraction}")
+    if args.mixture == "none" and not args.chats:
+        parser.error("--mixture none trains on --chats only: give at least one --chats file")
+    args.chats = [parse_chats_spec(parser, spec) for spec in args.chats]
+
+
+def parse_chats_spec(parser, spec: str) -> tuple[str, float]:
+    """"path" or "path:weight" -> (path, weight)."""
+    path, sep, tail = spec.rpartition(":")
+    try:
+        if not sep:
+            raise ValueError
+        weight = float(tail)
+    except ValueError:
+        path, weight = spec, 1.0  # no weight (or a colon inside the path)
+    if weight <= 0:
+        parser.error(f"--chats {spec}: the weight must be positive")
+    return path, weight
 
 
 def inherit(args, meta: dict) -> None:
@@ -184,16 +254,35 @@ def offline_mixture(args):
     return TaskMixture(train), TaskMixture(val)
 
 
-def build_mixtures(args):
-    """(train, val, which) where which is "online" or "offline"."""
-    from tasks.common import hub_reachable
+def custom_tasks(args) -> list:
+    """(train, val, weight) of every --chats source; reading validates every line (ChatFileError, a ValueError)."""
+    from tasks.customjson import CustomJSON
+
+    return [(CustomJSON(path, "train", args.chats_val_fraction, args.seed),
+             CustomJSON(path, "val", args.chats_val_fraction, args.seed), weight) for path, weight in args.chats]
+
+
+def build_mixtures(args, custom=()):
+    """(train, val, which) where which is "online", "offline" or "none"; custom: custom_tasks(args), mixed in."""
+    from tasks.common import TaskMixture, hub_reachable
+    from tasks.customjson import weighted
 
     which = args.mixture
     if which == "auto":  # every process must train on the same mixture: online only if every process reaches the hub
         (unreachable,) = agree_max(not hub_reachable())
         which = "offline" if unreachable else "online"
-    train, val = online_mixture(args) if which == "online" else offline_mixture(args)
-    return train, val, which
+    train, val = [], []
+    if which != "none":
+        builtin_train, builtin_val = online_mixture(args) if which == "online" else offline_mixture(args)
+        if not custom:
+            return builtin_train, builtin_val, which
+        train, val = builtin_train.tasks, builtin_val.tasks
+    for task_train, task_val, weight in custom:
+        train += weighted(task_train, weight)
+        val += [task_val] if len(task_val) else []
+    if not val:
+        raise ValueError("no val conversations: --chats needs --chats-val-fraction > 0 and two or more conversations")
+    return TaskMixture(train), TaskMixture(val), which
 
 
 # -----------------------------------------------------------------------------
@@ -248,6 +337,30 @@ def restore_base(model_tag, step, mesh, dtype, with_optimizer: bool, **model_kwa
         ckpt.close()
     inner = None if base_opt is None else nnx.state(base_opt)["opt_state"]["inner_state"]
     return model, inner, meta, step
+
+
+def resume(out_dir, model, optimizer, train_loader, mesh, trainable, lora, base_ref) -> tuple[dict, int]:
+    """Restore the latest checkpoint of out_dir into model (its `trainable` Variables), optimizer and train_loader;
+    returns (loop state, step). The checkpoint must come from a run with the same base, LoRA settings and readers."""
+    ckpt = Checkpointer(out_dir, async_save=False)
+    try:
+        step = ckpt.latest_step()
+        if step is None:
+            raise FileNotFoundError(f"no checkpoint in {out_dir} yet")
+        meta = ckpt.read_meta(step)
+        if meta.get("lora") != (lora.to_dict() if lora is not None else None) or meta.get("base") != base_ref:
+            raise ValueError(f"the checkpoint in {out_dir} (step {step}) was trained from {meta.get('base')} with LoRA "
+                             f"{meta.get('lora')}; these flags ask for {base_ref} with LoRA {lora}")
+        if "loop_state" not in meta or meta["loop_state"]["last_step"]:
+            raise ValueError(f"the run in {out_dir} already finished at step {step}")
+        info = ckpt.restore(model, optimizer, step=step, mesh=mesh, params=trainable)
+    finally:
+        ckpt.close()
+    states = info["data_states"] or []
+    if len(states) != jax.process_count():
+        raise ValueError(f"the checkpoint has data positions for {len(states)} processes; resume on as many")
+    train_loader.set_state(states[jax.process_index()])
+    return meta["loop_state"], step
 
 
 def drop_earlier_run(ckpt) -> None:
@@ -333,6 +446,31 @@ def main(argv=None):
     check_args(parser, args)
     user_config = vars(args).copy()
 
+    if args.merge:
+        try:
+            tag = args.model_tag or find_model_tag("sft")
+            output_tag = args.output_tag or f"{tag}-merged"
+            if output_tag == tag:
+                parser.error("--merge writes a new checkpoint: --output-tag must differ from --model-tag")
+            out = merge_checkpoint(tag, args.model_step, output_tag)
+        except (FileNotFoundError, ValueError) as e:
+            sys.exit(f"error: {e}")
+        print0(f"merged the LoRA adapters of sft {tag} into full weights: {out}")
+        return {"merged": out}
+
+    # your own data first: a bad line stops the run before anything is loaded or trained
+    try:
+        custom = custom_tasks(args)
+    except (OSError, ValueError) as e:  # unreadable or malformed: one line, no traceback
+        sys.exit(f"error: {e}")
+    lora = None
+    if args.lora_rank:
+        try:
+            full = tuple(n.strip() for n in args.lora_full.split(",") if n.strip() not in ("", "none"))
+            lora = LoraConfig(args.lora_rank, args.lora_alpha or 2.0 * args.lora_rank, args.lora_targets, full)
+        except ValueError as e:
+            parser.error(str(e))
+
     mesh = sharding.mesh_from_args(parser, args)
     dp = mesh.shape["data"] * mesh.shape["fsdp"]
     dtype = compute_dtype(args.dtype)
@@ -343,7 +481,8 @@ def main(argv=None):
 
     try:
         model_tag = args.model_tag or find_model_tag("base")
-        model, base_inner, meta, base_step = restore_base(model_tag, args.model_step, mesh, dtype, bool(args.load_optimizer),
+        model, base_inner, meta, base_step = restore_base(model_tag, args.model_step, mesh, dtype,
+                                                          bool(args.load_optimizer) and lora is None,
                                                           attention=args.attention, remat=args.remat)
         tokenizer, token_bytes = get_tokenizer(), get_token_bytes()
     except FileNotFoundError as e:
@@ -365,40 +504,77 @@ def main(argv=None):
     global_batch = args.device_batch_size * dp
     print0(f"micro-batch: {global_batch} x {args.max_seq_len} | grad accumulation: {grad_accum}")
 
-    # nanochat: weight decay 0 (pretraining ends with it decayed to zero); LRs x init_lr_frac via the multiplier
-    with jax.set_mesh(mesh):
-        optimizer = build_optimizer(model, unembedding_lr=args.unembedding_lr, embedding_lr=args.embedding_lr,
-                                    matrix_lr=args.matrix_lr, weight_decay=0.0)
-    if base_inner is not None:
-        nnx.update(optimizer, nnx.State({"opt_state": {"inner_state": base_inner}}))
-        print0("optimizer state warm-started from the base checkpoint (moments only; SFT's own LRs)")
-    elif args.load_optimizer:
-        print0("warning: the base checkpoint has no optimizer state; starting with a fresh optimizer")
+    if lora is not None:
+        # the base stays frozen: only the adapters get gradients and optimizer state, so the base optimizer's
+        # moments are of no use here
+        try:
+            model = apply_lora(model, lora, seed=args.seed)
+        except ValueError as e:
+            parser.error(str(e))
+        optimizer = build_lora_optimizer(model, args.lora_lr, lora)
+        trainable = lora.trainable()
+        print0(f"LoRA rank {lora.rank}, alpha {lora.alpha:g} on {len(adapter_modules(model))} matrices ({lora.targets}) | "
+               f"AdamW lr {args.lora_lr:g} on the adapters{''.join(', ' + n for n in lora.full)}; the rest frozen")
+    else:
+        # nanochat: weight decay 0 (pretraining ends with it decayed to zero); LRs x init_lr_frac via the multiplier
+        with jax.set_mesh(mesh):
+            optimizer = build_optimizer(model, unembedding_lr=args.unembedding_lr, embedding_lr=args.embedding_lr,
+                                        matrix_lr=args.matrix_lr, weight_decay=0.0)
+        trainable = nnx.Param
+        if base_inner is not None:
+            nnx.update(optimizer, nnx.State({"opt_state": {"inner_state": base_inner}}))
+            print0("optimizer state warm-started from the base checkpoint (moments only; SFT's own LRs)")
+        elif args.load_optimizer:
+            print0("warning: the base checkpoint has no optimizer state; starting with a fresh optimizer")
+    num_trainable = count_params(model, trainable)
+    print0(f"trainable parameters: {num_trainable:,} (the base model has "
+           f"{count_params(model, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))):,})")
+    base_ref = {"phase": "base", "model_tag": model_tag, "step": base_step}
 
     # -------------------------------------------------------------------------
     # Data
 
     try:
-        train_ds, val_ds, which = build_mixtures(args)
+        train_ds, val_ds, which = build_mixtures(args, custom)
     except (FileNotFoundError, ValueError) as e:
-        sys.exit(f"error: {e}" + ("" if args.mixture == "online" else " (or leave out the multiple choice: --mc-epochs 0)"))
-    print0(f"{which} mixture: {len(train_ds):,} training conversations, {len(val_ds):,} val conversations")
+        hint = "" if args.mixture in ("online", "none") else " (or leave out the multiple choice: --mc-epochs 0)"
+        sys.exit(f"error: {e}{hint}")
+    print0(f"{which} mixture{' + ' + str(len(custom)) + ' --chats' if custom else ''}: {len(train_ds):,} training "
+           f"conversations, {len(val_ds):,} val conversations")
     train_loader = make_sft_loader(train_ds, tokenizer, global_batch, args.max_seq_len, mesh=mesh,
                                    num_batches=args.num_iterations * grad_accum if args.num_iterations > 0 else -1)
     data_source = "hub" if which == "online" else "offline"
 
     # -------------------------------------------------------------------------
-    # Logging, evaluation, saving
+    # Output directory; --resume restores the trained weights (or adapters), optimizer, data position and loop
 
-    out_dir = checkpoint_dir("sft", args.model_tag or model_tag)
+    out_dir = checkpoint_dir("sft", args.output_tag or args.model_tag or model_tag)
     metrics_path = os.path.join(out_dir, "metrics.jsonl")
+    loop = {"step": 0, "smooth": 0.0, "train_time": 0.0, "val_bpb": None, "min_val_bpb": float("inf"),
+            "last_step": False, "progress": 0.0}
+    resume_step = None
+    if args.resume:
+        try:
+            loop, resume_step = resume(out_dir, model, optimizer, train_loader, mesh, trainable, lora, base_ref)
+        except (FileNotFoundError, ValueError) as e:
+            sys.exit(f"error: --resume: {e}")
+        print0(f"resumed from step {resume_step} of {out_dir}")
     if is_main_process():
         os.makedirs(out_dir, exist_ok=True)
-        if os.path.exists(metrics_path):
+        if resume_step is not None:  # drop what was logged after the checkpoint: it is done again
+            rows = [r for r in read_jsonl(metrics_path) if r["step"] <= resume_step] if os.path.exists(metrics_path) else []
+            with open(metrics_path, "w", encoding="utf-8") as f:
+                f.writelines(json.dumps(r) + "\n" for r in rows)
+        elif os.path.exists(metrics_path):
             os.remove(metrics_path)
     flops_per_token = model.estimate_flops()
     peak, _ = peak_flops_per_device()
     log = metrics_logger(metrics_path, args.run, "flaxchat-sft", user_config)
+
+    def for_sampling():
+        """The model the Engine samples from: with LoRA the merged one (generation runs forward_cached, which
+        qwix's interception of __call__ does not reach)."""
+        return merge_lora(model, lora) if lora is not None else model
 
     def evaluate_val():
         steps = max(1, args.eval_tokens // (global_batch * args.max_seq_len))
@@ -406,36 +582,43 @@ def main(argv=None):
         with jax.set_mesh(mesh):
             return evaluate_bpb(model, val_loader, steps, token_bytes, progress=steps >= 20)
 
+    saved_once = resume_step is not None  # a resumed run keeps the checkpoints it continues
+
     def save(step):
-        ckpt = Checkpointer(out_dir, keep=1)
-        drop_earlier_run(ckpt)
-        ckpt.save(step, model, optimizer, meta={
-            "val_bpb": val_bpb, "user_config": user_config, "max_seq_len": args.max_seq_len,
+        nonlocal saved_once
+        ckpt = Checkpointer(out_dir, keep=args.keep, keep_best=0)
+        if not saved_once:
+            drop_earlier_run(ckpt)
+            saved_once = True
+        ckpt.save(step, model, optimizer, data_state=train_loader.get_state(), params=trainable, meta={
+            "val_bpb": loop["val_bpb"], "user_config": user_config, "max_seq_len": args.max_seq_len,
             "device_batch_size": args.device_batch_size, "total_batch_size": args.total_batch_size,
-            "mixture": which, "base": {"model_tag": model_tag, "step": base_step},
-            "tokenizer_hash": tokenizer.content_hash, "git_commit": git_commit(),
-        }, metrics={"val_bpb": val_bpb})
+            "mixture": which, "chats": [list(d) for d in args.chats], "base": base_ref,
+            "tokenizer_hash": tokenizer.content_hash, "git_commit": git_commit(), "loop_state": loop,
+            **({"lora": lora.to_dict()} if lora is not None else {}),
+        })
         ckpt.close()
 
     # -------------------------------------------------------------------------
     # Training loop: eval at step 0 and every eval_every, train; at the end eval, save, then ChatCORE and the reply check
 
-    bar = progress_bar(total=args.num_iterations if args.num_iterations > 0 else None, desc="sft",
+    bar = progress_bar(total=args.num_iterations if args.num_iterations > 0 else None, initial=loop["step"], desc="sft",
                        disable=not is_main_process(), dynamic_ncols=True)
     say = bar.write if is_main_process() else (lambda _: None)
-    step, smooth, ema, train_time, val_bpb, min_val_bpb = 0, 0.0, 0.9, 0.0, None, float("inf")
-    last_step, progress, summary = False, 0.0, {}
+    ema, summary = 0.9, {}
     while True:
-        if last_step or (args.eval_every > 0 and step % args.eval_every == 0):
-            val_bpb = evaluate_val()
-            min_val_bpb = min(min_val_bpb, val_bpb)
-            say(f"step {step:05d} | val bpb {val_bpb:.4f}")
-            log({"step": step, "val_bpb": val_bpb})
-        if last_step:  # save before the slower checks, so a failing check never costs the trained model
-            save(step)
-        if args.chatcore_every > 0 and (last_step or (step > 0 and step % args.chatcore_every == 0)):
+        step, last_step = loop["step"], loop["last_step"]
+        again = step == resume_step  # the checkpoint we resumed from already evaluated and saved this step
+        if last_step or (args.eval_every > 0 and step % args.eval_every == 0 and not again):
+            loop["val_bpb"] = evaluate_val()
+            loop["min_val_bpb"] = min(loop["min_val_bpb"], loop["val_bpb"])
+            say(f"step {step:05d} | val bpb {loop['val_bpb']:.4f}")
+            log({"step": step, "val_bpb": loop["val_bpb"]})
+        if last_step or (args.save_every > 0 and step > 0 and step % args.save_every == 0 and not again):
+            save(step)  # before the slower checks, so a failing check never costs the trained model
+        if args.chatcore_every > 0 and (last_step or (step > 0 and step % args.chatcore_every == 0 and not again)):
             try:
-                result = run_chatcore(model, tokenizer, args, data_source)
+                result = run_chatcore(for_sampling(), tokenizer, args, data_source)
             except (FileNotFoundError, ValueError) as e:
                 sys.exit(f"error: ChatCORE: {e} (or turn it off: --chatcore-every -1)")
             say(f"step {step:05d} | ChatCORE {result['chatcore']:.4f} over {result['chatcore_tasks']} tasks")
@@ -450,17 +633,21 @@ def main(argv=None):
         # all-reduces last_step) so all stop at the same step and write the same LR into the replicated optimizer
         last_step, progress = agree_max(train_loader.last_step, train_loader.progress)
         lrm = lr_multiplier(progress, args.warmup_ratio, args.warmdown_ratio, args.final_lr_frac)
-        set_hyperparams(optimizer, lr_multiplier=args.init_lr_frac * lrm, muon_momentum=muon_momentum(step))
+        knobs = {"lr_multiplier": args.init_lr_frac * lrm}
+        if lora is None:
+            knobs["muon_momentum"] = muon_momentum(step)
+        set_hyperparams(optimizer, **knobs)
         with jax.set_mesh(mesh):
             loss = float(train_step(model, optimizer, xs, ys))
         dt = time.perf_counter() - t0
         step += 1
-        smooth = ema * smooth + (1 - ema) * loss
-        debiased = smooth / (1 - ema ** step)
+        loop.update(step=step, last_step=bool(last_step), progress=float(progress))
+        loop["smooth"] = ema * loop["smooth"] + (1 - ema) * loss
+        debiased = loop["smooth"] / (1 - ema ** step)
         tok_per_s = args.total_batch_size / dt
         mfu = 100 * flops_per_token * args.total_batch_size / dt / (peak * jax.device_count())
-        if step > 2:  # the first steps compile
-            train_time += dt
+        if step - (resume_step or 0) > 2:  # the first steps compile
+            loop["train_time"] += dt
         log({"step": step, "loss": loss, "smooth_loss": debiased, "lrm": lrm, "dt": dt, "tok_per_s": tok_per_s,
              "mfu": mfu, "epoch": train_loader.epoch, "progress": progress})
         if args.num_iterations <= 0 and progress > 0:
@@ -471,16 +658,19 @@ def main(argv=None):
 
     if args.reply_check > 0:  # every process samples (the Engine runs on the global model); process 0 prints and logs
         prompts = fitting_prompts(val_ds, tokenizer, args.reply_check, model.config.sequence_len - REPLY_ROOM)
-        rate = reply_end_rate(model, tokenizer, prompts, max_tokens=args.max_seq_len // 2 + 128, seed=args.seed)
+        rate = reply_end_rate(for_sampling(), tokenizer, prompts, max_tokens=args.max_seq_len // 2 + 128, seed=args.seed)
         print0(f"replies ending with <|assistant_end|>: {rate:.1%} of {len(prompts)}")
         log({"step": step, "reply_end_rate": rate})
         summary["reply_end_rate"] = rate
 
     if is_main_process():
         plot_training(read_jsonl(metrics_path), os.path.join(out_dir, "training.png"), title=f"{model_tag} SFT")
-    print0(f"SFT done: {step} steps | training time {train_time / 60:.2f} min | min val bpb {min_val_bpb:.4f} | "
+    peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    print0(f"SFT done: {step} steps | training time {loop['train_time'] / 60:.2f} min | min val bpb "
+           f"{loop['min_val_bpb']:.4f} | trainable parameters {num_trainable:,} | peak RSS {peak_rss_mb:,.0f} MB | "
            f"checkpoint: {out_dir}")
-    return {"step": step, "val_bpb": val_bpb, "min_val_bpb": min_val_bpb, **summary}
+    return {"step": step, "val_bpb": loop["val_bpb"], "min_val_bpb": loop["min_val_bpb"], "trainable_params": num_trainable,
+            "train_time": loop["train_time"], "peak_rss_mb": peak_rss_mb, **summary}
 
 
 if __name__ == "__main__":

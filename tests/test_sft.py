@@ -188,7 +188,7 @@ def test_tiny_sft_run_lowers_val_loss(tiny_base_dir, tiny_base_ckpt):
     assert [r["step"] for r in rows if "loss" in r] == list(range(1, 9))
     assert 0.0 <= result["reply_end_rate"] <= 1.0 and (out / "8").is_dir() and (out / "training.png").exists()
     model, _, meta = load_model("sft", "d2")
-    assert meta["step"] == 8 and meta["mixture"] == "offline" and meta["base"] == {"model_tag": "d2", "step": 1}
+    assert meta["step"] == 8 and meta["mixture"] == "offline" and meta["base"] == {"phase": "base", "model_tag": "d2", "step": 1}
     assert meta["user_config"]["embedding_lr"] == 0.1 and meta["max_seq_len"] == 64  # flag wins, rest inherited
 
 

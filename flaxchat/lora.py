@@ -1,0 +1,192 @@
+"""LoRA adapters on the transformer's block matrices, through qwix's LoRA provider (Hu et al. 2021).
+
+Each targeted Linear keeps its frozen weight W (out, in) and gains two small trainable nnx.LoRAParams beside
+it, weight_lora_a (in, r) and weight_lora_b (r, out), so that y = x W^T + (x A) B * alpha / r. B starts at
+zero, so a fresh adapter leaves the model unchanged; A starts He-uniform (qwix's defaults).
+
+qwix does the work: `qwix.apply_lora_to_model` runs the model once with its interceptors on, and every einsum
+of a matched module whose operand traces back to one of that module's weights gets the low-rank term (and, on
+that first run, its parameters). Unlike qwix's PTQ path (see flaxchat/quantize.py), LoRA leaves the base weight
+as it is, so Linear's `self.weight[...].astype(...)` works, and the block matrices are multiplied in their own
+module's frame, where qwix looks for them. What qwix does not cover, and how this module handles it:
+
+- it intercepts one method, `GPT.__call__` (training, val loss). Generation runs `forward_cached`, so anything
+  that samples (the reply check, ChatCORE, chat, eval) gets `merge_lora(model)`: W + (A B)^T * alpha / r
+  folded into an ordinary GPT, as fast as the base model;
+- the lm_head, smear gate and embeddings are not block matrices (the lm_head is multiplied in GPT's frame,
+  out of qwix's reach): adapters go on the matrices under transformer.h only. The lm_head (or the embeddings)
+  can train in full next to them instead (LoraConfig.full, PEFT's "modules_to_save"): a base model has never
+  written the chat's special tokens, and with a frozen lm_head the demo's model never learned to end a reply;
+- qwix creates the adapters during one eager call, which must run outside `jax.set_mesh` (see `apply_lora`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+import warnings
+
+import jax
+import jax.numpy as jnp
+import optax
+import qwix
+from flax import nnx
+
+from flaxchat.gpt import GPT, Linear
+from flaxchat.optim import in_float32, skip_nonfinite
+
+BLOCK_MATRICES = ("c_q", "c_k", "c_v", "c_proj", "c_fc", "ve_gate")
+DEFAULT_TARGETS = "c_q,c_k,c_v,c_proj,c_fc"  # every block matrix but the tiny value-embedding gates
+# parameters that may be trained in full next to the adapters (PEFT's "modules_to_save"): name -> path prefix
+FULL = {"lm_head": ("lm_head",), "wte": ("transformer", "wte"), "value_embeds": ("value_embeds",)}
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    """rank r, alpha (the update is scaled by alpha / r), targets (see `target_paths`) and `full`: names of FULL
+    trained in full next to the adapters."""
+
+    rank: int
+    alpha: float
+    targets: str = DEFAULT_TARGETS
+    full: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if self.rank < 1:
+            raise ValueError(f"LoRA rank must be positive, got {self.rank}")
+        if self.alpha <= 0:
+            raise ValueError(f"LoRA alpha must be positive, got {self.alpha}")
+        unknown = [n for n in self.full if n not in FULL]
+        if unknown:
+            raise ValueError(f"cannot train {', '.join(unknown)} in full next to LoRA; choose from {', '.join(FULL)}")
+        object.__setattr__(self, "full", tuple(self.full))
+
+    def trainable(self):
+        """The nnx filter of what trains: the adapters and the `full` parameters."""
+        return nnx.Any(nnx.LoRAParam, *(nnx.All(nnx.Param, _under(FULL[n])) for n in self.full))
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    def to_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "full": list(self.full)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "LoraConfig":
+        return cls(rank=int(d["rank"]), alpha=float(d["alpha"]), targets=d.get("targets", DEFAULT_TARGETS),
+                   full=tuple(d.get("full", ())))
+
+
+def _under(prefix: tuple):
+    """An nnx filter: Variables whose path starts with `prefix`."""
+    return lambda path, _: tuple(path[: len(prefix)]) == prefix
+
+
+def target_paths(model: GPT, targets: str) -> list[str]:
+    """Module paths ("transformer/h/0/attn/c_q") of the block matrices that `targets` names.
+
+    targets: a comma list of matrix names (c_q,c_k,c_v,c_proj,c_fc,ve_gate; c_proj means both the attention's
+    and the MLP's), or a regular expression matched against whole module paths, e.g. "transformer/h/[23]/mlp/.*".
+    """
+    names = [n.strip() for n in targets.split(",") if n.strip()]
+    if names and all(n in BLOCK_MATRICES for n in names):
+        pattern = r"transformer/h/\d+/(attn|mlp)/(" + "|".join(names) + ")"
+    else:
+        try:
+            re.compile(targets)
+        except re.error as e:
+            raise ValueError(f"--lora-targets {targets!r} is neither a list of {', '.join(BLOCK_MATRICES)} nor a "
+                             f"regular expression ({e})") from None
+        pattern = targets
+    paths = ["/".join(map(str, path)) for path, m in nnx.iter_modules(model)
+             if isinstance(m, Linear) and path[:2] == ("transformer", "h")]
+    chosen = [p for p in paths if re.fullmatch(pattern, p)]
+    if not chosen:
+        raise ValueError(f"--lora-targets {targets!r} matches no block matrix; paths look like {paths[0]}")
+    return chosen
+
+
+def apply_lora(model: GPT, config: LoraConfig, seed: int = 0) -> GPT:
+    """A copy of `model` (sharing its arrays) with adapters on the target matrices, each sharded like its weight.
+
+    Call it outside `jax.set_mesh`: qwix runs the model eagerly once, and the model's per-shard kernels only run
+    eagerly without a mesh context (the arrays keep their shardings either way)."""
+    paths = target_paths(model, config.targets)
+    provider = qwix.LoraProvider(module_path="|".join(map(re.escape, paths)), rank=config.rank, alpha=config.alpha)
+    idx = jnp.zeros((1, min(8, model.config.sequence_len)), jnp.int32)  # qwix creates the adapters on one call
+    with warnings.catch_warnings():  # qwix 0.1.8 reads Variable.value, which flax 0.12 deprecates
+        warnings.simplefilter("ignore", DeprecationWarning)
+        lora_model = qwix.apply_lora_to_model(model, provider, idx, rngs=nnx.Rngs(seed))
+    if len(adapter_modules(lora_model)) != len(paths):  # qwix found a weight in every target, or we say so
+        raise ValueError(f"qwix put adapters on {len(adapter_modules(lora_model))} of {len(paths)} target matrices")
+    return lora_model
+
+
+def adapter_modules(model) -> list[tuple[tuple, Linear]]:
+    """(path, Linear) of every Linear that carries an adapter."""
+    return [(path, m) for path, m in nnx.iter_modules(model) if isinstance(m, Linear) and hasattr(m, "weight_lora_a")]
+
+
+def count_params(model, what=nnx.Param) -> int:
+    return sum(x.size for x in jax.tree.leaves(nnx.state(model, what)))
+
+
+@functools.partial(jax.jit, static_argnums=3)
+def _merged(w, a, b, scale):
+    # w (out, in); a (in, r); b (r, out): x W^T + x A B s = x (W + s (A B)^T)^T
+    return (w.astype(jnp.float32) + scale * (a.astype(jnp.float32) @ b.astype(jnp.float32)).T).astype(w.dtype)
+
+
+def merge_lora(model, config: LoraConfig) -> GPT:
+    """An ordinary GPT whose targeted weights are W + (A B)^T * alpha / r; every other array is shared."""
+    plain = nnx.eval_shape(lambda: GPT(model.config, rngs=nnx.Rngs(0), dtype=model.dtype, attention=model.attention,
+                                       remat=model.remat))
+    nnx.update(plain, nnx.state(model, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))))
+    for path, m in adapter_modules(model):
+        target = functools.reduce(lambda node, k: node[k] if isinstance(k, int) else getattr(node, k), path, plain)
+        target.weight.set_value(_merged(m.weight[...], m.weight_lora_a[...], m.weight_lora_b[...], config.scale))
+    return plain
+
+
+def build_lora_optimizer(model, lr: float, config: LoraConfig | None = None, weight_decay: float = 0.0,
+                         betas=(0.9, 0.999)) -> nnx.Optimizer:
+    """AdamW over what `config` trains (the adapters, and its `full` parameters): the frozen base weights get no
+    gradients and no optimizer state.
+
+    AdamW rather than Muon: the adapters are thin (rank r) matrices, and AdamW is what LoRA was made with; in
+    fp32 whatever the parameters' dtype (flaxchat.optim.in_float32: the embeddings may be bf16).
+    lr_multiplier is an injected hyperparameter, as in flaxchat.optim, so the SFT schedule drives it the same
+    way; non-finite updates are skipped and counted the same way too.
+    """
+
+    def factory(lr_multiplier):
+        adamw = optax.adamw(lr * lr_multiplier, *betas, eps=1e-8, weight_decay=weight_decay)
+        return skip_nonfinite(in_float32(adamw))
+
+    wrt = config.trainable() if config is not None else nnx.LoRAParam
+    return nnx.Optimizer(model, optax.inject_hyperparams(factory)(lr_multiplier=1.0), wrt=wrt)
+
+
+def merge_checkpoint(model_tag: str, step: int | None, output_tag: str) -> str:
+    """Write the LoRA checkpoint sft/<model_tag> (latest or `step`) as an ordinary sft checkpoint of merged weights
+    under output_tag (replacing what was there); returns its directory."""
+    from flaxchat.checkpoint import Checkpointer, checkpoint_dir, load_model
+
+    ckpt = Checkpointer(checkpoint_dir("sft", model_tag), async_save=False)
+    try:
+        meta = ckpt.read_meta(step)
+    finally:
+        ckpt.close()
+    if "lora" not in meta:
+        raise ValueError(f"{ckpt.directory} step {meta['step']} holds full weights, not LoRA adapters: nothing to merge")
+    model, _, meta = load_model("sft", model_tag, meta["step"])
+    out = Checkpointer(checkpoint_dir("sft", output_tag), keep=1, keep_best=0, async_save=False)
+    for old in out.all_steps():
+        out.manager.delete(old)
+    kept = {k: v for k, v in meta.items() if k not in ("lora", "loop_state", "step", "model_config")}
+    out.save(meta["step"], model, meta={**kept, "merged_from": {"phase": "sft", "model_tag": model_tag,
+                                                                  "step": meta["step"], "lora": meta["lora"]}})
+    out.close()
+    return out.directory
