@@ -188,6 +188,17 @@ def load_model(phase: str = "base", model_tag: str | None = None, step: int | No
     return model, tokenizer, info["meta"]
 
 
+def load_named_model(spec: str, default_source: str, flag: str, dtype=None):
+    """The latest checkpoint named "[SOURCE:]TAG" by a script's flag (e.g. d4 or base:d4; SOURCE defaults to
+    `default_source`) -> model."""
+    source, _, tag = spec.rpartition(":")
+    source = source or default_source
+    if source not in PHASE_DIRS or not tag:
+        raise ValueError(f"{flag} takes [SOURCE:]TAG with SOURCE base, sft or rl (e.g. d4 or base:d4), got {spec!r}")
+    model, _, _ = load_model(source, tag, dtype=dtype)
+    return model
+
+
 def _load_lora(ckpt: Checkpointer, meta: dict, mesh, base_dir, dtype):
     """(merged model, tokenizer, meta) of the adapter checkpoint `ckpt` at meta["step"]."""
     from flaxchat.lora import LoraConfig, apply_lora, merge_lora

@@ -571,22 +571,12 @@ async def completions(server: ChatServer, request: HTTPRequest):
 
 
 async def _collect(request, choices: Choices, events, meta):
-    texts = [[] for _ in choices.jobs]
     try:
-        while not choices.done:
-            try:
-                index, event = await asyncio.wait_for(events.get(), timeout=1.0)
-            except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    return JSONResponse({}, status_code=499)  # nobody is waiting: the finally frees the slots
-                continue
-            if event["type"] == "error":
-                return openai_error(ClientError(event["reason"], event["message"], 500))
-            texts[index].append(choices.handle(index, event)[0])
-    finally:
-        choices.cancel_unfinished()
-    out = [{"index": i, "message": {"role": "assistant", "content": "".join(t)}, "finish_reason": reason,
-            "logprobs": None} for i, (t, reason) in enumerate(zip(texts, choices.reasons))]
+        texts = await _gather(request, choices, events)
+    except ClientError as e:  # 499: nobody is waiting (the slots are already freed)
+        return JSONResponse({}, status_code=499) if e.status == 499 else openai_error(e)
+    out = [{"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
+            "logprobs": None} for i, (text, reason) in enumerate(zip(texts, choices.reasons))]
     return JSONResponse({**meta, "object": "chat.completion", "choices": out, "usage": choices.usage()})
 
 

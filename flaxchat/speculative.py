@@ -229,18 +229,6 @@ def add_draft_flags(parser) -> None:
     parser.add_argument("--draft-steps", type=int, default=4, help="tokens the draft proposes per round (default: 4)")
 
 
-def load_draft(spec: str, default_source: str, dtype=None):
-    """The draft model named by --draft-model ("[SOURCE:]TAG"), from its latest checkpoint."""
-    from flaxchat.checkpoint import load_model
-
-    source, _, tag = spec.rpartition(":")
-    source = source or default_source
-    if source not in ("base", "sft", "rl") or not tag:
-        raise ValueError(f"--draft-model takes [SOURCE:]TAG with SOURCE base, sft or rl (e.g. d4 or base:d4), got {spec!r}")
-    model, _, _ = load_model(source, tag, dtype=dtype)
-    return model
-
-
 def measure_speculative(model, draft_model, prompt, max_new_tokens, *, draft_steps=4, temperature=0.0, top_k=None,
                         seed=0, repeats=3) -> dict:
     """Time one continuation of `prompt` (ids) with and without the draft, every token made (no stop tokens).

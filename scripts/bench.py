@@ -44,7 +44,7 @@ from flaxchat.common import (StepProfiler, compute_dtype, get_base_dir, parse_ar
 from flaxchat.config import GPTConfig, add_model_flags, config_from_flags
 from flaxchat.gpt import GPT, add_kernel_flags
 from flaxchat.quantize import add_quantize_flag, quantize_for_generation, weight_bytes
-from flaxchat.speculative import add_draft_flags, load_draft, measure_speculative
+from flaxchat.speculative import add_draft_flags, measure_speculative
 
 
 def build_parser():
@@ -197,10 +197,11 @@ def bench_comms(args, mesh) -> dict:
 
 
 def bench_generate(args, mesh) -> dict:
+    from flaxchat.checkpoint import load_named_model
     from flaxchat.engine import measure_generation
 
     if args.checkpoint:
-        model = load_draft(args.checkpoint, "sft", dtype=compute_dtype(args.dtype))  # any [SOURCE:]TAG checkpoint
+        model = load_named_model(args.checkpoint, "sft", "--checkpoint", dtype=compute_dtype(args.dtype))
     else:
         model = GPT(make_config(args), rngs=nnx.Rngs(0), dtype=compute_dtype(args.dtype))
     model = quantize_for_generation(model, args.quantize)
@@ -209,8 +210,8 @@ def bench_generate(args, mesh) -> dict:
         from flaxchat.tokenizer import get_tokenizer
 
         source = args.checkpoint.rpartition(":")[0] or "sft"
-        draft = quantize_for_generation(load_draft(args.draft_model, source, dtype=compute_dtype(args.dtype)),
-                                        args.quantize)
+        draft = load_named_model(args.draft_model, source, "--draft-model", dtype=compute_dtype(args.dtype))
+        draft = quantize_for_generation(draft, args.quantize)
         tokenizer = get_tokenizer()  # a text prompt: how often the draft agrees depends on real text
         prompt = [tokenizer.get_bos_token_id()] + tokenizer.encode("Once upon a time, there was a little")
         out = measure_speculative(model, draft, prompt, args.max_new_tokens, draft_steps=args.draft_steps,
@@ -269,7 +270,7 @@ def main(argv=None):
     for name in chosen:
         try:
             results[name] = runs[name](args, mesh)
-        except FileNotFoundError as e:  # e.g. no tokenizer/data for --what data
+        except (FileNotFoundError, ValueError) as e:  # e.g. no tokenizer/data for --what data, a bad --checkpoint
             if args.what != "all":
                 sys.exit(f"error: {e}")
             results[name] = {"what": name, "skipped": str(e)}

@@ -194,7 +194,7 @@ def run_chat(engine, tokenizer, args, read_line=input, out=None) -> list[dict]:
 
 def main(argv=None) -> int:
     args = get_args(argv)
-    from flaxchat.checkpoint import load_model
+    from flaxchat.checkpoint import load_model, load_named_model
     from flaxchat.common import enable_compilation_cache, get_base_dir
     from flaxchat.engine import Engine
     from flaxchat.quantize import quantize_for_generation
@@ -202,11 +202,9 @@ def main(argv=None) -> int:
     # compiled prefill/decode programs survive restarts, so a second session starts answering at once (also on CPU)
     enable_compilation_cache(os.path.join(get_base_dir(), "jax_cache"))
 
-    from flaxchat.speculative import load_draft
-
     try:
         model, tokenizer, meta = load_model(args.source, args.model_tag, args.step)
-        draft = load_draft(args.draft_model, args.source) if args.draft_model else None
+        draft = load_named_model(args.draft_model, args.source, "--draft-model") if args.draft_model else None
     except (FileNotFoundError, ValueError) as e:
         print(f"chat_cli: {e}", file=sys.stderr)
         return 1
