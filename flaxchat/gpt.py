@@ -116,13 +116,27 @@ def apply_rotary(x, cos, sin):
 
 
 class Linear(nnx.Module):
-    """Bias-free linear layer, weight (out, in) like torch; the matmul runs in the input's dtype."""
+    """Bias-free linear layer, weight (out, in) like torch; the matmul runs in the input's dtype.
+
+    x @ w.T is written as a transpose and a matmul: for a single row (decode) XLA's CPU backend then emits one
+    fused loop of contiguous dot products over w's rows, about twice as fast as the library call it makes for
+    the einsum form (the lm_head of a 32k vocabulary: ~0.4 vs ~0.9 ms a token); larger inputs lower to the same
+    library matmul either way. Under qwix's LoRA (flaxchat.lora) the adapted layers use the einsum form, which
+    qwix intercepts: it finds the weight by identity, and a transposed weight would be missed.
+    """
 
     def __init__(self, in_features, out_features, *, init, axes, rngs):
         self.weight = _param(init, rngs.params(), (out_features, in_features), axes)
+        self.einsum_form = False
 
     def __call__(self, x, out_dtype=None):
-        return jnp.einsum("...i,oi->...o", x, self.weight[...].astype(x.dtype), preferred_element_type=out_dtype)
+        return self.multiply(x, self.weight[...].astype(x.dtype), out_dtype)
+
+    def multiply(self, x, w, out_dtype=None):
+        """x (..., in) @ w (out, in).T in this layer's form."""
+        if self.einsum_form:
+            return jnp.einsum("...i,oi->...o", x, w, preferred_element_type=out_dtype)
+        return jnp.matmul(x, w.T, preferred_element_type=out_dtype)
 
     def matrix(self):
         """The (out, in) weight as a float array (flaxchat.quantize's int8 variant dequantizes here)."""

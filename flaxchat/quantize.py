@@ -47,9 +47,10 @@ class Int8Linear(Linear):
         axes = w.get_metadata().get("out_sharding") or (None, None)
         self.weight = nnx.Param(q.qvalue, out_sharding=axes, eager_sharding=False)  # (out, in) int8
         self.scale = nnx.Param(q.scale[:, 0], out_sharding=axes[:1], eager_sharding=False)  # (out,) fp32
+        self.einsum_form = linear.einsum_form
 
     def __call__(self, x, out_dtype=None):
-        y = jnp.einsum("...i,oi->...o", x, self.weight[...].astype(x.dtype), preferred_element_type=out_dtype)
+        y = self.multiply(x, self.weight[...].astype(x.dtype), out_dtype)
         return y * self.scale[...].astype(y.dtype)
 
     def matrix(self):
