@@ -486,6 +486,12 @@ def _decode(graphdef, params, slots: Slots, ctl: Controls, limit, *, rows, span,
     """
     model = nnx.merge(graphdef, params)
     cast_for_compute(model)
+    # Weights stored narrower than the compute dtype (--quantize int8/bf16): XLA would hoist their conversion out
+    # of the loop and every step would read float copies. Passed through the loop behind a barrier, the
+    # conversion stays in each step and fuses into the matrix-vector products, which then read the narrow bytes.
+    itemsize = jnp.dtype(model.dtype).itemsize
+    narrow = replicated is None and any(x.dtype.itemsize < itemsize for x in jax.tree.leaves(params) if x.ndim == 2)
+    weights = params if narrow else None
     forced = jnp.where(ctl.push[:, None], ctl.push_queue, slots.forced)
     forced_len = jnp.where(ctl.push, ctl.push_len, slots.forced_len)
     forced_pos = jnp.where(ctl.push, 0, slots.forced_pos)
@@ -498,26 +504,31 @@ def _decode(graphdef, params, slots: Slots, ctl: Controls, limit, *, rows, span,
     row_ids = jnp.arange(rows)
 
     def cond(c):
-        _, _, _, _, _, step, live, paused = c
+        _, _, _, _, _, step, live, paused, _ = c
         return (step < limit) & jnp.any(live) & ~paused
 
     def body(c):
-        cache, logits, f_pos, out, was_forced, step, live, _ = c
+        cache, logits, f_pos, out, was_forced, step, live, _, weights = c
+        m = model
+        if weights is not None:
+            weights = jax.lax.optimization_barrier(weights)
+            m = nnx.merge(graphdef, weights)
+            cast_for_compute(m)
         keys = jax.vmap(jax.random.fold_in)(streams, offsets + step)
         sampled = sample_rows(logits, keys, temperature, top_k, top_p, tiers, barrier=replicated is None)
         is_forced = f_pos < f_len
         token = jnp.where(is_forced, f_queue[row_ids, jnp.minimum(f_pos, f_queue.shape[1] - 1)], sampled)
-        new_logits, new_cache = model.forward_cached(token[:, None], cache)
+        new_logits, new_cache = m.forward_cached(token[:, None], cache)
         new_cache = dataclasses.replace(new_cache, pos=jnp.where(live, new_cache.pos, cache.pos))
         ended = jnp.isin(token, stops) | (step + 1 >= remaining)
         paused = jnp.any(live & ~ended & (token == tool_end))
         return (new_cache, new_logits[:, 0], f_pos + (is_forced & live), out.at[:, step].set(token),
-                was_forced.at[:, step].set(is_forced), step + 1, live & ~ended, paused)
+                was_forced.at[:, step].set(is_forced), step + 1, live & ~ended, paused, weights)
 
     live = ctl.active[r] & (remaining > 0)
     init = (take_rows(slots.cache, rows, span), slots.logits[r], forced_pos[r], jnp.zeros((rows, chunk), jnp.int32),
-            jnp.zeros((rows, chunk), bool), jnp.int32(0), live, jnp.bool_(False))
-    cache, logits, f_pos, out, was_forced, steps, _, _ = jax.lax.while_loop(cond, body, init)
+            jnp.zeros((rows, chunk), bool), jnp.int32(0), live, jnp.bool_(False), weights)
+    cache, logits, f_pos, out, was_forced, steps, _, _, _ = jax.lax.while_loop(cond, body, init)
     slots = Slots(cache=put_rows(slots.cache, cache, slots.cache.pos[r], chunk), logits=slots.logits.at[r].set(logits),
                   forced=forced, forced_len=forced_len, forced_pos=forced_pos.at[r].set(f_pos))
     if replicated is not None:  # fetching an array split over another process's devices fails

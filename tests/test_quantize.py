@@ -123,3 +123,23 @@ def test_bad_mode_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown quantize mode 'int4'; choose one of none, bf16, int8"):
         quantize_for_generation(make_model(), "int4")
     assert MODES == ("none", "bf16", "int8")
+
+
+def test_int8_decode_loop_reads_int8_weights():
+    """The decode loop converts the int8 weights inside each step (fused into its matrix-vector products): no
+    float copy of a weight matrix is made outside the loop, and greedy decoding equals the uncached forward."""
+    model = quantize_for_generation(make_model(), "int8")
+    progs, params = E.programs(model)
+    padded, lengths = E.pad_prompts([[1, 2, 3, 4]], 64, 8)
+    slots = progs.start(params, padded, lengths, copies=1, rows=1, capacity=64)
+    hlo = progs.decode.lower(params, slots, E.controls(1, remaining=8), np.int32(8), rows=1, span=64, chunk=8,
+                             stop_tokens=(), tool_end=-1, tiers=()).compile().as_text()
+    entry = hlo[hlo.index("\nENTRY"):]
+    entry = entry[: entry.index("\n}")]
+    shapes = {f"f32[{a},{b}]" for a, b in (x.shape for x in jax.tree.leaves(params) if x.dtype == jnp.int8)}
+    computed = [line.split("=", 1)[1] for line in entry.splitlines() if " = " in line and "parameter(" not in line]
+    assert shapes and not [line for line in computed if any(line.strip().startswith(s) for s in shapes)]
+    seq = [1, 2, 3, 4]
+    for _ in range(6):
+        seq.append(int(jnp.argmax(model(jnp.asarray([seq]))[0, -1])))
+    assert E.generate(model, [[1, 2, 3, 4]], 6, temperature=0.0)[0] == seq[4:]
