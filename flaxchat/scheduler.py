@@ -40,8 +40,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from flaxchat.engine import (MAX_TOP_K, TOP_K_TIERS, Reply, attention_span, bucket_length, controls, empty_slots,
-                              in_compute_dtype, programs_for)
+from flaxchat.engine import (FORCED_CAPACITY, MAX_TOP_K, TOP_K_TIERS, Reply, attention_span, bucket_length, controls,
+                             empty_slots, in_compute_dtype, programs_for)
 from flaxchat.execution import use_calculator
 
 log = logging.getLogger(__name__)
@@ -408,6 +408,93 @@ class Scheduler:
         for req in waiting:
             req.finish_reason = "error"
             self._send(req, [{"type": "error", "reason": reason, "message": message}])
+
+
+class SpeculativeScheduler(Scheduler):
+    """The Scheduler with speculative sampling (flaxchat.speculative): one conversation at a time, its tokens
+    proposed by `draft_model` `draft_steps` at a time and checked by the model in one forward pass; the others
+    wait in the queue. Replies follow the model's own distribution. It trades the batch for the lowest
+    latency of one reply: a person chatting on their own machine, with a draft much cheaper than the model.
+
+    A request's sampling settings are compiled into its programs (the first request with new settings compiles);
+    everything else (streaming, tools, cancelling, scoring, /health) works as in the batched scheduler.
+    """
+
+    def __init__(self, model, tokenizer, draft_model, *, draft_steps: int = 4, chunk: int = 8,
+                 capacity: int | None = None, max_queue: int = 256, run_tool: Callable[[str], str | None] = use_calculator):
+        from flaxchat import speculative
+
+        capacity = capacity or min(model.config.sequence_len, draft_model.config.sequence_len)
+        super().__init__(model, tokenizer, slots=1, chunk=chunk, capacity=capacity, max_queue=max_queue,
+                         run_tool=run_tool)
+        speculative._check(1.0, None, None, draft_steps)
+        self.draft_model, self.draft_steps = draft_model, draft_steps
+        self._spec_programs, self._spec_params = speculative.programs(model, draft_model)
+        self._spec = self._rule = None
+        self._first: list[int] = []  # the prefill's token, streamed by the next decode call
+
+    def _fresh_state(self):
+        return None  # the state is the running request's Speculation
+
+    def stats(self) -> dict:
+        return {**super().stats(), "draft_steps": self.draft_steps}
+
+    def warmup(self, buckets: bool = True) -> float:
+        """Compile prefill for every prompt bucket and a round, under greedy settings; returns seconds."""
+        t0 = time.perf_counter()
+        rule = (0.0, None, None)
+        lengths = sorted({bucket_length(n, self.capacity) for n in (1 << p for p in range(self.capacity.bit_length()))})
+        for T in lengths if buckets else lengths[:1]:
+            spec, _ = self._spec_programs.start(self._spec_params, np.zeros(T, np.int32), np.int32(1),
+                                                jax.random.key(0), capacity=self.capacity, rule=rule)
+        self._spec_programs.run(self._spec_params, spec, np.int32(1), k=self.draft_steps, rule=rule,
+                                stops=self.stop_tokens, tool_end=self.tool_end, chunk=self.chunk)
+        return time.perf_counter() - t0
+
+    def _admit(self) -> bool:
+        from flaxchat.speculative import _check
+
+        if self._active[0] is not None:
+            return False
+        while True:
+            with self._lock:
+                if not self._queue:
+                    return False
+                req = self._queue.popleft()
+            if not req.cancelled:
+                break
+            self._end(req, "cancelled")
+        T = bucket_length(len(req.prompt), self.capacity)
+        prompt = np.array(req.prompt + [req.prompt[-1]] * (T - len(req.prompt)), np.int32)
+        self._rule = _check(req.temperature, req.top_k or None, req.top_p, self.draft_steps)
+        self._spec, first = self._spec_programs.start(self._spec_params, prompt, np.int32(len(req.prompt)),
+                                                      jax.random.key(req.seed), capacity=self.capacity, rule=self._rule)
+        self._first = [int(first)]
+        self._active[0], self._replies[0] = req, Reply(self.tokenizer, self.run_tool)
+        self._pushes.clear()
+        self.counters["admitted"] += 1
+        return True
+
+    def _decode_chunk(self, highest: int, limit: int) -> None:
+        req = self._active[0]
+        if self._first:
+            tokens, self._first = self._first, []
+        elif 0 in self._pushes:  # the tool's output goes into both caches; the reply gets it as forced tokens
+            tokens = self._pushes.pop(0)
+            forced = np.zeros(FORCED_CAPACITY, np.int32)
+            forced[: len(tokens)] = tokens
+            self._spec = self._spec_programs.force(self._spec_params, self._spec, forced, np.int32(len(tokens)))
+        else:
+            limit = min(limit, req.max_tokens - req.completion_tokens)
+            self._spec, out, n = self._spec_programs.run(
+                self._spec_params, self._spec, np.int32(limit), k=self.draft_steps, rule=self._rule,
+                stops=self.stop_tokens, tool_end=self.tool_end, chunk=self.chunk)
+            tokens = np.asarray(out)[: int(n)].tolist()
+            if not tokens:  # no room for another round in the cache
+                self._finish(0, "length")
+                return
+        self.counters["chunks"] += 1
+        self._advance(0, tokens)
 
 
 def new_seed() -> int:

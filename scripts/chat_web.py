@@ -5,6 +5,7 @@
     python -m scripts.chat_web --host 0.0.0.0 --max-connections 200 --rate-limit 20   # expose it on the network
     python -m scripts.chat_web --limit-everyone --rate-limit 10   # rate-limit this machine's own clients too
     python -m scripts.chat_web --random-init --depth 4            # an untrained model (tokenizer from the base dir)
+    python -m scripts.chat_web -g d12 --draft-model d4            # speculative sampling, one conversation at a time
     # measure: 1 and then 16 concurrent WebSocket clients against an in-process server; prints JSON, exits
     python -m scripts.chat_web --random-init --depth 4 --slots 16 --load-test 1,16 --load-tokens 128
 
@@ -33,6 +34,7 @@ from flaxchat.common import parse_args
 
 def build_parser() -> argparse.ArgumentParser:
     from flaxchat.quantize import add_quantize_flag
+    from flaxchat.speculative import add_draft_flags
 
     p = argparse.ArgumentParser(description="Serve a flaxchat model in the browser and over HTTP",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -64,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "where every client arrives from 127.0.0.1)")
     p.add_argument("--rate-burst", type=int, default=10, help="requests a client may send at once")
     add_quantize_flag(p)
+    add_draft_flags(p)
     p.add_argument("--no-warmup", action="store_true", help="compile lazily instead of before serving")
     p.add_argument("--load-test", default=None, help="comma-separated client counts: measure them and exit")
     p.add_argument("--load-tokens", type=int, default=128, help="tokens each load-test client asks for")
@@ -76,7 +79,7 @@ def get_args(argv=None) -> argparse.Namespace:
     args = parse_args(parser, argv)
     if args.slots is not None and args.slots < 1:
         parser.error(f"--slots must be >= 1, got {args.slots}")
-    for name in ("chunk", "max_tokens", "default_max_tokens", "max_connections", "max_message_bytes",
+    for name in ("chunk", "draft_steps", "max_tokens", "default_max_tokens", "max_connections", "max_message_bytes",
                  "depth", "seq_len", "load_tokens", "load_repeats", "rate_burst"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -124,6 +127,20 @@ def build_model(args):
     model, tokenizer, meta = load_model(args.source, tag, args.step)
     model = quantize_for_generation(model, args.quantize)
     return model, tokenizer, f"{tag}-{args.source}-step{meta.get('step', 'latest')}{weights}"
+
+
+def build_draft(args, model):
+    """The --draft-model checkpoint ([SOURCE:]TAG, SOURCE defaulting to -i), quantized like the model; or None."""
+    if not args.draft_model:
+        return None
+    from flaxchat.checkpoint import load_named_model
+    from flaxchat.quantize import quantize_for_generation
+
+    draft = load_named_model(args.draft_model, args.source, "--draft-model")
+    if draft.config.vocab_size != model.config.vocab_size:
+        raise ValueError(f"the draft model's vocabulary ({draft.config.vocab_size}) is not the model's "
+                         f"({model.config.vocab_size}); a draft must use the same tokenizer")
+    return quantize_for_generation(draft, args.quantize)
 
 
 # -----------------------------------------------------------------------------
@@ -187,11 +204,12 @@ def main(argv=None) -> int:
 
     from flaxchat.common import enable_compilation_cache, get_base_dir
 
-    from flaxchat.scheduler import Scheduler, auto_slots
+    from flaxchat.scheduler import Scheduler, SpeculativeScheduler, auto_slots
     from flaxchat.serve import BackgroundServer, ServeConfig, create_app, uvicorn_config
 
     try:
         model, tokenizer, name = build_model(args)
+        draft = build_draft(args, model)
     except (FileNotFoundError, ValueError) as e:
         print(f"chat_web: {e}", file=sys.stderr)
         return 1
@@ -199,10 +217,19 @@ def main(argv=None) -> int:
     enable_compilation_cache(os.path.join(get_base_dir(), "jax_cache"))
     c = model.config
     print(f"model {name}: {c.n_layer} layers, width {c.n_embd}, vocab {c.vocab_size}, context {c.sequence_len}")
-    if args.slots is None:
-        args.slots, why = auto_slots(model)
-        print(f"slots: {why} (--slots sets it)")
-    scheduler = Scheduler(model, tokenizer, slots=args.slots, chunk=args.chunk)
+    if draft is not None:
+        if args.slots not in (None, 1):
+            print(f"chat_web: --draft-model serves one conversation at a time (got --slots {args.slots})", file=sys.stderr)
+            return 1
+        args.slots = 1
+        print(f"speculative sampling: draft {args.draft_model} ({draft.config.n_layer} layers) proposes "
+              f"{args.draft_steps} tokens a round; one conversation at a time, the others wait")
+        scheduler = SpeculativeScheduler(model, tokenizer, draft, draft_steps=args.draft_steps, chunk=args.chunk)
+    else:
+        if args.slots is None:
+            args.slots, why = auto_slots(model)
+            print(f"slots: {why} (--slots sets it)")
+        scheduler = Scheduler(model, tokenizer, slots=args.slots, chunk=args.chunk)
     if not args.no_warmup:
         print(f"compiling for {args.slots} slots...", flush=True)
         print(f"compiled in {scheduler.warmup():.1f} s")

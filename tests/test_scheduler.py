@@ -308,3 +308,47 @@ def test_threads_may_submit_concurrently(scheduler, tok):
     for t in threads:
         t.join(60)
     assert results == ["done"] * 8
+
+
+def test_speculative_scheduler_greedy_tools_and_cancel(model, tok):
+    """--draft-model in chat_web: one conversation at a time, greedy replies equal the model's own (the draft
+    is another random model, so it is often rejected), the tool runs, a cancel frees the conversation."""
+    from flaxchat.scheduler import SpeculativeScheduler
+
+    draft = GPT(GPTConfig(sequence_len=64, vocab_size=tok.get_vocab_size(), n_layer=1, n_head=1, n_kv_head=1,
+                          n_embd=32), rngs=nnx.Rngs(5))
+    s = SpeculativeScheduler(model, tok, draft, draft_steps=3, chunk=4)
+    assert s.warmup(buckets=False) > 0
+    s.start()
+    try:
+        bos = tok.get_bos_token_id()
+        prompts = [[bos] + tok.encode(t) for t in ("The cat", "3*7 is", "mat.")]
+        jobs = [submit(s, p, 9, temperature=0.0) for p in prompts]  # the second and third wait for the first
+        for (req, q), prompt in zip(jobs, prompts):
+            events = collect(q)
+            expected = greedy_reference(model, prompt, req.max_tokens, s.stop_tokens)
+            assert req.tokens == expected and events[-1]["type"] == "done"
+            assert events[-1]["usage"]["completion_tokens"] == len(expected)
+        sampled, q = submit(s, prompts[0], 6, temperature=1.0, top_k=20, seed=4)
+        assert collect(q)[-1]["type"] == "done" and sampled.completion_tokens == 6
+        long, q = submit(s, prompts[0], 60, temperature=1.0)
+        s.cancel(long)
+        assert collect(q)[-1]["finish_reason"] == "cancelled" and s.stats()["active"] == 0
+        assert s.stats()["draft_steps"] == 3 and s.stats()["slots"] == 1
+    finally:
+        s.close()
+    # the tool: the scripted model with itself as the draft (every proposal accepted)
+    sp = tok.encode_special
+    expr = tok.encode("3*7")
+    chain = [sp("<|assistant_start|>"), sp("<|python_start|>"), *expr, sp("<|python_end|>")]
+    tail = [sp("<|output_end|>"), sp("<|assistant_end|>")]
+    scripted = scripted_model(tok, dict(zip(chain, chain[1:])) | dict(zip(tail, tail[1:])))
+    s = SpeculativeScheduler(scripted, tok, scripted, draft_steps=2, chunk=4).start()
+    try:
+        req, q = submit(s, [bos, sp("<|user_start|>"), sp("<|user_end|>"), sp("<|assistant_start|>")], 30,
+                        temperature=0.0)
+        events = collect(q)
+        assert [(e["kind"], e["text"]) for e in events if e["type"] == "tool"] == [("call", "3*7"), ("output", "21")]
+        assert events[-1]["finish_reason"] == "stop" and req.tokens[-1] == sp("<|assistant_end|>")
+    finally:
+        s.close()

@@ -659,3 +659,31 @@ def test_script_flags_and_random_init(tiny_base_dir, url):
     assert name == "d2-random-init"
     result = run(load_test(url, 3, 6))
     assert result["clients"] == 3 and result["tokens"] <= 18 and result["tok_per_s"] > 0
+
+
+def test_chat_web_serves_with_a_draft_model(tiny_base_dir, tok, monkeypatch):
+    """--draft-model: the speculative scheduler behind the same app; a load test's replies stream through it."""
+    import flaxchat.common
+    from flaxchat.checkpoint import Checkpointer, checkpoint_dir
+    from scripts import chat_web
+
+    config = GPTConfig(sequence_len=64, vocab_size=tok.get_vocab_size(), n_layer=1, n_head=1, n_kv_head=1, n_embd=32)
+    ckpt = Checkpointer(checkpoint_dir("sft", "d1"), async_save=False)
+    ckpt.save(1, GPT(config, rngs=nnx.Rngs(0)))
+    ckpt.close()
+    printed = []  # main's own lines (uvicorn's log handlers would outlive a capture fixture's streams)
+    monkeypatch.setattr(chat_web, "print", lambda *a, file=None, **kw: printed.append((file, " ".join(map(str, a)))),
+                        raising=False)
+    monkeypatch.setattr(chat_web, "load_test_in_subprocess", chat_web._run_load_test)  # clients in this process
+    monkeypatch.setattr(flaxchat.common, "enable_compilation_cache", lambda path: None)  # process-wide otherwise
+    flags = ["-i", "sft", "-g", "d1", "--draft-model", "d1", "--draft-steps", "2", "--no-warmup"]
+    assert chat_web.main([*flags, "--load-test", "2", "--load-tokens", "4", "--load-repeats", "1"]) == 0
+    out = [line for f, line in printed if f is None]
+    assert any("speculative sampling: draft d1 (1 layers) proposes 2 tokens" in line for line in out)
+    summary = json.loads(out[-1])
+    assert summary["slots"] == 1 and summary["median_tok_per_s"]["2"] > 0
+    for bad, message in ((["--slots", "4"], "one conversation at a time"), (["--draft-model", "rl:d1"], "rl")):
+        printed.clear()
+        assert chat_web.main([*flags, *bad]) == 1
+        errors = [line for f, line in printed if f is not None]
+        assert len(errors) == 1 and message in errors[0] and "\n" not in errors[0]
