@@ -262,7 +262,7 @@ class Scheduler:
         Call it before start(): it uses the device state directly.
         """
         t0 = time.perf_counter()
-        lengths = sorted({bucket_length(n, self.capacity) for n in (1 << p for p in range(self.capacity.bit_length()))})
+        lengths = self._prompt_buckets()
         for T in lengths if buckets else lengths[:1]:
             self._state = self._programs.prefill(self.params, self._state, np.int32(0), np.zeros((1, T), np.int32),
                                                  np.ones(1, np.int32))
@@ -316,15 +316,24 @@ class Scheduler:
                 self._end(req, "cancelled")
                 continue
             slot = self._active.index(None)  # the lowest free slot keeps active rows packed
-            T = bucket_length(len(req.prompt), self.capacity)
-            tokens = np.array([req.prompt + [req.prompt[-1]] * (T - len(req.prompt))], np.int32)
-            self._state = self._programs.prefill(self.params, self._state, np.int32(slot), tokens,
-                                                 np.array([len(req.prompt)], np.int32))
+            self._prefill(slot, req)
             self._active[slot], self._replies[slot] = req, Reply(self.tokenizer, self.run_tool)
             self._pushes.pop(slot, None)
             self.counters["admitted"] += 1
             admitted = True
         return admitted
+
+    def _prefill(self, slot: int, req: Request) -> None:
+        self._state = self._programs.prefill(self.params, self._state, np.int32(slot), self._padded(req.prompt)[None],
+                                             np.array([len(req.prompt)], np.int32))
+
+    def _padded(self, prompt: list[int]) -> np.ndarray:
+        """The prompt padded (with its last token) to its bucket's length: one compilation per bucket."""
+        T = bucket_length(len(prompt), self.capacity)
+        return np.array(prompt + [prompt[-1]] * (T - len(prompt)), np.int32)
+
+    def _prompt_buckets(self) -> list[int]:
+        return sorted({bucket_length(n, self.capacity) for n in (1 << p for p in range(self.capacity.bit_length()))})
 
     def _controls(self, pushes: dict[int, list[int]]):
         reqs = self._active
@@ -443,7 +452,7 @@ class SpeculativeScheduler(Scheduler):
         """Compile prefill for every prompt bucket and a round, under greedy settings; returns seconds."""
         t0 = time.perf_counter()
         rule = (0.0, None, None)
-        lengths = sorted({bucket_length(n, self.capacity) for n in (1 << p for p in range(self.capacity.bit_length()))})
+        lengths = self._prompt_buckets()
         for T in lengths if buckets else lengths[:1]:
             spec, _ = self._spec_programs.start(self._spec_params, np.zeros(T, np.int32), np.int32(1),
                                                 jax.random.key(0), capacity=self.capacity, rule=rule)
@@ -451,29 +460,14 @@ class SpeculativeScheduler(Scheduler):
                                 stops=self.stop_tokens, tool_end=self.tool_end, chunk=self.chunk)
         return time.perf_counter() - t0
 
-    def _admit(self) -> bool:
+    def _prefill(self, slot: int, req: Request) -> None:
         from flaxchat.speculative import _check
 
-        if self._active[0] is not None:
-            return False
-        while True:
-            with self._lock:
-                if not self._queue:
-                    return False
-                req = self._queue.popleft()
-            if not req.cancelled:
-                break
-            self._end(req, "cancelled")
-        T = bucket_length(len(req.prompt), self.capacity)
-        prompt = np.array(req.prompt + [req.prompt[-1]] * (T - len(req.prompt)), np.int32)
         self._rule = _check(req.temperature, req.top_k or None, req.top_p, self.draft_steps)
-        self._spec, first = self._spec_programs.start(self._spec_params, prompt, np.int32(len(req.prompt)),
-                                                      jax.random.key(req.seed), capacity=self.capacity, rule=self._rule)
+        self._spec, first = self._spec_programs.start(self._spec_params, self._padded(req.prompt),
+                                                      np.int32(len(req.prompt)), jax.random.key(req.seed),
+                                                      capacity=self.capacity, rule=self._rule)
         self._first = [int(first)]
-        self._active[0], self._replies[0] = req, Reply(self.tokenizer, self.run_tool)
-        self._pushes.clear()
-        self.counters["admitted"] += 1
-        return True
 
     def _decode_chunk(self, highest: int, limit: int) -> None:
         req = self._active[0]
