@@ -86,8 +86,8 @@ def pad_prompts(prompts, capacity: int, max_new_tokens: int = 1) -> tuple[np.nda
 
 def take_rows(cache: KVCache, rows: int, span: int) -> KVCache:
     """The first `rows` slots and the first `span` positions of the cache (what a decode chunk touches)."""
-    take = lambda layers: tuple(c[:rows, :, :span] for c in layers)
-    return KVCache(k=take(cache.k), v=take(cache.v), pos=cache.pos[:rows], prev_embedding=cache.prev_embedding[:rows])
+    return KVCache(k=tuple(c[:rows, :, :span] for c in cache.k), v=tuple(c[:rows, ..., :span] for c in cache.v),
+                   pos=cache.pos[:rows], prev_embedding=cache.prev_embedding[:rows])
 
 
 def put_rows(cache: KVCache, part: KVCache, start, width: int) -> KVCache:
@@ -100,10 +100,12 @@ def put_rows(cache: KVCache, part: KVCache, start, width: int) -> KVCache:
     start = jnp.clip(start, 0, span - width)
     cols = start[:, None] + jnp.arange(width)[None, :]  # (rows, width)
 
-    def put_layers(layers, new):  # each layer: gather (rows, width, Hkv, D) from the part, scatter it in place
-        return tuple(write_cache(c, n[jnp.arange(rows)[:, None], :, cols], start) for c, n in zip(layers, new))
+    def put_layers(layers, new, axis):  # each layer: gather (rows, width, Hkv, D) from the part, scatter it in place
+        at = (jnp.arange(rows)[:, None],) + (slice(None),) * (axis - 1) + (cols,)
+        return tuple(write_cache(c, n[at], start, axis) for c, n in zip(layers, new))
 
-    return KVCache(k=put_layers(cache.k, part.k), v=put_layers(cache.v, part.v), pos=cache.pos.at[:rows].set(part.pos),
+    return KVCache(k=put_layers(cache.k, part.k, 2), v=put_layers(cache.v, part.v, 3),
+                   pos=cache.pos.at[:rows].set(part.pos),
                    prev_embedding=cache.prev_embedding.at[:rows].set(part.prev_embedding))
 
 
@@ -248,7 +250,10 @@ def sample_rows(logits, keys, temperature, top_k, top_p=None, tiers=TOP_K_TIERS,
     def draw():
         scaled = kept_logits(logits, temperature, top_k, top_p, tiers, barrier)
         u = jax.vmap(lambda k: jax.random.uniform(k, ()))(keys)
-        drawn = inverse_cdf(jnp.exp(scaled - jnp.max(scaled, axis=-1, keepdims=True)), u)
+        # max(scaled) without another pass over the vocabulary: the top logit is always kept, and dividing by a
+        # positive temperature keeps it on top (the same max argmax takes, which XLA computes once)
+        top = jnp.max(logits, axis=-1, keepdims=True) / jnp.where(greedy, 1.0, temperature)[:, None]
+        drawn = inverse_cdf(jnp.exp(scaled - top), u)
         return jnp.where(greedy, best, drawn)
 
     return jax.lax.cond(jnp.all(greedy), lambda: best, draw).astype(jnp.int32)
@@ -452,7 +457,7 @@ def _prefill(graphdef, params, slots: Slots, start, tokens, lengths, *, copies: 
     model = nnx.merge(graphdef, params)
     cast_for_compute(model)
     B = tokens.shape[0]
-    logits, part = model.forward_cached(tokens, model.init_cache(B, tokens.shape[1]), logits_at=lengths - 1)
+    logits, part = model.forward_cached(tokens, model.init_cache(B, tokens.shape[1]), logits_at=lengths - 1, fresh=True)
     many = lambda x: jnp.repeat(x, copies, axis=0)
     at = lambda x, new: jax.lax.dynamic_update_slice(x, many(new).astype(x.dtype), (start,) + (0,) * (x.ndim - 1))
     cache = slots.cache

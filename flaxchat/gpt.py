@@ -276,32 +276,50 @@ def splash_attention(q, k, v, window):
     return _per_shard_heads(local, q, k, v)
 
 
-def cached_attention(q, k, v, q_pos, window):
-    """Attention of new queries over a KV cache. q (B,T,H,D) at absolute positions q_pos (B,T); k/v (B,Hkv,S,D).
+def cached_attention(q, k, v, k_cache, v_cache, pos, window):
+    """Attention of T new queries over the cache's first pos (B,) positions and over the T new keys themselves.
 
-    Key j is visible to a query at position p iff j <= p and p - j <= window. The cache is laid out heads-major
-    so each (row, kv head) reads one contiguous (S, D) block: decoding is a matrix-vector product per head,
-    several times faster than over a (B, S, Hkv, D) layout on a CPU.
+    q (B,T,H,D) and the new k/v (B,T,Hkv,D) sit at positions pos..pos+T-1; k_cache (B,Hkv,S,D) and v_cache
+    (B,Hkv,D,S) hold the keys/values before them (entries at pos and later are stale and never read). Key j is
+    visible to a query at position p iff j <= p and p - j <= window.
+
+    Layouts for a CPU decode step: each (row, kv head) reads K as one contiguous (S, D) block and V as one
+    (D, S) block, so both products are matrix-vector products over the block's minor axis (XLA:CPU would
+    otherwise transpose V every step). The cache is read before this call writes it (see write_cache).
     """
     B, T, H, D = q.shape
-    Hkv = k.shape[1]
+    Hkv, S = k_cache.shape[1], k_cache.shape[2]
     qg = q.reshape(B, T, Hkv, H // Hkv, D)  # query heads grouped by the kv head they share (GQA)
-    scores = jnp.einsum("btkgd,bksd->bkgts", qg, k.astype(q.dtype), preferred_element_type=jnp.float32) * D**-0.5
-    kpos = jnp.arange(k.shape[2])[None, None, :]  # (1, 1, S)
-    qpos = q_pos[:, :, None]  # (B, T, 1)
-    visible = (kpos <= qpos) & (qpos - kpos <= window)  # (B, T, S)
-    scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-    y = jnp.einsum("bkgts,bksd->btkgd", probs, v.astype(q.dtype))
+    f32 = dict(preferred_element_type=jnp.float32)
+    old = jnp.einsum("btkgd,bksd->bkgts", qg, k_cache.astype(q.dtype), **f32)  # (B, Hkv, G, T, S)
+    new = jnp.einsum("btkgd,bskd->bkgts", qg, k.astype(q.dtype), **f32)  # (B, Hkv, G, T, T)
+    qpos = pos[:, None, None] + jnp.arange(T)[None, :, None]  # (B, T, 1)
+    kpos = jnp.arange(S)[None, None, :]
+    seen = (kpos < pos[:, None, None]) & (qpos - kpos <= window)  # (B, T, S)
+    i, j = jnp.arange(T)[:, None], jnp.arange(T)[None, :]
+    causal = (j <= i) & (i - j <= window)  # (T, T)
+    scores = jnp.concatenate([jnp.where(seen[:, None, None], old, -jnp.inf), jnp.where(causal, new, -jnp.inf)], -1)
+    probs = jax.nn.softmax(scores * D**-0.5, axis=-1).astype(q.dtype)
+    y = jnp.einsum("bkgts,bkds->btkgd", probs[..., :S], v_cache.astype(q.dtype))
+    y = y + jnp.einsum("bkgts,bskd->btkgd", probs[..., S:], v.astype(q.dtype))
     return y.reshape(B, T, H, D)
 
 
-def write_cache(cache, new, pos):
-    """Write new (B, T, Hkv, D) into cache (B, Hkv, S, D) at each row's position pos (B,); in place under jit."""
+def write_cache(cache, new, pos, axis: int, after=None):
+    """Write new (B, T, Hkv, D) into a cache at each row's position pos (B,) along `axis` (2: a (B,Hkv,S,D) key
+    cache, 3: a (B,Hkv,D,S) value cache); positions past the end are dropped. In place under jit.
+
+    after: an array computed from the cache's old contents (the attention output). The write takes an exact zero
+    derived from it, so XLA orders the write after those reads; without the dependency XLA:CPU copies the whole
+    cache (twice) every decode step to keep the old contents alive for them.
+    """
     B, T = new.shape[:2]
+    if after is not None:
+        new = new + (0.0 * jnp.nan_to_num(after.ravel()[0])).astype(new.dtype)
     rows = jnp.arange(B)[:, None]
     cols = pos[:, None] + jnp.arange(T)[None, :]  # (B, T)
-    return cache.at[rows, :, cols].set(new.astype(cache.dtype), mode="drop")
+    index = (rows, slice(None), cols) if axis == 2 else (rows, slice(None), slice(None), cols)
+    return cache.at[index].set(new.astype(cache.dtype), mode="drop")
 
 
 class CausalSelfAttention(nnx.Module):
@@ -332,17 +350,22 @@ class CausalSelfAttention(nnx.Module):
         q, k = rms_norm(q) * QK_SCALE, rms_norm(k) * QK_SCALE
         return q, k, v
 
-    def __call__(self, x, ve, cos, sin, window, cache=None, attention_impl="xla"):
+    def __call__(self, x, ve, cos, sin, window, cache=None, attention_impl="xla", fresh=False):
+        """cache: (k_cache, v_cache, pos) to attend over and write into, or None; fresh: the cache is empty (every
+        row at position 0), so the new tokens attend only to each other (a prompt's prefill: causal attention,
+        chunked on a CPU; the fused GPU/TPU kernels are left to training, whose lengths they are tuned for)."""
         B, T, _ = x.shape
         q, k, v = self.qkv(x, ve, cos, sin)
+        new_cache = None
         if cache is None:
             y = sharding.constrain(attention(q, k, v, window, attention_impl), ("batch", None, "heads", None))
-            new_cache = None
+        elif fresh:
+            y = attention(q, k, v, window, "chunked" if attention_impl == "chunked" else "xla")
         else:
-            k_cache, v_cache, pos = cache  # (B, Hkv, S, D), (B, Hkv, S, D), (B,)
-            k_cache, v_cache = write_cache(k_cache, k, pos), write_cache(v_cache, v, pos)
-            y = cached_attention(q, k_cache, v_cache, pos[:, None] + jnp.arange(T)[None, :], window)
-            new_cache = (k_cache, v_cache)
+            y = cached_attention(q, k, v, *cache, window)
+        if cache is not None:
+            k_cache, v_cache, pos = cache
+            new_cache = (write_cache(k_cache, k, pos, 2, after=y), write_cache(v_cache, v, pos, 3, after=y))
         return self.c_proj(y.reshape(B, T, -1)), new_cache
 
 
@@ -362,8 +385,8 @@ class Block(nnx.Module):
         self.attn = CausalSelfAttention(config, layer_idx, init, rngs)
         self.mlp = MLP(config, init, rngs)
 
-    def __call__(self, x, ve, cos, sin, window, cache=None, attention_impl="xla"):
-        y, new_cache = self.attn(rms_norm(x), ve, cos, sin, window, cache, attention_impl)
+    def __call__(self, x, ve, cos, sin, window, cache=None, attention_impl="xla", fresh=False):
+        y, new_cache = self.attn(rms_norm(x), ve, cos, sin, window, cache, attention_impl, fresh)
         x = x + y
         x = x + self.mlp(rms_norm(x))
         return x, new_cache
@@ -498,7 +521,7 @@ class KVCache:
     """Fixed-capacity cache as explicit state: per-layer K/V, each row's position, the smear state."""
 
     k: tuple  # per layer (B, Hkv, S, D): separate buffers, each updated in place while decoding
-    v: tuple  # per layer (B, Hkv, S, D)
+    v: tuple  # per layer (B, Hkv, D, S): positions on the minor axis (see cached_attention)
     pos: jax.Array  # (B,) int32: tokens already in the cache for each row
     prev_embedding: jax.Array  # (B, C): normalised embedding of each row's last token (for smear)
 
@@ -566,7 +589,7 @@ class GPT(nnx.Module):
             return jnp.concatenate([x[:, :1], x[:, 1:] + gate[:, 1:] * before], axis=1)
         return x + gate * before
 
-    def _trunk(self, idx, x, cos, sin, cache=None):
+    def _trunk(self, idx, x, cos, sin, cache=None, fresh=False):
         """Blocks + backout + final norm. Returns (B, T, C) and the updated per-layer K/V (or None)."""
         x0 = x
         backout_layer = self.config.n_layer // 2
@@ -581,7 +604,7 @@ class GPT(nnx.Module):
                 run = _block_runner(self.window_sizes[i], self.attention)
                 x, kv = nnx.remat(run, policy=REMAT_POLICIES[self.remat])(block, x, ve, cos, sin)
             else:
-                x, kv = block(x, ve, cos, sin, self.window_sizes[i], layer_cache, self.attention)
+                x, kv = block(x, ve, cos, sin, self.window_sizes[i], layer_cache, self.attention, fresh)
             if kv is not None:
                 new_k.append(kv[0])
                 new_v.append(kv[1])
@@ -616,21 +639,22 @@ class GPT(nnx.Module):
 
     def init_cache(self, batch_size, max_len, dtype=None) -> KVCache:
         c = self.config
-        shape = (batch_size, c.n_kv_head, max_len, c.head_dim)
         dtype = dtype or self.dtype
+        zeros = lambda *shape: tuple(jnp.zeros(shape, dtype) for _ in range(c.n_layer))
         return KVCache(
-            k=tuple(jnp.zeros(shape, dtype) for _ in range(c.n_layer)),
-            v=tuple(jnp.zeros(shape, dtype) for _ in range(c.n_layer)),
+            k=zeros(batch_size, c.n_kv_head, max_len, c.head_dim),
+            v=zeros(batch_size, c.n_kv_head, c.head_dim, max_len),
             pos=jnp.zeros((batch_size,), jnp.int32),
             prev_embedding=jnp.zeros((batch_size, c.n_embd), dtype),
         )
 
-    def forward_cached(self, idx, cache: KVCache, logits_at=None):
+    def forward_cached(self, idx, cache: KVCache, logits_at=None, fresh=False):
         """Run idx (B, T) at each row's cache position; returns logits (B, T, vocab) fp32 and the new cache.
 
-        Prefill (empty cache) and decode (T=1) are the same function; a row at position 0 has no previous
-        token to smear from. logits_at (B,) int: return only each row's logits at that index of T, (B, vocab),
-        so a prefill does not pay for (T, vocab) logits it throws away.
+        Prefill and decode (T=1) are the same function; a row at position 0 has no previous token to smear from.
+        logits_at (B,) int: return only each row's logits at that index of T, (B, vocab), so a prefill does not
+        pay for (T, vocab) logits it throws away. fresh (static): the cache is empty (a prompt's prefill), so
+        attention need not read it.
         """
         B, T = idx.shape
         positions = cache.pos[:, None] + jnp.arange(T)[None, :]  # (B, T)
@@ -640,7 +664,7 @@ class GPT(nnx.Module):
         prev = jnp.where((cache.pos > 0)[:, None], cache.prev_embedding.astype(x.dtype), 0.0)
         new_prev = x[:, -1]
         x = self._smear(x, prev)
-        x, (ks, vs) = self._trunk(idx, x, cos, sin, cache)
+        x, (ks, vs) = self._trunk(idx, x, cos, sin, cache, fresh)
         new_cache = KVCache(
             k=tuple(ks), v=tuple(vs), pos=cache.pos + T, prev_embedding=new_prev.astype(cache.prev_embedding.dtype)
         )

@@ -48,15 +48,16 @@ class LiteRTExportError(RuntimeError):
 
 
 def _step(graphdef, params, tokens, prev_token, pos, logits_at, k_cache, v_cache):
-    """forward_cached on a batch-1 cache held as stacked (L, Hkv, S, D) arrays; the smear state is recomputed
-    from prev_token as engine.rewind does (so an app carries token ids, not embeddings)."""
+    """forward_cached on a batch-1 cache held as stacked (L, Hkv, S, D) arrays (V too: the model keeps V as
+    (Hkv, D, S) per layer, the exported format keeps one layout for both); the smear state is recomputed from
+    prev_token as engine.rewind does (so an app carries token ids, not embeddings)."""
     model = nnx.merge(graphdef, params)
     L = k_cache.shape[0]
     prev = rms_norm(model.transformer.wte(prev_token, model.dtype))  # (1, C)
-    cache = KVCache(k=tuple(k_cache[i][None] for i in range(L)), v=tuple(v_cache[i][None] for i in range(L)),
+    cache = KVCache(k=tuple(k_cache[i][None] for i in range(L)), v=tuple(v_cache[i][None].swapaxes(2, 3) for i in range(L)),
                     pos=pos, prev_embedding=prev)
     logits, cache = model.forward_cached(tokens, cache, logits_at=logits_at)
-    return logits, jnp.stack([k[0] for k in cache.k]), jnp.stack([v[0] for v in cache.v])
+    return logits, jnp.stack([k[0] for k in cache.k]), jnp.stack([v[0].swapaxes(1, 2) for v in cache.v])
 
 
 def litert_config(model, tokenizer, capacity: int, prefill_len: int, quantize: str, extra: dict | None = None) -> dict:

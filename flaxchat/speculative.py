@@ -63,7 +63,7 @@ def _start(graphs, params, prompt, length, key, *, capacity, rule):
 
     def prefill(m):
         cache = m.init_cache(1, capacity)
-        logits, cache = m.forward_cached(prompt[None], cache, logits_at=jnp.reshape(length - 1, (1,)))
+        logits, cache = m.forward_cached(prompt[None], cache, logits_at=jnp.reshape(length - 1, (1,)), fresh=True)
         return logits[0], dataclasses.replace(cache, pos=jnp.reshape(length, (1,)).astype(jnp.int32))
 
     logits, tcache = prefill(target)

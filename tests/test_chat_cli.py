@@ -49,10 +49,10 @@ class ScriptedModel(nnx.Module):
         self.dtype = jnp.float32  # the compute dtype the engine casts parameters to
 
     def init_cache(self, batch_size, max_len):
-        z = (jnp.zeros((batch_size, 1, max_len, 1)),)  # one layer, (B, Hkv, S, D)
-        return KVCache(k=z, v=z, pos=jnp.zeros((batch_size,), jnp.int32), prev_embedding=jnp.zeros((batch_size, 2)))
+        k, v = (jnp.zeros((batch_size, 1, max_len, 1)),), (jnp.zeros((batch_size, 1, 1, max_len)),)  # one layer
+        return KVCache(k=k, v=v, pos=jnp.zeros((batch_size,), jnp.int32), prev_embedding=jnp.zeros((batch_size, 2)))
 
-    def forward_cached(self, idx, cache, logits_at=None):
+    def forward_cached(self, idx, cache, logits_at=None, fresh=False):
         positions = cache.pos[:, None] + jnp.arange(idx.shape[1])[None, :]
         if logits_at is not None:
             positions = jnp.take_along_axis(positions, logits_at[:, None], axis=1)[:, 0]

@@ -125,7 +125,8 @@ def test_gqa_equals_mha_with_repeated_kv_heads():
 
 
 def test_cached_decode_equals_full_forward():
-    """At every step, logits from the KV cache (prefill, then one token at a time) equal a full forward."""
+    """At every step, logits from the KV cache (a fresh prefill, a 5-token chunk over a filled cache, then one
+    token at a time) equal a full forward."""
     config = GPTConfig(sequence_len=48, vocab_size=100, n_layer=3, n_head=2, n_kv_head=1, n_embd=64, window_pattern="SL")
     config = GPTConfig(**{**config.to_dict(), "sequence_len": 48})
     model = make(config)
@@ -134,10 +135,12 @@ def test_cached_decode_equals_full_forward():
     idx = jax.random.randint(jax.random.key(5), (2, 40), 0, 100)
     full = model(idx)
     cache = model.init_cache(2, 48)
-    logits, cache = model.forward_cached(idx[:, :10], cache)
+    logits, cache = model.forward_cached(idx[:, :10], cache, fresh=True)
     np.testing.assert_allclose(np.asarray(logits), np.asarray(full[:, :10]), atol=1e-5)
+    logits, cache = model.forward_cached(idx[:, 10:15], cache)  # sees the cache and itself, causally
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(full[:, 10:15]), atol=1e-5)
     step = nnx.jit(lambda m, tok, c: m.forward_cached(tok, c))
-    for t in range(10, 40):
+    for t in range(15, 40):
         logits, cache = step(model, idx[:, t : t + 1], cache)
         np.testing.assert_allclose(np.asarray(logits[:, 0]), np.asarray(full[:, t]), atol=1e-5)
     assert np.all(np.asarray(cache.pos) == 40)
@@ -148,13 +151,17 @@ def test_cached_logits_at_selects_each_rows_position():
     config = GPTConfig(sequence_len=32, vocab_size=100, n_layer=2, n_head=2, n_kv_head=1, n_embd=64, window_pattern="L")
     model = make(config)
     idx = jax.random.randint(jax.random.key(7), (3, 12), 0, 100)
-    full, cache_full = model.forward_cached(idx, model.init_cache(3, 32))
+    full, cache_full = model.forward_cached(idx, model.init_cache(3, 24))
     at = jnp.array([11, 4, 0], jnp.int32)
-    picked, cache = model.forward_cached(idx, model.init_cache(3, 32), logits_at=at)
+    picked, cache = model.forward_cached(idx, model.init_cache(3, 24), logits_at=at)
     np.testing.assert_allclose(np.asarray(picked), np.asarray(full[jnp.arange(3), at]), atol=1e-6)
     for a, b in zip(cache.k + cache.v, cache_full.k + cache_full.v):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    assert cache.k[0].shape == (3, 1, 32, 32)  # per layer (B, Hkv, S, D)
+    assert cache.k[0].shape == (3, 1, 24, 32) and cache.v[0].shape == (3, 1, 32, 24)  # (B, Hkv, S, D), (B, Hkv, D, S)
+    fresh, cache_fresh = model.forward_cached(idx, model.init_cache(3, 24), logits_at=at, fresh=True)
+    np.testing.assert_allclose(np.asarray(fresh), np.asarray(picked), atol=1e-5)
+    for a, b in zip(cache_fresh.k + cache_fresh.v, cache.k + cache.v):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_estimate_flops_and_param_counts():
