@@ -357,3 +357,27 @@ def test_sampling_on_a_mesh_equals_one_device(model):
     for top_k in (None, 5, 50):
         want = E.generate(model, PROMPTS, 6, temperature=1.0, top_k=top_k, seed=1)
         assert E.generate(sharded, PROMPTS, 6, temperature=1.0, top_k=top_k, seed=1) == want
+
+
+def test_decode_loop_updates_the_cache_in_place(model):
+    """Inside the compiled decode loop each step writes its keys/values into the carried cache in place: no copy
+    or transpose of a whole cache layer per step (which once cost more than a small model's matmuls)."""
+    import re
+
+    progs, params = E.programs(model)
+    for rows in (1, 3):
+        padded, lengths = E.pad_prompts([[1, 2, 3]] * rows, 64, 8)
+        slots = progs.start(params, padded, lengths, copies=1, rows=rows, capacity=64)
+        hlo = progs.decode.lower(params, slots, E.controls(rows, remaining=8), np.int32(8), rows=rows, span=64,
+                                 chunk=8, stop_tokens=(), tool_end=-1, tiers=()).compile().as_text()
+        loop = next(line for line in hlo.splitlines() if " while(" in line and 'op_name="jit(_decode)/while"' in line)
+        name = re.search(r"body=(%[\w.-]+)", loop).group(1)
+        body = hlo[hlo.index(f"\n{name} ") + 1:]
+        body = body[: body.index("\n}")]
+        layer = rows * 1 * 64 * 32  # (rows, Hkv, S, D) elements
+        whole = []
+        for line in body.splitlines()[1:]:
+            m = re.match(r"\s*(?:ROOT )?(%\S+) = f32\[([\d,]+)\]\S* (\S+?)\(", line)
+            if m and np.prod([int(d) for d in m.group(2).split(",")]) == layer and m.group(3) not in ("bitcast", "get-tuple-element"):
+                whole.append((m.group(1), m.group(3)))
+        assert whole and all("update-slice" in n or "scatter" in n for n, _ in whole), whole  # the writes, only
