@@ -237,13 +237,13 @@ def main(argv=None):
             val_loader.close()
 
     def sample():
-        from flaxchat.engine import Engine
+        from flaxchat.engine import generate
 
-        engine = Engine(model, tokenizer)
-        for prompt in SAMPLE_PROMPTS:
-            tokens = tokenizer.encode(prompt, prepend="<|bos|>")
-            out, _ = engine.generate_batch(tokens, num_samples=1, max_tokens=16, temperature=0)
-            print0(tokenizer.decode(out[0]))
+        prompts = [tokenizer.encode(prompt, prepend="<|bos|>") for prompt in SAMPLE_PROMPTS]
+        stops = (tokenizer.encode_special("<|assistant_end|>"), tokenizer.get_bos_token_id())
+        # greedy, every prompt a row of one jitted loop; a row ends at a stop token, which is not printed
+        for prompt, new in zip(prompts, generate(model, prompts, 16, temperature=0.0, stop_tokens=stops)):
+            print0(tokenizer.decode(prompt + [t for t in new if t not in stops]))
 
     def save(step):
         meta = {"val_bpb": loop["val_bpb"], "user_config": user_config, "total_batch_size": plan.total_batch_size,
