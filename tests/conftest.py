@@ -16,6 +16,16 @@ _xla_flags = re.sub(r"--xla_force_host_platform_device_count=\S*", "", os.enviro
 os.environ["XLA_FLAGS"] = " ".join([*_xla_flags, f"--xla_force_host_platform_device_count={N_DEVICES}"])
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("FLAXCHAT_DTYPE", "float32")
+# One persistent XLA compilation cache for the whole run, shared by the xdist workers (they inherit this
+# environment) and by the scripts tests launch: many tests compile the same tiny programs, and compiling is most
+# of what they spend. Removed when the run that made it ends.
+if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+    import atexit
+    import shutil
+    import tempfile
+
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="flaxchat-test-xla-cache-")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 import pytest  # noqa: E402
 

@@ -164,8 +164,10 @@ def test_long_conversations_drop_the_oldest_turns(tok):
 
 @pytest.fixture
 def compile_cache_restored():
-    """chat_cli.main turns on JAX's persistent compile cache, which is process-wide: put it back afterwards."""
+    """chat_cli.main turns on JAX's persistent compile cache, which is process-wide: start without one (as a
+    user's process does; the test run shares one, see conftest.py) and put it back afterwards."""
     before = jax.config.jax_compilation_cache_dir
+    jax.config.update("jax_compilation_cache_dir", None)
     yield
     jax.config.update("jax_compilation_cache_dir", before)
 

@@ -89,7 +89,8 @@ def test_two_processes_data_parallel_read_disjoint_data(tiny_base_dir):
     """Mesh data=8: each process reads its own half of the documents and builds only its rows; training
     runs to the end and the saved checkpoint holds both processes' loader states. Then one process resumes
     the run and carries the data position over."""
-    run_two_processes(tiny_base_dir, PRETRAIN + ARGS + ["--data", "8", "--device-batch-size", "1", "--model-tag", "dp"])
+    dp = ["--data", "8", "--device-batch-size", "1", "--model-tag", "dp", "--eval-every", "-1"]  # data, not evals
+    run_two_processes(tiny_base_dir, PRETRAIN + ARGS + dp)
     r = rows(tiny_base_dir, "dp")
     losses = [x["loss"] for x in r if "loss" in x]
     assert len(losses) == 4 and losses[-1] < losses[0]
@@ -105,7 +106,7 @@ def test_two_processes_data_parallel_read_disjoint_data(tiny_base_dir):
     # one process resumes the two-process run: the documents the two readers still owed come first
     from scripts.pretrain import main
 
-    main(ARGS + ["--data", "8", "--device-batch-size", "1", "--model-tag", "dp", "--resume", "--num-iterations", "6"])
+    main(ARGS + dp + ["--resume", "--num-iterations", "6"])
     ckpt = Checkpointer(str(tiny_base_dir / "base_checkpoints" / "dp"), async_save=False)
     (state,) = ckpt.read_data_states(6)
     ckpt.close()
