@@ -121,6 +121,25 @@ def cast_for_compute(model) -> None:
     nnx.update(model, in_compute_dtype(nnx.state(model, nnx.Param), model.dtype))
 
 
+def narrow_weights(params, dtype) -> bool:
+    """Whether any weight matrix is stored narrower than the compute dtype (--quantize int8/bf16).
+
+    A loop over such weights carries them behind `loop_weights`: XLA would otherwise hoist their conversion out of
+    the loop and every step would read float copies; kept in the step, the conversion fuses into the
+    matrix-vector products, which then read the narrow bytes."""
+    itemsize = jnp.dtype(dtype).itemsize
+    return any(x.dtype.itemsize < itemsize for x in jax.tree.leaves(params) if x.ndim == 2)
+
+
+def loop_weights(graphdef, weights):
+    """Inside a loop body: (the model rebuilt from weights carried through the loop, the weights to carry on), both
+    from behind an optimisation barrier, so XLA cannot treat them as loop-invariant."""
+    weights = jax.lax.optimization_barrier(weights)
+    model = nnx.merge(graphdef, weights)
+    cast_for_compute(model)
+    return model, weights
+
+
 def rewind(model, cache: KVCache, pos, last_token) -> KVCache:
     """Move each row back to position `pos` (B,) whose last cached token is `last_token` (B,).
 
@@ -491,12 +510,7 @@ def _decode(graphdef, params, slots: Slots, ctl: Controls, limit, *, rows, span,
     """
     model = nnx.merge(graphdef, params)
     cast_for_compute(model)
-    # Weights stored narrower than the compute dtype (--quantize int8/bf16): XLA would hoist their conversion out
-    # of the loop and every step would read float copies. Passed through the loop behind a barrier, the
-    # conversion stays in each step and fuses into the matrix-vector products, which then read the narrow bytes.
-    itemsize = jnp.dtype(model.dtype).itemsize
-    narrow = replicated is None and any(x.dtype.itemsize < itemsize for x in jax.tree.leaves(params) if x.ndim == 2)
-    weights = params if narrow else None
+    weights = params if replicated is None and narrow_weights(params, model.dtype) else None  # see narrow_weights
     forced = jnp.where(ctl.push[:, None], ctl.push_queue, slots.forced)
     forced_len = jnp.where(ctl.push, ctl.push_len, slots.forced_len)
     forced_pos = jnp.where(ctl.push, 0, slots.forced_pos)
@@ -516,9 +530,7 @@ def _decode(graphdef, params, slots: Slots, ctl: Controls, limit, *, rows, span,
         cache, logits, f_pos, out, was_forced, step, live, _, weights = c
         m = model
         if weights is not None:
-            weights = jax.lax.optimization_barrier(weights)
-            m = nnx.merge(graphdef, weights)
-            cast_for_compute(m)
+            m, weights = loop_weights(graphdef, weights)
         keys = jax.vmap(jax.random.fold_in)(streams, offsets + step)
         sampled = sample_rows(logits, keys, temperature, top_k, top_p, tiers, barrier=replicated is None)
         is_forced = f_pos < f_len
@@ -715,9 +727,7 @@ class Engine:
                 if ended or emitted >= max_tokens:
                     return
             if push:  # the last token was the tool's end: its output goes into both caches, then on
-                forced = np.zeros(FORCED_CAPACITY, np.int32)
-                forced[: len(push)] = push
-                spec = progs.force(params, spec, forced, np.int32(len(push)))
+                spec = progs.push(params, spec, push)
                 queue = [(t, 0) for t in push]
                 continue
             spec, out, n = progs.run(params, spec, np.int32(min(chunk, max_tokens - emitted)), k=self.draft_steps,

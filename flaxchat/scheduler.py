@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from flaxchat.engine import (FORCED_CAPACITY, MAX_TOP_K, TOP_K_TIERS, Reply, attention_span, bucket_length, controls,
+from flaxchat.engine import (MAX_TOP_K, TOP_K_TIERS, Reply, attention_span, bucket_length, controls,
                              empty_slots, in_compute_dtype, programs_for)
 from flaxchat.execution import use_calculator
 
@@ -475,9 +475,7 @@ class SpeculativeScheduler(Scheduler):
             tokens, self._first = self._first, []
         elif 0 in self._pushes:  # the tool's output goes into both caches; the reply gets it as forced tokens
             tokens = self._pushes.pop(0)
-            forced = np.zeros(FORCED_CAPACITY, np.int32)
-            forced[: len(tokens)] = tokens
-            self._spec = self._spec_programs.force(self._spec_params, self._spec, forced, np.int32(len(tokens)))
+            self._spec = self._spec_programs.push(self._spec_params, self._spec, tokens)
         else:
             limit = min(limit, req.max_tokens - req.completion_tokens)
             self._spec, out, n = self._spec_programs.run(

@@ -28,8 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from flaxchat.engine import (_check_sampling, _until_stop, cast_for_compute, decode_chunk, inverse_cdf, pad_prompts,
-                             rewind, rule_probs)
+from flaxchat.engine import (FORCED_CAPACITY, _check_sampling, _until_stop, cast_for_compute, decode_chunk, inverse_cdf,
+                             loop_weights, narrow_weights, pad_prompts, rewind, rule_probs)
 from flaxchat.gpt import KVCache
 
 
@@ -82,17 +82,23 @@ def _run(graphs, params, spec: Speculation, limit, *, k, rule, stops, tool_end, 
     ends = jnp.asarray(tuple(stops) + (tool_end,), jnp.int32)
     capacity = spec.target.k[0].shape[2]
 
+    weights = params if narrow_weights(params, target.dtype) else None  # int8/bf16 weights: see narrow_weights
+
     def cond(c):
-        s, _, n, stopped = c
+        s, _, n, stopped, _ = c
         return (n < limit) & ~stopped & (s.target.pos[0] + k + 1 <= capacity)
 
     def body(c):
-        s, out, n, _ = c
+        s, out, n, _, weights = c
+        t, d = target, draft
+        if weights is not None:
+            (t, wt), (d, wd) = (loop_weights(g, w) for g, w in zip(graphs, weights))
+            weights = (wt, wd)
         key, k_draft, k_accept, k_fix = jax.random.split(s.key, 4)
 
         def draft_step(carry, j):
             cache, token = carry
-            logits, cache = draft.forward_cached(token[None, None], cache)
+            logits, cache = d.forward_cached(token[None, None], cache)
             q = probs(logits[0, 0])
             x = _draw(jax.random.fold_in(k_draft, j), q)
             return (cache, x), (x, q)
@@ -100,7 +106,7 @@ def _run(graphs, params, spec: Speculation, limit, *, k, rule, stops, tool_end, 
         (dcache, _), (xs, qs) = jax.lax.scan(draft_step, (s.draft, s.last), jnp.arange(k + 1))
         xs, qs = xs[:k], qs[:k]  # the (k+1)-th forward only put xk in the draft cache
         fed = jnp.concatenate([s.last[None], xs])  # (k+1,)
-        logits, tcache = target.forward_cached(fed[None], s.target)
+        logits, tcache = t.forward_cached(fed[None], s.target)
         ps = probs(logits[0])  # (k+1, V): ps[i] is the model's distribution after fed[i]
         px, qx = ps[jnp.arange(k), xs], qs[jnp.arange(k), xs]
         keep = jax.random.uniform(k_accept, (k,)) * qx < px  # u < p/q without dividing by q
@@ -116,12 +122,12 @@ def _run(graphs, params, spec: Speculation, limit, *, k, rule, stops, tool_end, 
         out = jax.lax.dynamic_update_slice(out, new, (n,))
         # both caches keep [.., last, new[:cut]]; new[cut] becomes `last` (fed[cut] is the last cached token)
         pos = s.target.pos + 1 + cut
-        s = Speculation(target=rewind(target, tcache, pos, fed[cut][None]), draft=rewind(draft, dcache, pos, fed[cut][None]),
+        s = Speculation(target=rewind(t, tcache, pos, fed[cut][None]), draft=rewind(d, dcache, pos, fed[cut][None]),
                         last=new[cut], key=key, rounds=s.rounds + 1, accepted=s.accepted + jnp.minimum(n_ok, cut))
-        return s, out, n + cut + 1, jnp.any(hit)
+        return s, out, n + cut + 1, jnp.any(hit), weights
 
     out = jnp.zeros((chunk + k + 1,), jnp.int32)
-    spec, out, n, _ = jax.lax.while_loop(cond, body, (spec, out, jnp.int32(0), jnp.bool_(False)))
+    spec, out, n, _, _ = jax.lax.while_loop(cond, body, (spec, out, jnp.int32(0), jnp.bool_(False), weights))
     return spec, out, n
 
 
@@ -146,6 +152,13 @@ class SpeculativePrograms:
         self.run = jax.jit(functools.partial(_run, graphs), donate_argnames=("spec",),
                            static_argnames=("k", "rule", "stops", "tool_end", "chunk"))
         self.force = jax.jit(functools.partial(_force, graphs), donate_argnames=("spec",))
+
+    def push(self, params, spec: Speculation, tokens) -> Speculation:
+        """spec with `tokens` (a tool's output, host ints) forced in after its last token, through the one
+        compiled `force` (the tokens padded to FORCED_CAPACITY)."""
+        queue = np.zeros(FORCED_CAPACITY, np.int32)
+        queue[: len(tokens)] = tokens
+        return self.force(params, spec, queue, np.int32(len(tokens)))
 
 
 _PROGRAMS: list[SpeculativePrograms] = []

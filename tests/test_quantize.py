@@ -125,6 +125,17 @@ def test_bad_mode_is_a_clear_error():
     assert MODES == ("none", "bf16", "int8")
 
 
+def float_copies_of_int8_matrices(hlo: str, params) -> list[str]:
+    """Instructions of a compiled program's entry computation (outside its loops) that make a float array the shape
+    of one of params' int8 matrices."""
+    entry = hlo[hlo.index("\nENTRY"):]
+    entry = entry[: entry.index("\n}")]
+    shapes = {f"f32[{a},{b}]" for a, b in (x.shape for x in jax.tree.leaves(params) if x.dtype == jnp.int8)}
+    assert shapes
+    computed = [line.split("=", 1)[1] for line in entry.splitlines() if " = " in line and "parameter(" not in line]
+    return [line for line in computed if any(line.strip().startswith(s) for s in shapes)]
+
+
 def test_int8_decode_loop_reads_int8_weights():
     """The decode loop converts the int8 weights inside each step (fused into its matrix-vector products): no
     float copy of a weight matrix is made outside the loop, and greedy decoding equals the uncached forward."""
@@ -134,12 +145,26 @@ def test_int8_decode_loop_reads_int8_weights():
     slots = progs.start(params, padded, lengths, copies=1, rows=1, capacity=64)
     hlo = progs.decode.lower(params, slots, E.controls(1, remaining=8), np.int32(8), rows=1, span=64, chunk=8,
                              stop_tokens=(), tool_end=-1, tiers=()).compile().as_text()
-    entry = hlo[hlo.index("\nENTRY"):]
-    entry = entry[: entry.index("\n}")]
-    shapes = {f"f32[{a},{b}]" for a, b in (x.shape for x in jax.tree.leaves(params) if x.dtype == jnp.int8)}
-    computed = [line.split("=", 1)[1] for line in entry.splitlines() if " = " in line and "parameter(" not in line]
-    assert shapes and not [line for line in computed if any(line.strip().startswith(s) for s in shapes)]
+    assert not float_copies_of_int8_matrices(hlo, params)
+    forward = nnx.jit(lambda m, idx: m(idx))  # one program: the sequence right-padded to 16 (causal, so harmless)
     seq = [1, 2, 3, 4]
     for _ in range(6):
-        seq.append(int(jnp.argmax(model(jnp.asarray([seq]))[0, -1])))
+        seq.append(int(jnp.argmax(forward(model, jnp.asarray([seq + [0] * (16 - len(seq))]))[0, len(seq) - 1])))
     assert E.generate(model, [[1, 2, 3, 4]], 6, temperature=0.0)[0] == seq[4:]
+
+
+def test_int8_speculative_loop_reads_int8_weights():
+    """Speculative sampling with an int8 model and an int8 draft: the rounds convert the weights inside the loop
+    too, and greedy speculative decoding equals the int8 model's own greedy tokens."""
+    from flaxchat import speculative as S
+
+    model = quantize_for_generation(make_model(), "int8")
+    draft = quantize_for_generation(make_model(GPTConfig(**{**CONFIG.to_dict(), "n_layer": 1}), seed=3), "int8")
+    progs, params = S.programs(model, draft)
+    padded, lengths = E.pad_prompts([[1, 2, 3, 4]], 64, 8)
+    greedy = (0.0, None, None)
+    spec, _ = progs.start(params, padded[0], lengths[0], jax.random.key(0), capacity=64, rule=greedy)
+    hlo = progs.run.lower(params, spec, np.int32(8), k=2, rule=greedy, stops=(), tool_end=-1, chunk=8).compile().as_text()
+    assert not float_copies_of_int8_matrices(hlo, params)
+    plain = E.generate(model, [[1, 2, 3, 4]], 10, temperature=0.0)[0]
+    assert S.generate_speculative(model, draft, [1, 2, 3, 4], 10, draft_steps=2, temperature=0.0) == plain
