@@ -330,6 +330,7 @@ def test_remat_keeps_loss_and_gradients(remat):
         GPT(TINY, rngs=nnx.Rngs(0), remat="some")
 
 
+@pytest.mark.slow
 def test_bfloat16_model_stores_embeddings_in_bfloat16_and_trains():
     """As nanochat: wte and value embeddings in the compute dtype, AdamW math in fp32 with bf16 moments."""
     from flaxchat.optim import build_optimizer

@@ -190,6 +190,7 @@ def test_gpu_check_stops_when_jax_is_not_on_a_gpu(tmp_path):
     assert not list((tmp_path / "out").glob("train_*"))
 
 
+@pytest.mark.slow
 def test_gpu_check_cpu_smoke(tmp_path):
     """The whole GPU check with tiny models on the CPU: every section present, with sane numbers."""
     out = tmp_path / "out"

@@ -7,7 +7,6 @@ epoch keep the two processes in step (a process that skipped or added a program 
 
 import json
 import os
-import re
 import socket
 import subprocess
 import sys
@@ -48,33 +47,21 @@ def run_two_processes(base, argv, timeout=420):
     return outs
 
 
-def samples(out: str) -> list[str]:
-    """The greedy samples pretrain printed (each starts with <|bos|>; a progress bar may share its line)."""
-    return re.findall(r"<\|bos\|>[^\n]*", out)
-
-
 def rows(base, tag):
     with open(os.path.join(base, "base_checkpoints", tag, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
 
 
 @pytest.mark.slow
-def test_two_processes_match_one_process(tiny_base_dir, capsys):
+def test_two_processes_match_one_process(tiny_base_dir):
     """Mesh tensor=8 spans both processes (every process holds every batch row), so both runs see the same
-    data: losses and val bpb must match the single-process run on the same 8-device mesh.
+    data: losses and val bpb must match the single-process run on the same 8-device mesh. (Generation on
+    parameters split over both hosts runs in the two-process SFT test's reply check.)"""
+    from scripts.pretrain import main
 
-    Sampling is on: both processes run the Engine on the parameters split over both hosts' devices, and only
-    process 0 prints the samples."""
-    from scripts.pretrain import SAMPLE_PROMPTS, main
-
-    extra = ["--data", "1", "--tensor", "8", "--sample-every", "4"]  # one sampling round (at the last step)
-    out0, out1 = run_two_processes(tiny_base_dir, PRETRAIN + ARGS + extra + ["--model-tag", "two"])
-    capsys.readouterr()
+    extra = ["--data", "1", "--tensor", "8"]
+    run_two_processes(tiny_base_dir, PRETRAIN + ARGS + extra + ["--model-tag", "two"])
     main(ARGS + extra + ["--model-tag", "one"])
-    printed = samples(capsys.readouterr().out)
-    assert len(printed) == len(SAMPLE_PROMPTS)  # at step 4
-    assert all(line.startswith("<|bos|>" + prompt) for line, prompt in zip(printed, SAMPLE_PROMPTS))
-    assert samples(out0) == printed and samples(out1) == []
     two, one = rows(tiny_base_dir, "two"), rows(tiny_base_dir, "one")
     assert [r["step"] for r in two] == [r["step"] for r in one]
     for a, b in zip(two, one):

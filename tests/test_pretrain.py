@@ -40,6 +40,7 @@ def test_pretrain_smoke_loss_goes_down(tiny_base_dir):
     assert (out / "training.png").exists() and (out / "10").is_dir()
 
 
+@pytest.mark.slow
 def test_resume_after_hard_kill_is_bit_identical(tiny_base_dir):
     """N straight steps == N/2 steps, SIGKILL, resume, N/2 steps: identical losses and parameters."""
     from flaxchat.checkpoint import load_model
@@ -79,6 +80,7 @@ def _documents(base, tag, step):
     return sum(s["documents"] + s["pipeline"]["next_doc"] - len(s["pipeline"]["buffer"]) for s in states)
 
 
+@pytest.mark.slow
 def test_resume_on_other_device_counts_continues(tiny_base_dir):
     """8 devices to step 2, 4 devices (killed after step 4's checkpoint), 8 devices to step 6: the losses follow
     the uninterrupted 8-device run (accumulation and reduction order differ) and the same documents are seen."""
@@ -133,6 +135,7 @@ def test_resume_without_checkpoint_says_so(tiny_base_dir):
         main(TINY + ["--num-iterations", "2", "--resume", "--model-tag", "nothing"])
 
 
+@pytest.mark.slow
 def test_profile_steps_writes_a_trace(tiny_base_dir):
     from scripts.pretrain import main
 

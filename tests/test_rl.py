@@ -110,6 +110,7 @@ def save_tiny_sft(base_dir, tag="d2"):
     ckpt.close()
 
 
+@pytest.mark.slow
 def test_tiny_rl_run_writes_metrics_and_checkpoints(tiny_base_dir):
     from flaxchat.checkpoint import load_model
     from scripts.rl import main

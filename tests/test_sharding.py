@@ -141,6 +141,7 @@ def _nullcontext():
     return contextlib.nullcontext()
 
 
+@pytest.mark.slow
 def test_ten_steps_match_one_device_for_dp_fsdp_and_dp_x_tp():
     config = GPTConfig(sequence_len=32, vocab_size=300, n_layer=2, n_head=4, n_kv_head=2, n_embd=64)
     batches = _batches(10, 2, 16, 32, 300)
