@@ -79,6 +79,7 @@ if [ "$MODE" = gpu ]; then
     TRAIN=("12 32 16 8" "20 32 16 8")                       # depth, then device batch sizes to try (nanochat: 32)
     BENCH_STEPS=(--steps 10 --warmup 2)
     GEN_DEPTH=20 GEN_T=2048 GEN_BATCHES=(1 32) GEN_LEN=(--prompt-len 16 --max-new-tokens 256)
+    GPU_TESTS=()  # every test marked gpu, wherever it lives
     SERVE=(--depth 20 --seq-len 2048 --slots 32 --load-test 1,32 --load-tokens 256 --load-repeats 3)
 else
     export JAX_PLATFORMS=cpu
@@ -89,6 +90,7 @@ else
     TRAIN=("1 2" "2 2")
     BENCH_STEPS=(--steps 2 --warmup 1)
     GEN_DEPTH=2 GEN_T=128 GEN_BATCHES=(1 4) GEN_LEN=(--prompt-len 8 --max-new-tokens 16)
+    GPU_TESTS=(tests/test_gpu.py)  # collecting only the file that holds them: the smoke is about the sequence
     SERVE=(--depth 2 --seq-len 128 --slots 4 --load-test 1,4 --load-tokens 16 --load-repeats 1)
 fi
 echo "gpu_check ($MODE): output in $OUT"
@@ -146,7 +148,7 @@ print(f"   {e['backend']}: {e['device_count']} x {e['device_kind']}, jax {e['jax
 EOF
 
 # --- 3. GPU tests (on the CPU they are collected and skipped, each saying why) ----------------------------------
-step tests python -m pytest -m gpu -p no:cacheprovider -rs --junitxml="$OUT/tests.xml" || true
+step tests python -m pytest ${GPU_TESTS[@]+"${GPU_TESTS[@]}"} -m gpu -p no:cacheprovider -rs --junitxml="$OUT/tests.xml" || true
 
 # --- 4. training throughput: tok/s, MFU vs the datasheet bf16 peak, compile time, peak memory --------------------
 for spec in "${TRAIN[@]}"; do

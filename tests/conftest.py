@@ -141,14 +141,6 @@ def tiny_base_dir(tiny_corpus, tmp_path, monkeypatch):
     return base
 
 
-@pytest.hookimpl(trylast=True)  # after pytest-randomly has shuffled them
-def pytest_collection_modifyitems(items):
-    """The tests marked slow first, each group in its shuffled order. With `--maxschedchunk 1` (pyproject.toml)
-    xdist hands tests out a couple at a time, so the slow ones spread over the workers at the start and short
-    ones fill in behind: no long test left to run alone on one worker at the end while the other idles."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
-
-
 def pytest_terminal_summary(terminalreporter, config):
     """The test order's seed at the end of the run, even under -q (which hides pytest-randomly's header)."""
     if config.pluginmanager.hasplugin("randomly") and not hasattr(config, "workerinput"):
