@@ -109,10 +109,15 @@ def rotary_table(T: int, head_dim: int, dtype):
 
 
 def apply_rotary(x, cos, sin):
-    """x (B, T, H, D); cos/sin (B or 1, T, 1, D/2). Rotates by -theta (nanochat's convention)."""
-    d = x.shape[-1] // 2
-    x1, x2 = x[..., :d], x[..., d:]
-    return jnp.concatenate([x1 * cos + x2 * sin, x2 * cos - x1 * sin], axis=-1)
+    """x (B, T, H, D); cos/sin (B or 1, T, 1, D/2). Rotates by -theta (nanochat's convention):
+    (x1, x2) -> (x1 cos + x2 sin, x2 cos - x1 sin) for the two halves of each head.
+
+    Written on the halves as one elementwise expression (x * [cos, cos] + swapped halves * [sin, -sin]) rather
+    than a concatenation of two: XLA fuses it into a single loop, where the concatenation is an op of its own
+    after two others (on a CPU decode step, six ops per layer become two)."""
+    halves = x.reshape(*x.shape[:-1], 2, x.shape[-1] // 2)
+    signed_sin = jnp.stack([sin, -sin], axis=-2)
+    return (halves * cos[..., None, :] + halves[..., ::-1, :] * signed_sin).reshape(x.shape)
 
 
 class Linear(nnx.Module):
