@@ -190,6 +190,14 @@ def _is_variable(x) -> bool:
     return isinstance(x, nnx.Variable)
 
 
+def _buffer_axes(axes, shape) -> tuple:
+    """Logical axes of a matrix's NorMuon buffer: the matrix's own minus the one the buffer collapses to size 1
+    (none at all for a matrix small enough to be orthogonalised whole on every device)."""
+    axes = [None] * len(axes) if math.prod(shape) < SHARE_OUT_MIN_SIZE else list(axes)
+    axes[normuon_reduction_axis(shape)] = None
+    return tuple(axes)
+
+
 def orthogonalized_update(g, param, second_momentum_buffer, *, learning_rate, weight_decay, beta2, ns_steps,
                           polar_dtype):
     """Muon's steps after the momentum, for g of shape (..., rows, cols); returns (update, new NorMuon buffer).
@@ -237,9 +245,14 @@ def muon(
                 raise ValueError(f"Muon needs matrices, got a parameter of shape {p.shape}")
             return jnp.zeros_like(p)
 
-        def factored(p):  # from the bare array: the buffer must not inherit the matrix's sharding
-            p = _value(p)  # annotation, which names an axis that the buffer has collapsed to size 1
-            return jnp.zeros(normuon_state_shape(p.shape), p.dtype)
+        def factored(p):  # laid out as update() leaves it (a different start would recompile the step after one)
+            value = _value(p)
+            buffer = jnp.zeros(normuon_state_shape(value.shape), value.dtype)
+            axes = getattr(p, "out_sharding", None) if _is_variable(p) else None
+            if axes is None:
+                return buffer
+            axes = _buffer_axes(axes, value.shape)
+            return p.replace(value=sharding.constrain(buffer, axes), out_sharding=axes)
 
         # the momentum keeps each parameter's sharding annotation (tree.map rewraps nnx Variables)
         return MuonState(jax.tree.map(zeros, params), jax.tree.map(factored, params, is_leaf=_is_variable))

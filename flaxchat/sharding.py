@@ -228,6 +228,19 @@ def state_shardings(state, mesh):
     return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
 
 
+def pin_state(tree):
+    """Inside jitted code on a mesh: constrain every Variable of an nnx object to the layout its annotation gives,
+    the layout it was created with. A step that returned XLA's own choice for some (an optimizer buffer split
+    the way its gradient happened to be) would be compiled a second time when fed its own output."""
+    mesh = context_mesh()
+    if mesh is None:
+        return
+    state = nnx.state(tree)
+    with rules():
+        specs = nnx.get_partition_spec(state)
+    nnx.update(tree, jax.tree.map(jax.lax.with_sharding_constraint, state, specs))
+
+
 def shard_model(model, mesh):
     """Place an existing model's state onto the mesh (in place)."""
     state = nnx.state(model)

@@ -60,6 +60,7 @@ def train_step(model, optimizer, xs, ys):
     """
     loss, grads = _accumulate_grads(model, jnp.stack(xs), jnp.stack(ys), optimizer.wrt)
     optimizer.update(model, grads)
+    sharding.pin_state(optimizer)
     return loss
 
 

@@ -190,3 +190,18 @@ def test_bfloat16_data_parallel_step_accumulates_and_reduces_in_float32():
     stats = program_stats(compile_train_step(CONFIG, mesh, 16, 2, jnp.bfloat16).as_text())
     grads = gradient_reductions(stats)
     assert len(grads) == 1 and grads[0][2] == 1 and "bf16" not in grads[0][1]
+
+
+def test_train_step_compiles_once_on_a_mixed_mesh(caplog):
+    """The step hands back the model and optimizer laid out as they came in, so later steps run the first
+    step's program (NorMuon's buffers used to come back split the way XLA chose: a second compilation)."""
+    config = GPTConfig(sequence_len=32, vocab_size=300, n_layer=2, n_head=4, n_kv_head=2, n_embd=64)
+    mesh = sharding.make_mesh(2, 2, 2)
+    model = sharding.create_sharded(lambda: GPT(config, rngs=nnx.Rngs(0), dtype=jnp.float32), mesh)
+    put = lambda a: jax.device_put(a, sharding.batch_sharding(mesh))
+    with jax.set_mesh(mesh):
+        optimizer = build_optimizer(model, schedule=Schedule(3, warmup_steps=1), verbose=False)
+        for step, ((x, y),) in enumerate(_batches(3, 1, 8, 32, 300)):
+            with jax.log_compiles(step > 0), caplog.at_level("WARNING", logger="jax._src.interpreters.pxla"):
+                assert np.isfinite(float(train_step(model, optimizer, (put(x),), (put(y),))))
+    assert not [r for r in caplog.records if "Compiling jit(train_step)" in r.getMessage()]
