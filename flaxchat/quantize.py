@@ -14,10 +14,10 @@ does not accept a QArray). Instead the quantized layer below is an explicit modu
 and fp32 arrays, so the engine's jitted programs run it unchanged (cast_for_compute casts floating parameters
 only, so the int8 values stay int8).
 
-Measured on a CPU: XLA's loop-invariant code motion hoists the int8 -> float conversion of every weight out of
-the decode `lax.while_loop` (an optimization_barrier does not stop it), so the loop reads float copies and decode
-is no faster; the conversion costs each prefill/decode call a pass over the weights. The saving there is resident
-memory. Reading int8 inside the loop would need the weights to be loop-carried or a fused int8 matmul kernel.
+In the decode loop XLA's loop-invariant code motion would hoist the int8 -> float conversion of every weight out
+of the `lax.while_loop` (so the loop would read float copies); the engine carries narrow weights through its loops
+behind an optimisation barrier instead (`flaxchat.engine.loop_weights`), and the conversion fuses into each
+matrix-vector product, which then reads the int8 bytes. A prefill converts once per call.
 """
 
 from __future__ import annotations
