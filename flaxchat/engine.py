@@ -307,6 +307,11 @@ def rule_probs(logits, temperature=1.0, top_k=None, top_p=None):
 # The tool state machine
 
 
+def stop_tokens(tokenizer) -> tuple[int, int]:
+    """The tokens that end a reply: <|assistant_end|> and <|bos|> (a model that starts a new document is done)."""
+    return tokenizer.encode_special("<|assistant_end|>"), tokenizer.get_bos_token_id()
+
+
 class Reply:
     """One reply's tool state machine and text stream (nanochat's RowState, plus incremental decoding).
 
@@ -325,7 +330,7 @@ class Reply:
         self.tokenizer, self.run_tool, self.track_text = tokenizer, run_tool, text
         self.python_start, self.python_end = sp("<|python_start|>"), sp("<|python_end|>")
         self.output_start, self.output_end = sp("<|output_start|>"), sp("<|output_end|>")
-        self.stop_tokens = {sp("<|assistant_end|>"), tokenizer.get_bos_token_id()}
+        self.stop_tokens = set(stop_tokens(tokenizer))
         self.specials = {sp(name) for name in tokenizer.get_special_tokens()}
         self.mode = "text"  # text | python | python_output
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -644,9 +649,8 @@ class Engine:
         self.capacity = capacity or min(lengths)
         self.use_sandbox = use_sandbox  # False (default): calculator only, as nanochat; True: also run other code
         self.stream_chunk = stream_chunk
-        special = tokenizer.encode_special
-        self.python_end = special("<|python_end|>")
-        self.stop_tokens = (special("<|assistant_end|>"), tokenizer.get_bos_token_id())
+        self.python_end = tokenizer.encode_special("<|python_end|>")
+        self.stop_tokens = stop_tokens(tokenizer)
 
     def run_tool(self, expr: str) -> str | None:
         """The calculator (arithmetic, str.count), as nanochat; with use_sandbox=True anything else runs in the

@@ -274,10 +274,9 @@ def muon(
             axes = tuple(param_axes.get(_path_names(path)) or (None,) * g.ndim)
             if math.prod(g.shape) < SHARE_OUT_MIN_SIZE:  # tiny (ve_gate): every device does the whole stack
                 layouts = v_layouts = () if sharding.context_mesh() is None else (P(),)
-            else:
-                factored = list(axes)
-                factored[normuon_reduction_axis(g.shape)] = None  # NorMuon's collapsed axis is not split
-                layouts, v_layouts = tuple(sharding.stack_layouts(axes)), tuple(sharding.stack_layouts(factored))
+            else:  # NorMuon's buffers are not split along the axis they collapse
+                layouts = tuple(sharding.stack_layouts(axes))
+                v_layouts = tuple(sharding.stack_layouts(_buffer_axes(axes, g.shape)))
             groups.setdefault((g.shape, g.dtype, layouts, v_layouts), []).append(i)
         for (_, _, layouts, v_layouts), idx in groups.items():
             shards = sharding.stack_size() if len(layouts) > 1 else 1

@@ -41,7 +41,7 @@ import numpy as np
 from flax import nnx
 
 from flaxchat.engine import (MAX_TOP_K, TOP_K_TIERS, Reply, attention_span, bucket_length, controls,
-                             empty_slots, in_compute_dtype, programs_for)
+                             empty_slots, in_compute_dtype, programs_for, stop_tokens)
 from flaxchat.execution import use_calculator
 
 log = logging.getLogger(__name__)
@@ -164,9 +164,8 @@ class Scheduler:
         self.model, self.tokenizer = model, tokenizer
         self.slots, self.chunk, self.max_queue, self.run_tool = slots, chunk, max_queue, run_tool
         self.capacity = capacity or model.config.sequence_len
-        sp = tokenizer.encode_special
-        self.stop_tokens = (sp("<|assistant_end|>"), tokenizer.get_bos_token_id())
-        self.tool_end = sp("<|python_end|>")
+        self.stop_tokens = stop_tokens(tokenizer)
+        self.tool_end = tokenizer.encode_special("<|python_end|>")
         graphdef, params = nnx.split(model)
         self.params = in_compute_dtype(params, model.dtype)  # once: serving reads bf16 weights on accelerators
         self._programs = programs_for(graphdef)

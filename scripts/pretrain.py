@@ -237,10 +237,10 @@ def main(argv=None):
             val_loader.close()
 
     def sample():
-        from flaxchat.engine import generate
+        from flaxchat.engine import generate, stop_tokens
 
         prompts = [tokenizer.encode(prompt, prepend="<|bos|>") for prompt in SAMPLE_PROMPTS]
-        stops = (tokenizer.encode_special("<|assistant_end|>"), tokenizer.get_bos_token_id())
+        stops = stop_tokens(tokenizer)
         # greedy, every prompt a row of one jitted loop; a row ends at a stop token, which is not printed
         for prompt, new in zip(prompts, generate(model, prompts, 16, temperature=0.0, stop_tokens=stops)):
             print0(tokenizer.decode(prompt + [t for t in new if t not in stops]))
