@@ -215,8 +215,9 @@ def test_adapter_checkpoint_is_small_and_loads_merged(lora_run, monkeypatch):
     monkeypatch.setenv("FLAXCHAT_BASE_DIR", str(root))
     out = root / "chatsft_checkpoints" / "straight"
     assert sorted(p.name for p in out.iterdir() if p.name.isdigit()) == ["2", "4"]
-    # 5% of the parameters; on disk Orbax's per-array files weigh in at this size (a d4 model: 1.2 vs 114 MB)
-    assert du(out / "4" / "model") * 3 < du(root / "base_checkpoints" / "d2" / "1" / "model")
+    # 5% of the parameters; on disk Orbax's per-array files weigh in at this size (a d4 model: 1.2 vs 114 MB). At
+    # d2 its overhead varies from run to run (the adapters took 133-245 KB against the base's 592 KB)
+    assert du(out / "4" / "model") * 2 < du(root / "base_checkpoints" / "d2" / "1" / "model")
     assert result["trainable_params"] == 2 * 4 * (4 * (64 + 64) + 2 * (64 + 256))
 
     merged, _, meta = load_model("sft", "straight")
