@@ -242,6 +242,29 @@ def peak_flops_per_device() -> tuple[float, str]:
     return measured_matmul_peak(4096, jnp.bfloat16), f"measured bf16 matmul (4096^3) on {kind}"
 
 
+# glibc (Linux) gives every allocation too large for a thread's arena freshly mapped memory and unmaps it when it
+# is freed, and XLA:CPU allocates each call's temporaries anew from its worker threads: a training step of the
+# laptop demo's model maps ~700 MB and takes ~195k page faults to touch it, every step (about a tenth of the
+# step). This glibc tunable (2.35+; ignored by older ones and elsewhere) maps such memory in 2 MB pages instead.
+# It is read when a process starts, so it goes into the environment of the processes we start: pixi sets it for
+# every task, the laptop demo for its stages, the tests for their workers.
+HUGE_PAGES_TUNABLE = "glibc.malloc.hugetlb=1"
+
+
+def with_huge_pages(env) -> dict:
+    """A copy of `env` whose GLIBC_TUNABLES asks glibc for huge pages (a hugetlb value already there is kept)."""
+    tunables = env.get("GLIBC_TUNABLES", "")
+    if "glibc.malloc.hugetlb=" in tunables:
+        return dict(env)
+    return {**env, "GLIBC_TUNABLES": ":".join(t for t in (tunables, HUGE_PAGES_TUNABLE) if t)}
+
+
+def huge_pages_active() -> bool:
+    """Whether this process started with glibc's huge-page tunable (it cannot be turned on once running)."""
+    tunables = os.environ.get("GLIBC_TUNABLES", "").split(":")
+    return sys.platform.startswith("linux") and any(t in tunables for t in ("glibc.malloc.hugetlb=1", "glibc.malloc.hugetlb=2"))
+
+
 def parse_args(parser, argv=None):
     """argparse with an optional `--config configs/X.yaml` whose keys become the flags' defaults.
 

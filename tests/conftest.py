@@ -27,6 +27,12 @@ if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="flaxchat-test-xla-cache-")
     atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
+# The xdist workers and the scripts tests start run with glibc's huge pages, as pixi tasks and the demo's stages do
+# (flaxchat.common.with_huge_pages: XLA:CPU's per-call temporaries without a page fault per 4 KB).
+from flaxchat.common import with_huge_pages  # noqa: E402  (imports jax, whose backend starts later)
+
+os.environ["GLIBC_TUNABLES"] = with_huge_pages(os.environ)["GLIBC_TUNABLES"]
+
 import pytest  # noqa: E402
 
 # Environment variables that change how JAX, flaxchat or the libraries under them behave. (Not the whole
@@ -147,3 +153,10 @@ def pytest_terminal_summary(terminalreporter, config):
         seed = config.getoption("randomly_seed", None)
         if isinstance(seed, int):
             terminalreporter.write_line(f"test order: --randomly-seed={seed} replays it")
+
+
+def pytest_collection_modifyitems(items):
+    """Tests marked `slow` (a minute or more each) go first, in pytest-randomly's order among themselves, as the rest
+    do after them: pytest-xdist hands out the front of the list in turn, so the two workers start on the long
+    tests together and finish on short ones, instead of one worker still running a two-minute test at the end."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: the shuffle stays within groups

@@ -15,6 +15,7 @@ def run(capsys, argv):
 
 
 @pytest.mark.eight_devices
+@pytest.mark.slow
 def test_train_runs_on_the_mesh_the_flags_build(capsys):
     out = run(capsys, TINY + ["--what", "train", "--device-batch-size", "1", "--fsdp", "2", "--steps", "2",
                               "--warmup", "0"])
@@ -40,6 +41,7 @@ def test_expect_backend_stops_a_run_on_the_wrong_backend(capsys):
     assert "--expect-backend gpu: JAX is running on cpu" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_suite_prints_one_line_per_shape_and_reads_real_batches(capsys, monkeypatch, tiny_base_dir):
     import scripts.bench as bench
 

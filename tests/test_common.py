@@ -86,3 +86,52 @@ def test_demo_writes_under_the_base_dir(tmp_path, monkeypatch, capsys):
     default = run_tinystories.build_parser().parse_args([]).base_dir
     assert default == os.path.join(os.path.expanduser("~"), ".cache", "flaxchat", "tinystories")
     assert not (tmp_path / "mine").exists(), "building the parser creates nothing"
+    demo = run_tinystories.Demo(run_tinystories.build_parser().parse_args(["--base-dir", str(tmp_path / "d")]))
+    assert demo.env["FLAXCHAT_BASE_DIR"] == str(tmp_path / "d")
+    assert common.HUGE_PAGES_TUNABLE in demo.env["GLIBC_TUNABLES"].split(":")  # its stages start with huge pages
+
+
+def test_huge_pages_join_other_glibc_tunables():
+    env = common.with_huge_pages({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2", "PATH": "/bin"})
+    assert env == {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2:" + common.HUGE_PAGES_TUNABLE, "PATH": "/bin"}
+    assert common.with_huge_pages({})["GLIBC_TUNABLES"] == common.HUGE_PAGES_TUNABLE
+    chosen = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}  # someone turned them off: their choice stands
+    assert common.with_huge_pages(chosen) == chosen and common.with_huge_pages(chosen) is not chosen
+
+
+_FAULTS = """
+import ctypes, threading
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
+def stat():
+    return int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[7])
+def work(out):  # a worker thread, as XLA's are: 256 MB from malloc, written and freed, twice (numpy would madvise)
+    before = stat()
+    for _ in range(2):
+        p = libc.malloc(256 << 20); ctypes.memset(p, 1, 256 << 20); libc.free(p)
+    out.append(stat() - before)
+out = []
+t = threading.Thread(target=work, args=(out,)); t.start(); t.join()
+print(out[0])
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"), reason="no transparent huge pages (not Linux)")
+def test_huge_pages_take_large_allocations_without_a_fault_per_4kb():
+    """What the tunable is for: a thread's large allocation, freed and made again, faults once per 2 MB page
+    instead of once per 4 KB (the tests run with it: conftest puts it into the environment)."""
+    import subprocess
+    import sys
+
+    if "[never]" in open("/sys/kernel/mm/transparent_hugepage/enabled").read():
+        pytest.skip("transparent huge pages are turned off on this machine")
+    if tuple(map(int, os.confstr("CS_GNU_LIBC_VERSION").split()[1].split(".")[:2])) < (2, 35):
+        pytest.skip("glibc older than 2.35 has no hugetlb tunable")
+    faults = {}
+    for name, value in (("4 KB pages", "glibc.malloc.hugetlb=0"), ("huge pages", common.HUGE_PAGES_TUNABLE)):
+        env = {**os.environ, "GLIBC_TUNABLES": value}
+        faults[name] = int(subprocess.run([sys.executable, "-c", _FAULTS], env=env, capture_output=True, text=True,
+                                          check=True).stdout)
+    assert faults["4 KB pages"] > 2 * (256 << 20) // 4096 * 0.9, faults  # every 4 KB page, each time
+    assert faults["huge pages"] < faults["4 KB pages"] / 20, faults
+    assert common.huge_pages_active()  # conftest started this process's workers with it

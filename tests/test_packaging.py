@@ -45,6 +45,13 @@ FEATURE_KEYS = {"dependencies", "pypi-dependencies", "system-requirements", "pla
                 "activation", "target", "channel-priority", "pypi-options"}
 
 
+def test_pixi_tasks_run_with_huge_pages():
+    """Every pixi task gets glibc's huge-page tunable, the one the demo and the tests use (flaxchat.common)."""
+    from flaxchat.common import HUGE_PAGES_TUNABLE
+
+    assert pixi()["activation"]["env"]["GLIBC_TUNABLES"] == HUGE_PAGES_TUNABLE
+
+
 def test_pixi_environments_cover_cpu_cuda_tpu():
     p, extras = pixi(), pyproject()["project"]["optional-dependencies"]
     envs = {name: env if isinstance(env, list) else env["features"] for name, env in p["environments"].items()}

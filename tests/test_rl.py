@@ -64,6 +64,7 @@ def test_rollout_arrays_train_only_sampled_tokens():
         rollout_arrays(seqs, masks, [0, 0], 99, device_batch_size=3)
 
 
+@pytest.mark.slow
 def test_rl_step_moves_policy_toward_rewarded_samples():
     from flaxchat.config import GPTConfig
     from flaxchat.gpt import GPT
