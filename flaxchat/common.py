@@ -242,10 +242,10 @@ def peak_flops_per_device() -> tuple[float, str]:
     return measured_matmul_peak(4096, jnp.bfloat16), f"measured bf16 matmul (4096^3) on {kind}"
 
 
-# glibc (Linux) gives every allocation too large for a thread's arena freshly mapped memory and unmaps it when it
-# is freed, and XLA:CPU allocates each call's temporaries anew from its worker threads: a training step of the
-# laptop demo's model maps ~700 MB and takes ~195k page faults to touch it, every step (about a tenth of the
-# step). This glibc tunable (2.35+; ignored by older ones and elsewhere) maps such memory in 2 MB pages instead.
+# glibc (Linux) serves a large allocation (over 32 MB at most, and any a thread's arena cannot hold) with freshly
+# mapped memory and unmaps it when it is freed, and XLA:CPU allocates each call's temporaries anew from its worker
+# threads: a training step of the laptop demo's model maps ~700 MB and takes ~195k page faults to touch it, every
+# step. This glibc tunable (2.35+; ignored by older ones and elsewhere) maps such memory in 2 MB pages instead.
 # It is read when a process starts, so it goes into the environment of the processes we start: pixi sets it for
 # every task, the laptop demo for its stages, the tests for their workers.
 HUGE_PAGES_TUNABLE = "glibc.malloc.hugetlb=1"
@@ -260,9 +260,11 @@ def with_huge_pages(env) -> dict:
 
 
 def huge_pages_active() -> bool:
-    """Whether this process started with glibc's huge-page tunable (it cannot be turned on once running)."""
+    """Whether the environment asks glibc for huge pages (glibc reads it as a process starts: setting it later
+    changes only the processes this one starts)."""
     tunables = os.environ.get("GLIBC_TUNABLES", "").split(":")
-    return sys.platform.startswith("linux") and any(t in tunables for t in ("glibc.malloc.hugetlb=1", "glibc.malloc.hugetlb=2"))
+    asks = {"glibc.malloc.hugetlb=1", "glibc.malloc.hugetlb=2"} & set(tunables)
+    return sys.platform.startswith("linux") and bool(asks)
 
 
 def parse_args(parser, argv=None):

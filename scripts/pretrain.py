@@ -31,8 +31,8 @@ from flax import nnx
 
 from flaxchat import sharding
 from flaxchat.checkpoint import Checkpointer, checkpoint_dir, git_commit
-from flaxchat.common import (HUGE_PAGES_TUNABLE, StepProfiler, compute_dtype, huge_pages_active, is_main_process, parse_args,
-                             peak_flops_per_device, print0, progress_bar, quiet_library_logs)
+from flaxchat.common import (HUGE_PAGES_TUNABLE, StepProfiler, compute_dtype, huge_pages_active, is_main_process,
+                             parse_args, peak_flops_per_device, print0, progress_bar, quiet_library_logs)
 from flaxchat.config import GPTConfig, add_model_flags, config_from_flags, derive_training
 from flaxchat.dataloader import make_loader, make_val_loader
 from flaxchat.gpt import GPT, add_kernel_flags

@@ -116,10 +116,11 @@ print(out[0])
 """
 
 
-@pytest.mark.skipif(not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"), reason="no transparent huge pages (not Linux)")
+@pytest.mark.skipif(not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"),
+                    reason="no transparent huge pages (not Linux)")
 def test_huge_pages_take_large_allocations_without_a_fault_per_4kb():
     """What the tunable is for: a thread's large allocation, freed and made again, faults once per 2 MB page
-    instead of once per 4 KB (the tests run with it: conftest puts it into the environment)."""
+    instead of once per 4 KB (the test workers run with it: conftest puts it into their environment)."""
     import subprocess
     import sys
 
@@ -134,4 +135,3 @@ def test_huge_pages_take_large_allocations_without_a_fault_per_4kb():
                                           check=True).stdout)
     assert faults["4 KB pages"] > 2 * (256 << 20) // 4096 * 0.9, faults  # every 4 KB page, each time
     assert faults["huge pages"] < faults["4 KB pages"] / 20, faults
-    assert common.huge_pages_active()  # conftest started this process's workers with it
