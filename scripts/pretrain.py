@@ -263,6 +263,8 @@ def main(argv=None):
     bar = progress_bar(total=num_iterations, initial=step, desc="pretrain", disable=not is_main_process(), dynamic_ncols=True)
     profiler = StepProfiler(args.profile_steps, os.path.join(out_dir, "profile"))
     timed_steps = 0
+    # the model and optimizer as cached graph nodes: a call skips NNX's walk over both (~15 ms of host time a step)
+    optimizer_step = nnx.cached_partial(train_step, model, optimizer)
     while True:
         last_step = step == num_iterations
         if args.eval_every > 0 and (last_step or step % args.eval_every == 0):
@@ -289,7 +291,7 @@ def main(argv=None):
         with profiler.step(step):  # data loading included: the trace shows the whole step
             xs, ys = zip(*(next(train_loader) for _ in range(grad_accum)))
             with jax.set_mesh(mesh):
-                loss = float(train_step(model, optimizer, xs, ys))  # float() waits for the step
+                loss = float(optimizer_step(xs, ys))  # float() waits for the step
         dt = time.perf_counter() - t0
 
         stats = optimizer_stats(optimizer)
