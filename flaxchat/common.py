@@ -251,20 +251,27 @@ def peak_flops_per_device() -> tuple[float, str]:
 HUGE_PAGES_TUNABLE = "glibc.malloc.hugetlb=1"
 
 
+def _hugetlb(env) -> str | None:
+    """The glibc.malloc.hugetlb value GLIBC_TUNABLES (colon-separated name=value pairs) in `env` sets, or None."""
+    for tunable in env.get("GLIBC_TUNABLES", "").split(":"):
+        name, _, value = tunable.partition("=")
+        if name == "glibc.malloc.hugetlb":
+            return value
+    return None
+
+
 def with_huge_pages(env) -> dict:
     """A copy of `env` whose GLIBC_TUNABLES asks glibc for huge pages (a hugetlb value already there is kept)."""
-    tunables = env.get("GLIBC_TUNABLES", "")
-    if "glibc.malloc.hugetlb=" in tunables:
+    if _hugetlb(env) is not None:
         return dict(env)
+    tunables = env.get("GLIBC_TUNABLES", "")
     return {**env, "GLIBC_TUNABLES": ":".join(t for t in (tunables, HUGE_PAGES_TUNABLE) if t)}
 
 
 def huge_pages_active() -> bool:
     """Whether the environment asks glibc for huge pages (glibc reads it as a process starts: setting it later
     changes only the processes this one starts)."""
-    tunables = os.environ.get("GLIBC_TUNABLES", "").split(":")
-    asks = {"glibc.malloc.hugetlb=1", "glibc.malloc.hugetlb=2"} & set(tunables)
-    return sys.platform.startswith("linux") and bool(asks)
+    return sys.platform.startswith("linux") and _hugetlb(os.environ) in ("1", "2")
 
 
 def parse_args(parser, argv=None):
