@@ -493,6 +493,12 @@ def _prefill(graphdef, params, slots: Slots, start, tokens, lengths, *, copies: 
                  forced_len=at(slots.forced_len, zero), forced_pos=at(slots.forced_pos, zero))
 
 
+def _move(slots: Slots, src, dst) -> Slots:
+    """Copy every per-row array's rows src (M,) to rows dst (M,) (all read before any is written): the scheduler
+    packing its live rows low. A repeated (src, dst) pair is harmless (it writes the same row twice)."""
+    return jax.tree.map(lambda x: x.at[dst].set(x[src]), slots)
+
+
 def _start(graphdef, params, tokens, lengths, *, copies: int, rows: int, capacity: int) -> Slots:
     """Fresh slots of `rows` rows with the prompts prefilled from row 0 (the Engine's and generate's start)."""
     slots = empty_slots(nnx.merge(graphdef, params), rows, capacity)
@@ -564,6 +570,7 @@ class Programs:
 
     start(params, tokens, lengths, copies=, rows=, capacity=) -> Slots
     prefill(params, slots, start, tokens, lengths, copies=) -> Slots            (slots donated)
+    move(slots, src, dst) -> Slots                                             (slots donated)
     decode(params, slots, controls, limit, rows=, span=, chunk=, stop_tokens=, tool_end=, tiers=)
         -> (slots, tokens, forced, steps)                                      (slots donated)
     """
@@ -574,6 +581,7 @@ class Programs:
         self.start = jax.jit(functools.partial(_start, graphdef), static_argnames=("copies", "rows", "capacity"))
         self.prefill = jax.jit(functools.partial(_prefill, graphdef), donate_argnames=("slots",),
                                static_argnames=("copies",))
+        self.move = jax.jit(_move, donate_argnames=("slots",))
         self.decode = jax.jit(functools.partial(_decode, graphdef, replicated=replicated), donate_argnames=("slots",),
                               static_argnames=("rows", "span", "chunk", "stop_tokens", "tool_end", "tiers"))
 

@@ -8,13 +8,15 @@ alongside every other active slot. Each scheduler iteration:
 1. frees the slots of requests that were cancelled (a stop button, a closed socket) since the last one;
 2. admits queued requests into free slots: one jitted prefill per request, its prompt padded to a
    power-of-two bucket, written into row i of the batched cache;
-3. runs ONE jitted decode chunk (up to `chunk` steps) over the lowest rows of the cache that hold every active
+3. moves live rows above the smallest power-of-two batch that holds them all into free rows below it (when
+   short replies end, the long ones left in high slots do not keep the batch wide);
+4. runs ONE jitted decode chunk (up to `chunk` steps) over the lowest rows of the cache that hold every active
    slot (a power of two, so a lone user does not pay for N rows), attending over only the first positions of
    the cache that hold them (also a power of two). Each row samples with its own temperature / top-k / top-p /
    seed, tool outputs are forced per row, and a row freezes as soon as it stops;
-4. runs each slot's tool state machine and text decoder (`Reply`) on the host and streams events to its client.
+5. runs each slot's tool state machine and text decoder (`Reply`) on the host and streams events to its client.
 
-Free slots are always the lowest free index, so active rows stay packed at the bottom of the cache.
+Newcomers take the lowest free slot, and step 3 keeps active rows packed at the bottom of the cache.
 Randomness is per request: token n of a request uses fold_in(fold_in(key(seed), 0), n), so a seeded request
 gives the same reply whichever slot it lands in and whoever else is being served (and the same as the Engine's
 first sample with that seed).
@@ -270,6 +272,9 @@ class Scheduler:
         for n in rows:
             for span in spans:
                 self._decode(self._controls({}), 1, rows=n, span=span)
+        for p in range((self.slots // 2 - 1).bit_length() + 1) if self.slots > 1 else ():  # _compact's move counts:
+            moves = np.arange(1 << p, dtype=np.int32)  # powers of two holding at most half the slots
+            self._state = self._programs.move(self._state, self.slots - 1 - moves, moves)
         jax.block_until_ready(self._state)
         return time.perf_counter() - t0
 
@@ -298,6 +303,7 @@ class Scheduler:
             if req is not None and req.cancelled:
                 self._finish(i, "cancelled")
         fresh = self._admit()
+        self._compact()
         live = [i for i, r in enumerate(self._active) if r is not None]
         if not live:
             return False
@@ -321,6 +327,27 @@ class Scheduler:
             self.counters["admitted"] += 1
             admitted = True
         return admitted
+
+    def _compact(self) -> None:
+        """Move live rows that sit above the smallest batch holding them all into free rows below it. A long
+        reply left alone in a high slot would otherwise keep every chunk at that slot's batch size (16 rows
+        computed for one conversation); moved, it decodes at the cost of its own row. Replies do not change:
+        a request's randomness follows its seed, not its slot."""
+        live = [i for i, r in enumerate(self._active) if r is not None]
+        rows = batch_rows(len(live) - 1, self.slots) if live else 0
+        high = [i for i in live if i >= rows]
+        if not high:
+            return
+        free = [i for i in range(rows) if self._active[i] is None][: len(high)]  # enough: rows >= len(live)
+        pad = (1 << (len(high) - 1).bit_length()) - len(high)  # a power of two of moves: few compilations
+        self._state = self._programs.move(self._state, np.array(high + high[:1] * pad, np.int32),
+                                          np.array(free + free[:1] * pad, np.int32))
+        for src, dst in zip(high, free):
+            self._active[dst], self._replies[dst] = self._active[src], self._replies[src]
+            self._active[src] = self._replies[src] = None
+            if src in self._pushes:
+                self._pushes[dst] = self._pushes.pop(src)
+        self.counters["moved"] += len(high)
 
     def _prefill(self, slot: int, req: Request) -> None:
         self._state = self._programs.prefill(self.params, self._state, np.int32(slot), self._padded(req.prompt)[None],

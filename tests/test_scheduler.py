@@ -13,7 +13,7 @@ from flax import nnx
 
 from flaxchat.config import GPTConfig
 from flaxchat.gpt import GPT, rms_norm
-from flaxchat.engine import FORCED_CAPACITY, Reply, sample_rows
+from flaxchat.engine import FORCED_CAPACITY, Reply, sample_rows, stop_tokens
 from flaxchat.scheduler import Request, Scheduler, batch_rows
 from flaxchat.tokenizer import Tokenizer
 
@@ -190,6 +190,39 @@ def test_continuous_batching_equals_greedy_one_at_a_time(scheduler, model, tok):
         text = "".join(e["text"] for e in events if e["type"] == "token")
         assert text == "".join(p["text"] for p in req.parts if p["type"] == "text")
     assert scheduler.stats()["active"] == 0
+
+
+def test_a_long_reply_left_in_a_high_slot_moves_down_and_goes_on_unchanged(model, tok):
+    """Three short replies end; the long one in slot 3 moves to slot 0 and decodes one row at a time, giving the
+    same greedy tokens, and the same sampled tokens as when it ran alone, as if it had never moved."""
+    bos = tok.get_bos_token_id()
+    prompt = [bos] + tok.encode("3*7 is")
+
+    def serve(shorts, **settings):  # -> (the long request's tokens, rows moved, rows of each decode chunk)
+        s, widths = Scheduler(model, tok, slots=4, chunk=4), []
+        decode = s._decode
+
+        def counted(controls, limit, rows, span):
+            widths.append(rows)
+            return decode(controls, limit, rows=rows, span=span)
+
+        s._decode = counted
+        jobs = [submit(s, [bos] + tok.encode(t), 2, **settings) for t in ("The cat", "12", "mat.")[:shorts]]
+        long, q = submit(s, prompt, 24, **settings)
+        s.start()  # after every submit: they land in slots 0, 1, ... in order
+        try:
+            collect(q)
+            assert all(collect(q_short)[-1]["type"] == "done" for _, q_short in jobs)
+            return long.tokens, s.stats().get("moved", 0), widths
+        finally:
+            s.close()
+
+    tokens, moved, widths = serve(3, temperature=0.0)
+    assert tokens == greedy_reference(model, prompt, 24, stop_tokens(tok))
+    assert moved == 1 and widths[0] == 4 and widths[-1] == 1
+    tokens, moved, widths = serve(3, temperature=1.0, seed=5)
+    assert moved == 1 and widths[-1] == 1
+    assert tokens == serve(0, temperature=1.0, seed=5)[0]  # alone in slot 0: never moved
 
 
 def test_seeded_reply_does_not_depend_on_neighbours(scheduler, tok):
