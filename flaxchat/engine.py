@@ -499,6 +499,19 @@ def _move(slots: Slots, src, dst) -> Slots:
     return jax.tree.map(lambda x: x.at[dst].set(x[src]), slots)
 
 
+def _extract(slots: Slots, *, rows: int, span: int) -> Slots:
+    """The part of slots a run of decode chunks works on: the first `rows` rows, their first `span` cache
+    positions. Decoding it directly (its rows and span are the whole of it) copies nothing in or out."""
+    r = slice(0, rows)
+    return Slots(cache=take_rows(slots.cache, rows, span), logits=slots.logits[r], forced=slots.forced[r],
+                 forced_len=slots.forced_len[r], forced_pos=slots.forced_pos[r])
+
+
+def _flush(slots: Slots, part: Slots) -> Slots:
+    """Write an extracted part (after decoding it) back into slots; positions past its span are untouched."""
+    return jax.tree.map(lambda x, new: jax.lax.dynamic_update_slice(x, new, (0,) * x.ndim), slots, part)
+
+
 def _start(graphdef, params, tokens, lengths, *, copies: int, rows: int, capacity: int) -> Slots:
     """Fresh slots of `rows` rows with the prompts prefilled from row 0 (the Engine's and generate's start)."""
     slots = empty_slots(nnx.merge(graphdef, params), rows, capacity)
@@ -512,7 +525,8 @@ def _decode(graphdef, params, slots: Slots, ctl: Controls, limit, *, rows, span,
 
     Attention reads only the first `span` cache positions, which must hold every live row to the end of the
     call: reading the whole cache for every row at every step would make a batch of short conversations cost
-    like a batch of full contexts. The at most `chunk` positions written per row are copied back at the end.
+    like a batch of full contexts. The at most `chunk` positions written per row are copied back at the end,
+    unless `rows` and `span` are all of the slots (an _extract-ed part), which are then updated in place.
 
     A row is live from the start (if active) until it emits a stop token or spends its `remaining` budget;
     after that its position is frozen (it keeps computing, harmlessly, in place). The loop ends early when no
@@ -557,7 +571,9 @@ def _decode(graphdef, params, slots: Slots, ctl: Controls, limit, *, rows, span,
     init = (take_rows(slots.cache, rows, span), slots.logits[r], forced_pos[r], jnp.zeros((rows, chunk), jnp.int32),
             jnp.zeros((rows, chunk), bool), jnp.int32(0), live, jnp.bool_(False), weights)
     cache, logits, f_pos, out, was_forced, steps, _, _, _ = jax.lax.while_loop(cond, body, init)
-    slots = Slots(cache=put_rows(slots.cache, cache, slots.cache.pos[r], chunk), logits=slots.logits.at[r].set(logits),
+    whole = (rows, span) == (slots.cache.pos.shape[0], slots.cache.k[0].shape[2])
+    slots = Slots(cache=cache if whole else put_rows(slots.cache, cache, slots.cache.pos[r], chunk),
+                  logits=slots.logits.at[r].set(logits),
                   forced=forced, forced_len=forced_len, forced_pos=forced_pos.at[r].set(f_pos))
     if replicated is not None:  # fetching an array split over another process's devices fails
         out, was_forced, steps = (jax.lax.with_sharding_constraint(x, replicated) for x in (out, was_forced, steps))
@@ -571,6 +587,7 @@ class Programs:
     start(params, tokens, lengths, copies=, rows=, capacity=) -> Slots
     prefill(params, slots, start, tokens, lengths, copies=) -> Slots            (slots donated)
     move(slots, src, dst) -> Slots                                             (slots donated)
+    extract(slots, rows=, span=) -> Slots; flush(slots, part) -> Slots          (flush: slots donated)
     decode(params, slots, controls, limit, rows=, span=, chunk=, stop_tokens=, tool_end=, tiers=)
         -> (slots, tokens, forced, steps)                                      (slots donated)
     """
@@ -582,6 +599,8 @@ class Programs:
         self.prefill = jax.jit(functools.partial(_prefill, graphdef), donate_argnames=("slots",),
                                static_argnames=("copies",))
         self.move = jax.jit(_move, donate_argnames=("slots",))
+        self.extract = jax.jit(_extract, static_argnames=("rows", "span"))
+        self.flush = jax.jit(_flush, donate_argnames=("slots",))
         self.decode = jax.jit(functools.partial(_decode, graphdef, replicated=replicated), donate_argnames=("slots",),
                               static_argnames=("rows", "span", "chunk", "stop_tokens", "tool_end", "tiers"))
 

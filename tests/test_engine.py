@@ -381,3 +381,35 @@ def test_decode_loop_updates_the_cache_in_place(model):
             if m and np.prod([int(d) for d in m.group(2).split(",")]) == layer and m.group(3) not in ("bitcast", "get-tuple-element"):
                 whole.append((m.group(1), m.group(3)))
         assert whole and all("update-slice" in n or "scatter" in n for n, _ in whole), whole  # the writes, only
+
+
+def test_an_extracted_part_decodes_like_the_whole_cache(model):
+    """The scheduler decodes a (rows, span) part extracted from the slots and flushes it back later: the same
+    tokens, cache, positions and logits as decoding the whole slots over those rows and that span."""
+    progs, params = E.programs(model)
+    prompts = PROMPTS + [[3, 1, 4, 1, 5, 9]]
+    tokens, lengths = E.pad_prompts(prompts, 256, 12)
+
+    def run(rows, part):
+        slots = progs.start(params, tokens, lengths, copies=1, rows=4, capacity=256)
+        work = progs.extract(slots, rows=rows, span=64) if part else slots
+        outs = []
+        for chunk in range(3):
+            n = rows if part else 4  # controls cover every row of what is decoded
+            ctl = E.controls(n, remaining=12 - 4 * chunk, offset=4 * chunk, seed=list(range(n)))
+            work, out, _, steps = progs.decode(params, work, ctl, np.int32(4), rows=rows, span=64, chunk=4,
+                                               stop_tokens=(), tool_end=-1, tiers=E.TOP_K_TIERS)
+            outs.append(np.asarray(out)[:, : int(steps)])
+        if part:
+            assert work.cache.k[0].shape[:3] == (rows, 1, 64) and work.logits.shape[0] == rows
+            work = progs.flush(slots, work)
+        return np.concatenate(outs, axis=1), jax.tree.map(np.asarray, work)
+
+    for rows in (4, 2):
+        (a, whole), (b, flushed) = run(rows, part=False), run(rows, part=True)
+        np.testing.assert_array_equal(a, b)
+        assert a.shape == (rows, 12)
+        np.testing.assert_array_equal(whole.cache.pos, flushed.cache.pos)
+        np.testing.assert_allclose(whole.logits, flushed.logits, atol=1e-6)
+        for x, y in zip(whole.cache.k + whole.cache.v, flushed.cache.k + flushed.cache.v):
+            np.testing.assert_allclose(x, y, atol=1e-6)
