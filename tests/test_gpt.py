@@ -6,7 +6,7 @@ from flax import nnx
 
 from flaxchat import sharding
 from flaxchat.config import GPTConfig
-from flaxchat.gpt import GPT, CausalSelfAttention, init_table, rotary_cos_sin
+from flaxchat.gpt import GPT, CausalSelfAttention, init_table, rotary_cos_sin, stacked_matmul
 from flaxchat.interop import from_nanochat_state_dict, to_nanochat_state_dict
 
 TINY = GPTConfig(sequence_len=64, vocab_size=300, n_layer=2, n_head=2, n_kv_head=2, n_embd=64)
@@ -365,3 +365,21 @@ def test_rotary_table_constants_equal_the_traced_tables():
         for a, b in zip(table, traced):
             assert isinstance(a, np.ndarray)
             np.testing.assert_allclose(a, np.asarray(b), atol=1.2e-7, rtol=0)  # an ulp or so of fp32 cos/sin
+
+
+def test_stacked_matmul_equals_the_layers_one_by_one():
+    """Decode steps run q, k and v as one matmul over stacked weights; plain fp32 layers stack, the others run
+    one by one, and either way each output is its own layer's."""
+    from flaxchat.quantize import quantize_for_generation
+
+    config = GPTConfig(sequence_len=32, vocab_size=128, n_layer=1, n_head=4, n_kv_head=2, n_embd=64)
+    x = jax.random.normal(jax.random.key(0), (3, 1, 64))
+    for mode in ("none", "int8", "bf16"):
+        attn = quantize_for_generation(GPT(config, rngs=nnx.Rngs(1)), mode).transformer.h[0].attn
+        layers = (attn.c_q, attn.c_k, attn.c_v)
+        f = jax.jit(lambda x: stacked_matmul(x, layers))
+        stacked = f(x)
+        assert [y.shape for y in stacked] == [(3, 1, 64), (3, 1, 32), (3, 1, 32)]
+        for y, m in zip(stacked, layers):
+            np.testing.assert_allclose(y, m(x), rtol=1e-5, atol=1e-5)
+        assert ("concatenate" in f.lower(x).as_text()) == (mode == "none")  # int8, bf16 under fp32: one by one
