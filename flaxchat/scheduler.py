@@ -12,7 +12,8 @@ alongside every other active slot. Each scheduler iteration:
    short replies end, the long ones left in high slots do not keep the batch wide);
 4. runs ONE jitted decode chunk (up to `chunk` steps) over the lowest rows of the cache that hold every active
    slot (a power of two, so a lone user does not pay for N rows), attending over only the first positions of
-   the cache that hold them (also a power of two). Each row samples with its own temperature / top-k / top-p /
+   the cache that hold them (also a power of two); that part of the cache is copied out once and kept while
+   the rows and span stay (see _decode). Each row samples with its own temperature / top-k / top-p /
    seed, tool outputs are forced per row, and a row freezes as soon as it stops;
 5. runs each slot's tool state machine and text decoder (`Reply`) on the host and streams events to its client.
 
