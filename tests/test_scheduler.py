@@ -312,6 +312,20 @@ def test_tool_call_end_to_end_on_a_scripted_model(tok):
             assert req.completion_tokens == len(chain) - 1 + forced + len(after) + 1
             assert req.parts == [{"type": "python", "text": "3*7"}, {"type": "python_output", "text": "21"},
                                  {"type": "text", "text": " is the answer"}]
+        # a tool output waiting to be forced moves with its row: three replies end (by length) at the call's
+        # end, the one left in slot 3 moves to slot 0 and its output is forced there
+        s2 = Scheduler(s.model, tok, slots=4, chunk=4)
+        shorts = [submit(s2, prompt, len(expr) + 2, temperature=0.0) for _ in range(3)]
+        req, q = submit(s2, prompt, 40, temperature=0.0)
+        s2.start()
+        try:
+            events = collect(q)
+            assert [e["finish_reason"] for _, qs in shorts for e in collect(qs) if e["type"] == "done"] == ["length"] * 3
+            assert [(e["kind"], e["text"]) for e in events if e["type"] == "tool"] == [("call", "3*7"), ("output", "21")]
+            assert "".join(e["text"] for e in events if e["type"] == "token") == " is the answer"
+            assert s2.stats()["moved"] == 1
+        finally:
+            s2.close()
     finally:
         s.close()
     assert FORCED_CAPACITY >= forced
