@@ -174,7 +174,7 @@ class Scheduler:
         self._programs = programs_for(graphdef)
         self._score = _score_program(graphdef)
         self._state = self._fresh_state()
-        self._part = self._part_shape = None  # the (rows, span) part of _state decode chunks work on; see _decode
+        self._part = None  # the (rows, span) part of _state that decode chunks work on; see _decode
         self._queue: collections.deque[Request] = collections.deque()
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -195,9 +195,10 @@ class Scheduler:
         next while rows and span stay the same and written back only when they change or a prefill or a move
         needs the whole cache (_settle): copying that part out and back around every chunk cost ~10% of a
         16-row chunk on a CPU."""
-        if self._part_shape != (rows, span):
+        part = self._part
+        if part is None or (part.cache.pos.shape[0], part.cache.k[0].shape[2]) != (rows, span):
             self._settle()
-            self._part, self._part_shape = self._programs.extract(self._state, rows=rows, span=span), (rows, span)
+            self._part = self._programs.extract(self._state, rows=rows, span=span)
         self._part, out, _, steps = self._programs.decode(
             self.params, self._part, controls, np.int32(limit), rows=rows, span=span, chunk=self.chunk,
             stop_tokens=self.stop_tokens, tool_end=self.tool_end, tiers=TOP_K_TIERS)
@@ -206,8 +207,7 @@ class Scheduler:
     def _settle(self) -> None:
         """Write the decoded part back into the whole cache."""
         if self._part is not None:
-            self._state = self._programs.flush(self._state, self._part)
-            self._part = self._part_shape = None
+            self._state, self._part = self._programs.flush(self._state, self._part), None
 
     # --- public API (any thread) --------------------------------------------
 
@@ -309,7 +309,7 @@ class Scheduler:
                 log.exception("scheduler iteration failed")
                 self.counters["failures"] += 1
                 self._fail_active("internal_error", f"generation failed: {type(e).__name__}")
-                self._state, self._part, self._part_shape = self._fresh_state(), None, None
+                self._state, self._part = self._fresh_state(), None
                 busy = False
             if not busy:
                 self._wake.wait(0.5)
@@ -320,8 +320,7 @@ class Scheduler:
             if req is not None and req.cancelled:
                 self._finish(i, "cancelled")
         fresh = self._admit()
-        self._compact()
-        live = [i for i, r in enumerate(self._active) if r is not None]
+        live = self._compact()
         if not live:
             return False
         self._decode_chunk(max(live), limit=1 if fresh else self.chunk)  # a newcomer's first token comes fast
@@ -345,16 +344,16 @@ class Scheduler:
             admitted = True
         return admitted
 
-    def _compact(self) -> None:
-        """Move live rows that sit above the smallest batch holding them all into free rows below it. A long
-        reply left alone in a high slot would otherwise keep every chunk at that slot's batch size (16 rows
-        computed for one conversation); moved, it decodes at the cost of its own row. Replies do not change:
-        a request's randomness follows its seed, not its slot."""
+    def _compact(self) -> list[int]:
+        """Move live rows that sit above the smallest batch holding them all into free rows below it; returns the
+        live slots. A long reply left alone in a high slot would otherwise keep every chunk at that slot's batch
+        size (16 rows computed for one conversation); moved, it decodes at the cost of its own row. Replies do
+        not change: a request's randomness follows its seed, not its slot."""
         live = [i for i, r in enumerate(self._active) if r is not None]
         rows = batch_rows(len(live) - 1, self.slots) if live else 0
         high = [i for i in live if i >= rows]
         if not high:
-            return
+            return live
         free = [i for i in range(rows) if self._active[i] is None][: len(high)]  # enough: rows >= len(live)
         self._settle()
         pad = (1 << (len(high) - 1).bit_length()) - len(high)  # a power of two of moves: few compilations
@@ -366,6 +365,7 @@ class Scheduler:
             if src in self._pushes:
                 self._pushes[dst] = self._pushes.pop(src)
         self.counters["moved"] += len(high)
+        return [i for i, r in enumerate(self._active) if r is not None]
 
     def _prefill(self, slot: int, req: Request) -> None:
         self._settle()
