@@ -241,4 +241,6 @@ def test_adapter_checkpoint_is_small_and_loads_merged(lora_run, monkeypatch):
     full, _, full_meta = load_model("sft", "straight-merged")
     assert "lora" not in full_meta and full_meta["merged_from"]["model_tag"] == "straight"
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(nnx.state(full)), jax.tree.leaves(nnx.state(merged))))
-    assert du(root / "chatsft_checkpoints" / "straight-merged" / "4" / "model") > 3 * du(out / "4" / "model")
+    # the same margin as the adapters against the base above: at d2 Orbax's per-array overhead varies by run
+    # (the merged model took 745 KB against the adapters' 258 KB in one CI run)
+    assert du(root / "chatsft_checkpoints" / "straight-merged" / "4" / "model") > 2 * du(out / "4" / "model")
