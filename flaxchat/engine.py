@@ -592,29 +592,46 @@ class Programs:
         -> (slots, tokens, forced, steps)                                      (slots donated)
     """
 
-    def __init__(self, graphdef, mesh=None):
-        self.graphdef, self.mesh = graphdef, mesh
+    def __init__(self, graphdef, mesh=None, options: tuple = ()):
+        self.graphdef, self.mesh, self.options = graphdef, mesh, options
         replicated = None if mesh is None else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-        self.start = jax.jit(functools.partial(_start, graphdef), static_argnames=("copies", "rows", "capacity"))
-        self.prefill = jax.jit(functools.partial(_prefill, graphdef), donate_argnames=("slots",),
-                               static_argnames=("copies",))
+        jit = functools.partial(jax.jit, compiler_options=dict(options) or None)
+        self.start = jit(functools.partial(_start, graphdef), static_argnames=("copies", "rows", "capacity"))
+        self.prefill = jit(functools.partial(_prefill, graphdef), donate_argnames=("slots",), static_argnames=("copies",))
         self.move = jax.jit(_move, donate_argnames=("slots",))
         self.extract = jax.jit(_extract, static_argnames=("rows", "span"))
         self.flush = jax.jit(_flush, donate_argnames=("slots",))
-        self.decode = jax.jit(functools.partial(_decode, graphdef, replicated=replicated), donate_argnames=("slots",),
-                              static_argnames=("rows", "span", "chunk", "stop_tokens", "tool_end", "tiers"))
+        self.decode = jit(functools.partial(_decode, graphdef, replicated=replicated), donate_argnames=("slots",),
+                          static_argnames=("rows", "span", "chunk", "stop_tokens", "tool_end", "tiers"))
 
 
 _PROGRAMS: list[Programs] = []  # most recent last; a graphdef is unhashable, so it is found by equality
 
 
-def programs_for(graphdef, mesh=None) -> Programs:
-    """The programs of one model structure: models (and servers) of the same shape share compilations."""
+def programs_for(graphdef, mesh=None, options: tuple = ()) -> Programs:
+    """The programs of one model structure: models (and servers) of the same shape share compilations.
+    options: XLA compiler options as (name, value) pairs (`compiler_options`)."""
     for p in _PROGRAMS:
-        if p.mesh == mesh and p.graphdef == graphdef:
+        if p.mesh == mesh and p.options == options and p.graphdef == graphdef:
             return p
-    _PROGRAMS[:] = _PROGRAMS[-7:] + [Programs(graphdef, mesh)]
+    _PROGRAMS[:] = _PROGRAMS[-7:] + [Programs(graphdef, mesh, options)]
     return _PROGRAMS[-1]
+
+
+def compiler_options(params) -> tuple:
+    """XLA options for the generation programs of these parameters, as (name, value) pairs.
+
+    On a CPU, int8 weights get 512-bit vectors where the processor has them (AVX-512): their matrix-vector
+    products are XLA's own loops that convert each weight as they read it, bound by that conversion rather than
+    by memory, and they run ~1.6x faster that wide (batch-1 decode of a d4 model: ~1,250 -> ~1,600 tok/s on a
+    Zen 4 core pair). Float weights go through library kernels or stream from memory and gain nothing (they lost
+    a little in the same test), so they keep XLA's default.
+    """
+    leaves = jax.tree.leaves(params)
+    on_cpu = all(d.platform == "cpu" for x in leaves[:1] for d in x.devices())
+    if on_cpu and any(x.dtype == jnp.int8 for x in leaves):
+        return (("xla_cpu_prefer_vector_width", 512),)
+    return ()
 
 
 def programs(model) -> tuple[Programs, nnx.State]:
@@ -623,7 +640,7 @@ def programs(model) -> tuple[Programs, nnx.State]:
     graphdef, params = nnx.split(model)
     sharding = getattr(jax.tree.leaves(params)[0], "sharding", None)
     mesh = sharding.mesh if isinstance(sharding, jax.sharding.NamedSharding) and sharding.mesh.size > 1 else None
-    return programs_for(graphdef, mesh), params
+    return programs_for(graphdef, mesh, compiler_options(params)), params
 
 
 def decode_chunk(n: int) -> int:

@@ -43,8 +43,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from flaxchat.engine import (MAX_TOP_K, TOP_K_TIERS, Reply, attention_span, bucket_length, controls,
-                             empty_slots, in_compute_dtype, programs_for, stop_tokens)
+from flaxchat.engine import (MAX_TOP_K, TOP_K_TIERS, Reply, attention_span, bucket_length, compiler_options,
+                             controls, empty_slots, in_compute_dtype, programs_for, stop_tokens)
 from flaxchat.execution import use_calculator
 
 log = logging.getLogger(__name__)
@@ -171,7 +171,7 @@ class Scheduler:
         self.tool_end = tokenizer.encode_special("<|python_end|>")
         graphdef, params = nnx.split(model)
         self.params = in_compute_dtype(params, model.dtype)  # once: serving reads bf16 weights on accelerators
-        self._programs = programs_for(graphdef)
+        self._programs = programs_for(graphdef, options=compiler_options(params))
         self._score = _score_program(graphdef)
         self._state = self._fresh_state()
         self._part = None  # the (rows, span) part of _state that decode chunks work on; see _decode

@@ -28,8 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from flaxchat.engine import (FORCED_CAPACITY, _check_sampling, _until_stop, cast_for_compute, decode_chunk, inverse_cdf,
-                             loop_weights, narrow_weights, pad_prompts, rewind, rule_probs)
+from flaxchat.engine import (FORCED_CAPACITY, _check_sampling, _until_stop, cast_for_compute, compiler_options,
+                             decode_chunk, inverse_cdf, loop_weights, narrow_weights, pad_prompts, rewind, rule_probs)
 from flaxchat.gpt import KVCache
 
 
@@ -146,12 +146,13 @@ def _force(graphs, params, spec: Speculation, queue, length):
 class SpeculativePrograms:
     """start / run / force jitted for one (model, draft) pair of structures; sampling settings are static."""
 
-    def __init__(self, graphs):
-        self.graphs = graphs
-        self.start = jax.jit(functools.partial(_start, graphs), static_argnames=("capacity", "rule"))
-        self.run = jax.jit(functools.partial(_run, graphs), donate_argnames=("spec",),
-                           static_argnames=("k", "rule", "stops", "tool_end", "chunk"))
-        self.force = jax.jit(functools.partial(_force, graphs), donate_argnames=("spec",))
+    def __init__(self, graphs, options: tuple = ()):
+        self.graphs, self.options = graphs, options
+        jit = functools.partial(jax.jit, compiler_options=dict(options) or None)  # see engine.compiler_options
+        self.start = jit(functools.partial(_start, graphs), static_argnames=("capacity", "rule"))
+        self.run = jit(functools.partial(_run, graphs), donate_argnames=("spec",),
+                       static_argnames=("k", "rule", "stops", "tool_end", "chunk"))
+        self.force = jit(functools.partial(_force, graphs), donate_argnames=("spec",))
 
     def push(self, params, spec: Speculation, tokens) -> Speculation:
         """spec with `tokens` (a tool's output, host ints) forced in after its last token, through the one
@@ -170,10 +171,11 @@ def programs(model, draft_model) -> tuple[SpeculativePrograms, tuple]:
     if model.config.vocab_size != draft_model.config.vocab_size:
         raise ValueError(f"the draft model's vocabulary ({draft_model.config.vocab_size}) differs from the model's "
                          f"({model.config.vocab_size}); it must use the same tokenizer")
+    options = compiler_options((tp, dp))
     for p in _PROGRAMS:
-        if p.graphs[0] == tg and p.graphs[1] == dg:
+        if p.options == options and p.graphs[0] == tg and p.graphs[1] == dg:
             return p, (tp, dp)
-    _PROGRAMS[:] = _PROGRAMS[-3:] + [SpeculativePrograms((tg, dg))]
+    _PROGRAMS[:] = _PROGRAMS[-3:] + [SpeculativePrograms((tg, dg), options)]
     return _PROGRAMS[-1], (tp, dp)
 
 

@@ -138,9 +138,13 @@ def float_copies_of_int8_matrices(hlo: str, params) -> list[str]:
 
 def test_int8_decode_loop_reads_int8_weights():
     """The decode loop converts the int8 weights inside each step (fused into its matrix-vector products): no
-    float copy of a weight matrix is made outside the loop, and greedy decoding equals the uncached forward."""
+    float copy of a weight matrix is made outside the loop, and greedy decoding equals the uncached forward.
+    On a CPU the int8 programs compile with 512-bit vectors (the compile below would fail on an unknown option);
+    float models keep XLA's defaults."""
     model = quantize_for_generation(make_model(), "int8")
     progs, params = E.programs(model)
+    assert progs.options == (("xla_cpu_prefer_vector_width", 512),)
+    assert E.programs(make_model())[0].options == E.compiler_options(nnx.state(make_model())) == ()
     padded, lengths = E.pad_prompts([[1, 2, 3, 4]], 64, 8)
     slots = progs.start(params, padded, lengths, copies=1, rows=1, capacity=64)
     hlo = progs.decode.lower(params, slots, E.controls(1, remaining=8), np.int32(8), rows=1, span=64, chunk=8,
@@ -161,6 +165,7 @@ def test_int8_speculative_loop_reads_int8_weights():
     model = quantize_for_generation(make_model(), "int8")
     draft = quantize_for_generation(make_model(GPTConfig(**{**CONFIG.to_dict(), "n_layer": 1}), seed=3), "int8")
     progs, params = S.programs(model, draft)
+    assert progs.options == (("xla_cpu_prefer_vector_width", 512),)
     padded, lengths = E.pad_prompts([[1, 2, 3, 4]], 64, 8)
     greedy = (0.0, None, None)
     spec, _ = progs.start(params, padded[0], lengths[0], jax.random.key(0), capacity=64, rule=greedy)

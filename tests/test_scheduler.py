@@ -192,6 +192,26 @@ def test_continuous_batching_equals_greedy_one_at_a_time(scheduler, model, tok):
     assert scheduler.stats()["active"] == 0
 
 
+def test_an_int8_model_is_served_like_its_own_greedy_generation(model, tok):
+    """chat_web --quantize int8: the scheduler's programs run the int8 weights (compiled with the int8 options)
+    and two replies sharing the batch each equal generate() on that model alone."""
+    from flaxchat.engine import compiler_options, generate
+    from flaxchat.quantize import quantize_for_generation
+
+    int8 = quantize_for_generation(nnx.clone(model), "int8")
+    s = Scheduler(int8, tok, slots=2, chunk=4).start()
+    try:
+        assert s._programs.options == compiler_options(nnx.state(int8)) == (("xla_cpu_prefer_vector_width", 512),)
+        bos = tok.get_bos_token_id()
+        prompts = [[bos] + tok.encode(t) for t in ("The cat", "3*7 is")]
+        jobs = [submit(s, p, 8, temperature=0.0) for p in prompts]
+        for (req, q), prompt in zip(jobs, prompts):
+            assert collect(q)[-1]["type"] == "done"
+            assert req.tokens == generate(int8, [prompt], 8, temperature=0.0, stop_tokens=s.stop_tokens)[0]
+    finally:
+        s.close()
+
+
 def test_a_long_reply_left_in_a_high_slot_moves_down_and_goes_on_unchanged(model, tok):
     """Three short replies end; the long one in slot 3 moves to slot 0 and decodes one row at a time, giving the
     same greedy tokens, and the same sampled tokens as when it ran alone, as if it had never moved."""
