@@ -128,7 +128,13 @@ class Linear(nnx.Module):
     the einsum form (the lm_head of a 32k vocabulary: ~0.4 vs ~0.9 ms a token); larger inputs lower to the same
     library matmul either way. Under qwix's LoRA (flaxchat.lora) the adapted layers use the einsum form, which
     qwix intercepts: it finds the weight by identity, and a transposed weight would be missed.
+
+    A few rows (decoding 2 conversations, a speculative check) are the bad case on a CPU: a library matmul of 2
+    rows takes ~4x as long as that one-row loop (it repacks the whole weight for them), so up to `split_rows` rows
+    go through the one-row loop each (see row_products).
     """
+
+    split_rows = 2  # float weights: at 3 rows and more the library call wins for large matrices (lm_head)
 
     def __init__(self, in_features, out_features, *, init, axes, rngs):
         self.weight = _param(init, rngs.params(), (out_features, in_features), axes)
@@ -141,11 +147,22 @@ class Linear(nnx.Module):
         """x (..., in) @ w (out, in).T in this layer's form."""
         if self.einsum_form:
             return jnp.einsum("...i,oi->...o", x, w, preferred_element_type=out_dtype)
+        rows = math.prod(x.shape[:-1])
+        if 1 < rows <= self.split_rows and row_products():
+            flat = x.reshape(rows, x.shape[-1])
+            y = [jnp.matmul(flat[i : i + 1], w.T, preferred_element_type=out_dtype) for i in range(rows)]
+            return jnp.concatenate(y).reshape(*x.shape[:-1], w.shape[0])
         return jnp.matmul(x, w.T, preferred_element_type=out_dtype)
 
     def matrix(self):
         """The (out, in) weight as a float array (flaxchat.quantize's int8 variant dequantizes here)."""
         return self.weight[...]
+
+
+def row_products() -> bool:
+    """Whether Linear multiplies a few rows one row at a time: on a CPU (accelerators' libraries handle a few rows
+    well)."""
+    return jax.default_backend() == "cpu"
 
 
 def stacked_matmul(x, layers):

@@ -382,4 +382,26 @@ def test_stacked_matmul_equals_the_layers_one_by_one():
         assert [y.shape for y in stacked] == [(3, 1, 64), (3, 1, 32), (3, 1, 32)]
         for y, m in zip(stacked, layers):
             np.testing.assert_allclose(y, m(x), rtol=1e-5, atol=1e-5)
-        assert ("concatenate" in f.lower(x).as_text()) == (mode == "none")  # int8, bf16 under fp32: one by one
+        # fp32: one stacked product; int8: each layer one row at a time (3 rows <= Int8Linear.split_rows); bf16
+        # weights under fp32 inputs: one product per layer
+        assert f.lower(x).as_text().count("dot_general") == {"none": 1, "int8": 9, "bf16": 3}[mode]
+
+
+def test_a_few_rows_are_multiplied_one_row_at_a_time_on_a_cpu():
+    """Up to split_rows rows (float 2, int8 8) go through one-row products on a CPU: the same numbers as the whole
+    matmul, and more rows (a prefill, a training batch) stay one matmul."""
+    from flaxchat.gpt import Linear, row_products
+    from flaxchat.quantize import quantize_for_generation
+
+    assert row_products() == (jax.default_backend() == "cpu")
+    config = GPTConfig(sequence_len=32, vocab_size=128, n_layer=1, n_head=4, n_kv_head=2, n_embd=64)
+    for mode, split in (("none", 2), ("int8", 8)):
+        head = quantize_for_generation(make(config), mode).lm_head
+        assert head.split_rows == split and Linear.split_rows == 2
+        for rows in (1, 2, 3, 8, 9):
+            x = jax.random.normal(jax.random.key(rows), (rows, 1, 64))
+            f = jax.jit(lambda x: head(x, out_dtype=jnp.float32))
+            want = jnp.einsum("bti,oi->bto", x, head.matrix(), precision="highest")
+            np.testing.assert_allclose(f(x), want, rtol=1e-5, atol=1e-5)
+            dots = f.lower(x).as_text().count("dot_general")
+            assert dots == (rows if 1 < rows <= split and row_products() else 1), (mode, rows)
