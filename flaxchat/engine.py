@@ -90,12 +90,17 @@ def take_rows(cache: KVCache, rows: int, span: int) -> KVCache:
                    pos=cache.pos[:rows], prev_embedding=cache.prev_embedding[:rows])
 
 
+def extent(cache: KVCache) -> tuple[int, int]:
+    """(rows, span) of a cache or of a part taken from one: its slots and the positions each holds."""
+    return cache.pos.shape[0], cache.k[0].shape[2]
+
+
 def put_rows(cache: KVCache, part: KVCache, start, width: int) -> KVCache:
     """Write a decode chunk's work back: for each row, only the `width` positions from `start` (B,) on, which
     hold everything the chunk wrote (copying the whole working part back would cost as much as the chunk's
     attention). The window is clamped inside the part; positions it covers that the chunk did not write hold
     the values taken from the cache, so writing them back changes nothing."""
-    rows, span = part.pos.shape[0], part.k[0].shape[2]
+    rows, span = extent(part)
     width = min(width, span)
     start = jnp.clip(start, 0, span - width)
     cols = start[:, None] + jnp.arange(width)[None, :]  # (rows, width)
@@ -571,7 +576,7 @@ def _decode(graphdef, params, slots: Slots, ctl: Controls, limit, *, rows, span,
     init = (take_rows(slots.cache, rows, span), slots.logits[r], forced_pos[r], jnp.zeros((rows, chunk), jnp.int32),
             jnp.zeros((rows, chunk), bool), jnp.int32(0), live, jnp.bool_(False), weights)
     cache, logits, f_pos, out, was_forced, steps, _, _, _ = jax.lax.while_loop(cond, body, init)
-    whole = (rows, span) == (slots.cache.pos.shape[0], slots.cache.k[0].shape[2])
+    whole = (rows, span) == extent(slots.cache)
     slots = Slots(cache=cache if whole else put_rows(slots.cache, cache, slots.cache.pos[r], chunk),
                   logits=slots.logits.at[r].set(logits),
                   forced=forced, forced_len=forced_len, forced_pos=forced_pos.at[r].set(f_pos))
@@ -627,9 +632,7 @@ def compiler_options(params) -> tuple:
     pair; batch-1 decode of a d4 model +25% in interleaved runs). Float weights go through library kernels or
     stream from memory and gain nothing (they lost a little in the same test), so they keep XLA's default.
     """
-    leaves = jax.tree.leaves(params)
-    on_cpu = all(d.platform == "cpu" for x in leaves[:1] for d in x.devices())
-    if on_cpu and any(x.dtype == jnp.int8 for x in leaves):
+    if jax.default_backend() == "cpu" and any(x.dtype == jnp.int8 for x in jax.tree.leaves(params)):
         return (("xla_cpu_prefer_vector_width", 512),)
     return ()
 

@@ -44,7 +44,7 @@ import numpy as np
 from flax import nnx
 
 from flaxchat.engine import (MAX_TOP_K, TOP_K_TIERS, Reply, attention_span, bucket_length, compiler_options,
-                             controls, empty_slots, in_compute_dtype, programs_for, stop_tokens)
+                             controls, empty_slots, extent, in_compute_dtype, programs_for, stop_tokens)
 from flaxchat.execution import use_calculator
 
 log = logging.getLogger(__name__)
@@ -196,7 +196,7 @@ class Scheduler:
         needs the whole cache (_settle): copying that part out and back around every chunk cost ~10% of a
         16-row chunk on a CPU."""
         part = self._part
-        if part is None or (part.cache.pos.shape[0], part.cache.k[0].shape[2]) != (rows, span):
+        if part is None or extent(part.cache) != (rows, span):
             self._settle()
             self._part = self._programs.extract(self._state, rows=rows, span=span)
         self._part, out, _, steps = self._programs.decode(
