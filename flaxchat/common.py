@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import sys
@@ -104,6 +105,59 @@ def compute_dtype(name: str | None = None):
             raise ValueError(f"unknown dtype {name!r}; choose one of {', '.join(_DTYPES)}")
         return _DTYPES[name]
     return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+
+
+def widened_products() -> bool:
+    """Whether bf16 products ask XLA for fp32 results: on a CPU. XLA:CPU's library multiplies bf16 into fp32
+    with the CPU's bf16 instructions (AVX512-BF16, AMX) at up to twice its fp32 rate, while a bf16 result takes a
+    path slower than fp32 (upcast operands). Accelerators accumulate bf16 in fp32 inside their kernels anyway."""
+    return jax.default_backend() == "cpu"
+
+
+def split_in_two(x, axis: int):
+    """x with `axis` (of even length) split into two axes (2, n/2), to contract over both.
+
+    A bf16 product that contracts the leading (row) axis of both operands (a weight gradient) or a stacked
+    product of a matrix with its own transpose is one XLA:CPU's bf16 kernels do not take: XLA converts the
+    operands and multiplies at the fp32 rate. Contracting over two axes instead, XLA first lays the operand out
+    for the library's bf16 kernel (a transposing copy) and the product runs at the bf16 rate."""
+    axis = axis % x.ndim
+    return x.reshape(*x.shape[:axis], 2, x.shape[axis] // 2, *x.shape[axis + 1:])
+
+
+def einsum(spec: str, a, b, out_dtype=None):
+    """jnp.einsum(spec, a, b) for the model's and optimizer's products; out_dtype defaults to a's dtype.
+
+    bf16 operands on a CPU (see widened_products) multiply into fp32 and round once to out_dtype, and so do
+    both gradients (the cotangent is rounded to bf16 first, as in a bf16 backward pass): JAX's own transpose
+    of such a product would multiply in fp32. Every other case is plain jnp.einsum. The result equals a bf16
+    product's (one rounding of an fp32 accumulation) up to summation order."""
+    out_dtype = jnp.dtype(out_dtype or a.dtype)
+    if a.dtype == b.dtype == jnp.bfloat16 and widened_products():
+        return _widened_einsum(spec, out_dtype, a, b)
+    return jnp.einsum(spec, a, b, preferred_element_type=out_dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _widened_einsum(spec, out_dtype, a, b):
+    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32).astype(out_dtype)
+
+
+def _widened_einsum_fwd(spec, out_dtype, a, b):
+    return _widened_einsum(spec, out_dtype, a, b), (a, b)
+
+
+def _widened_einsum_bwd(spec, out_dtype, res, g):
+    a, b = res
+    inputs, out = spec.replace(" ", "").split("->")
+    sa, sb = inputs.split(",")
+    g = g.astype(a.dtype)
+    da = jnp.einsum(f"{out},{sb}->{sa}", g, b, preferred_element_type=jnp.float32).astype(a.dtype)
+    db = jnp.einsum(f"{sa},{out}->{sb}", a, g, preferred_element_type=jnp.float32).astype(b.dtype)
+    return da, db
+
+
+_widened_einsum.defvjp(_widened_einsum_fwd, _widened_einsum_bwd)
 
 
 PROGRESS_LOG_SECONDS = 30.0  # a progress line at most this often when output goes to a log ($FLAXCHAT_PROGRESS_SECONDS)

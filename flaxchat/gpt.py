@@ -25,7 +25,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from flaxchat import sharding
-from flaxchat.common import compute_dtype
+from flaxchat.common import compute_dtype, einsum, split_in_two, widened_products
 from flaxchat.config import GPTConfig
 
 SOFTCAP = 15.0
@@ -152,6 +152,8 @@ class Linear(nnx.Module):
             flat = x.reshape(rows, x.shape[-1])
             y = [jnp.matmul(flat[i : i + 1], w.T, preferred_element_type=out_dtype) for i in range(rows)]
             return jnp.concatenate(y).reshape(*x.shape[:-1], w.shape[0])
+        if x.dtype == w.dtype == jnp.bfloat16 and widened_products():  # a CPU's fast bf16 -> fp32 products
+            return einsum("...i,oi->...o", x, w, out_dtype)
         return jnp.matmul(x, w.T, preferred_element_type=out_dtype)
 
     def matrix(self):
@@ -241,11 +243,11 @@ def _attend_block(q, k, v, window, start, stop):
     Hkv = k.shape[2]
     lo = max(0, start - window)
     qb = q[:, start:stop].reshape(B, stop - start, Hkv, H // Hkv, D)
-    s = jnp.einsum("btkgd,bskd->bkgts", qb, k[:, lo:stop], preferred_element_type=jnp.float32) * D**-0.5
+    s = einsum("btkgd,bskd->bkgts", qb, k[:, lo:stop], jnp.float32) * D**-0.5
     qpos, kpos = jnp.arange(start, stop)[:, None], jnp.arange(lo, stop)[None, :]
     s = jnp.where((kpos <= qpos) & (qpos - kpos <= window), s, -jnp.inf)
     p = jax.nn.softmax(s, axis=-1).astype(q.dtype)
-    return jnp.einsum("bkgts,bskd->btkgd", p, v[:, lo:stop]).reshape(B, stop - start, H, D)
+    return einsum("bkgts,bskd->btkgd", p, v[:, lo:stop]).reshape(B, stop - start, H, D)
 
 
 def chunked_attention(q, k, v, window):
@@ -528,7 +530,11 @@ def _local_loss_and_grads(x, targets, w, vocab_size, axes):
         # accumulate in fp32 (as autocast's backward does), so bf16 runs do not pay for fp32 matmuls here
         dlogits = jnp.pad(dlogits, ((0, 0), (0, pad_v))).astype(x.dtype)
         dx = jnp.einsum("nv,vc->nc", dlogits, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
-        dw = dw + jnp.einsum("nv,nc->vc", dlogits, xc, preferred_element_type=jnp.float32)
+        if x.dtype == jnp.bfloat16 and widened_products() and chunk % 2 == 0:  # see common.widened_products
+            dw = dw + jnp.einsum("bnv,bnc->vc", *(split_in_two(a, 0) for a in (dlogits, xc)),
+                                 preferred_element_type=jnp.float32)
+        else:
+            dw = dw + jnp.einsum("nv,nc->vc", dlogits, xc, preferred_element_type=jnp.float32)
         return (total + jnp.sum(losses), dw), dx
 
     init = (jnp.zeros((), jnp.float32), jnp.zeros(w.shape, jnp.float32))

@@ -130,3 +130,20 @@ def program_stats(hlo_text: str) -> dict:
             ops.append((kind, shape, n, op_name.group(1) if op_name else ""))
     return {"collectives": sum(v["count"] for v in by_kind.values()), "bytes": sum(v["bytes"] for v in by_kind.values()),
             "by_kind": by_kind, "matmul_flops": flops, "ops": ops, "unknown_trip_counts": unknown}
+
+
+
+def dot_types(hlo_text: str) -> list[tuple[str, str, int]]:
+    """Every dot instruction of the program as (lhs element type, rhs element type, FLOPs of one execution),
+    loops not unrolled. A CPU program of a bf16 model should multiply bf16: XLA:CPU converts the operands of a
+    product its bf16 kernels do not take and runs it at the fp32 rate (see common.split_in_two)."""
+    comps, _ = _parse(hlo_text)
+    shapes = {name: shape for instrs in comps.values() for name, shape, _, _ in instrs}
+    element = lambda name: (m.group(1) if (m := _ARRAY.search(shapes.get(name, ""))) else "?")
+    dots = []
+    for instrs in comps.values():
+        for _, shape, opcode, rest in instrs:
+            if opcode == "dot":
+                lhs, rhs = re.findall(r"%([^\s,)]+)", rest)[:2]
+                dots.append((element(lhs), element(rhs), _dot_flops(shape, rest, shapes)))
+    return dots

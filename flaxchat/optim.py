@@ -36,7 +36,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from flaxchat import sharding
-from flaxchat.common import compute_dtype, print0
+from flaxchat.common import compute_dtype, einsum, print0, split_in_two, widened_products
 
 # Polar Express coefficients for 5 iterations (safety factor 2e-2, cushion 2), from
 # Amsel, Persson, Musco, Gower, "The Polar Express", arXiv:2505.16932 — the values nanochat uses.
@@ -101,17 +101,33 @@ def polar_express(x, ns_steps: int = 5):
     """
     denom = _scale(1.01, _frobenius_norm(x))
     x = x / (denom + jnp.asarray(1e-6, x.dtype))
-    # "highest" so that an fp32 orthogonalisation really is fp32 on TPU/GPU (no-op for bf16 inputs).
-    mm = lambda a, b: jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)
+    # "highest" so that an fp32 orthogonalisation really is fp32 on TPU/GPU; bf16 through common.einsum (on a CPU
+    # its products accumulate in fp32, twice as fast as fp32 ones)
+    if x.dtype == jnp.bfloat16:
+        mm = lambda a, b: einsum("...ij,...jk->...ik", a, b)
+    else:
+        mm = lambda a, b: jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)
     tall = x.shape[-2] > x.shape[-1]
     for a, b, c in POLAR_EXPRESS_COEFFS[:ns_steps]:
+        gram = _gram(x, tall, mm)
         if tall:
-            gram = mm(jnp.swapaxes(x, -1, -2), x)
             x = _scale(a, x) + mm(x, _scale(b, gram) + _scale(c, mm(gram, gram)))
         else:
-            gram = mm(x, jnp.swapaxes(x, -1, -2))
             x = _scale(a, x) + mm(_scale(b, gram) + _scale(c, mm(gram, gram)), x)
     return x
+
+
+def _gram(x, tall: bool, mm):
+    """x^T x (tall) or x x^T (wide), the short side's Gram matrix of a stack of matrices.
+
+    bf16 on a CPU: the long side is split in two (common.split_in_two), so the product runs in XLA:CPU's bf16
+    kernel instead of in fp32: the d4 model's two Muon stacks orthogonalise in ~67 instead of ~96 ms. Same sums
+    (an fp32 accumulation of the same products)."""
+    axis = -2 if tall else -1
+    if not (x.dtype == jnp.bfloat16 and widened_products() and x.shape[axis] % 2 == 0):
+        return mm(jnp.swapaxes(x, -1, -2), x) if tall else mm(x, jnp.swapaxes(x, -1, -2))
+    halves = split_in_two(x, axis)
+    return einsum("...bji,...bjk->...ik" if tall else "...ibj,...kbj->...ik", halves, halves)
 
 
 def renormalize(x):
@@ -537,10 +553,10 @@ def build_optimizer(
 
     (also "muon_momentum", "muon_weight_decay"). `optimizer_stats` reads them back together
     with the count of skipped non-finite steps. `polar_dtype` is the orthogonalisation dtype:
-    bf16 when the compute dtype is bf16 (as nanochat), fp32 otherwise.
+    bf16 when the model computes in bf16 (as nanochat), fp32 otherwise.
     """
     if polar_dtype is None:
-        polar_dtype = jnp.bfloat16 if compute_dtype() == jnp.bfloat16 else jnp.float32
+        polar_dtype = jnp.bfloat16 if getattr(model, "dtype", compute_dtype()) == jnp.bfloat16 else jnp.float32
     n_embd = model.config.n_embd
     if verbose:
         print0(f"Scaling the AdamW learning rates by (n_embd/{REFERENCE_WIDTH})^-0.5 = {(n_embd / REFERENCE_WIDTH) ** -0.5:.6f}")

@@ -405,3 +405,19 @@ def test_a_few_rows_are_multiplied_one_row_at_a_time_on_a_cpu():
             np.testing.assert_allclose(f(x), want, rtol=1e-5, atol=1e-5)
             dots = f.lower(x).as_text().count("dot_general")
             assert dots == (rows if 1 < rows <= split and row_products() else 1), (mode, rows)
+
+
+def test_a_bfloat16_train_step_multiplies_bfloat16_on_a_cpu():
+    """Every sizeable product of a bf16 model's compiled CPU train step (forward, backward, fused loss, Muon)
+    takes bf16 operands: XLA:CPU runs a product its bf16 kernels do not take (a bf16 result, a weight gradient
+    over the rows, a stacked Gram matrix) in fp32, at half the rate. Only the smear and value-embedding gates'
+    tiny products may stay fp32."""
+    from flaxchat.hlo import dot_types
+    from flaxchat.training import compile_train_step
+
+    config = GPTConfig(sequence_len=64, vocab_size=512, n_layer=2, n_head=2, n_kv_head=2, n_embd=128)
+    mesh = sharding.make_mesh(devices=jax.devices()[:1])
+    program = compile_train_step(config, mesh, 8, dtype=jnp.bfloat16).as_text()
+    dots = dot_types(program)
+    assert sum(lhs == rhs == "bf16" for lhs, rhs, _ in dots) >= 20
+    assert [d for d in dots if d[:2] != ("bf16", "bf16") and d[2] > 10**5] == []

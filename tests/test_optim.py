@@ -563,3 +563,38 @@ def test_derive_training_rejects_bad_flags():
         derive_training(4, COUNTS[4], FLOPS[4], COUNTS[12], target_flops=1e9)
     with pytest.raises(ValueError, match="total-batch-size"):
         derive_training(4, COUNTS[4], FLOPS[4], COUNTS[12], total_batch_size=0)
+
+
+def test_bfloat16_gram_matrices_are_bfloat16_products_of_the_same_sums():
+    """optim._gram splits the long side in two for bf16 on a CPU (one bf16 product instead of an fp32 one); the
+    result is the plain Gram matrix, and the orthogonalisation compiles to bf16 products only."""
+    from flaxchat.hlo import dot_types
+
+    rng = np.random.default_rng(3)
+    mm = lambda a, b: jnp.einsum("...ij,...jk->...ik", a, b, preferred_element_type=jnp.float32)
+    for shape, tall in (((3, 32, 96), False), ((3, 96, 32), True)):
+        x = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+        plain = mm(jnp.swapaxes(x, -1, -2), x) if tall else mm(x, jnp.swapaxes(x, -1, -2))
+        gram = optim._gram(x, tall, mm)
+        np.testing.assert_allclose(np.asarray(gram.astype(jnp.float32)), np.asarray(plain), rtol=2**-7, atol=1e-3)
+        program = jax.jit(optim.polar_express).lower(x).compile().as_text()
+        assert {d[:2] for d in dot_types(program)} == {("bf16", "bf16")}
+
+
+def test_the_orthogonalisation_dtype_follows_the_models(monkeypatch):
+    """build_optimizer orthogonalises in bf16 for a bf16 model (as nanochat), also where the default compute
+    dtype is fp32 (a CPU run with --dtype bfloat16)."""
+    from flax import nnx
+
+    from flaxchat.config import GPTConfig
+    from flaxchat.gpt import GPT
+
+    seen = []
+    original = optim.muon_adamw
+    monkeypatch.setattr(optim, "muon_adamw", lambda groups, schedule, polar_dtype, axes: (
+        seen.append(jnp.dtype(polar_dtype).name), original(groups, schedule, polar_dtype, axes))[1])
+    config = GPTConfig(sequence_len=16, vocab_size=64, n_layer=1, n_head=1, n_kv_head=1, n_embd=64)
+    for dtype in (jnp.float32, jnp.bfloat16):
+        model = nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0), dtype=dtype))
+        nnx.eval_shape(lambda m: optim.build_optimizer(m, verbose=False), model)
+    assert seen == ["float32", "bfloat16"]
