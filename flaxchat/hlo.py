@@ -132,7 +132,6 @@ def program_stats(hlo_text: str) -> dict:
             "by_kind": by_kind, "matmul_flops": flops, "ops": ops, "unknown_trip_counts": unknown}
 
 
-
 def dot_types(hlo_text: str) -> list[tuple[str, str, int]]:
     """Every dot instruction of the program as (lhs element type, rhs element type, FLOPs of one execution),
     loops not unrolled. A CPU program of a bf16 model should multiply bf16: XLA:CPU converts the operands of a
