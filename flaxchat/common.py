@@ -108,11 +108,12 @@ def compute_dtype(name: str | None = None):
     return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
 
 
-def widened_products() -> bool:
-    """Whether bf16 products ask XLA for fp32 results: on a CPU. XLA:CPU's library multiplies bf16 into fp32
-    with the CPU's bf16 instructions (AVX512-BF16, AMX) at up to twice its fp32 rate, while a bf16 result takes a
-    path slower than fp32 (upcast operands). Accelerators accumulate bf16 in fp32 inside their kernels anyway."""
-    return jax.default_backend() == "cpu"
+def widened_products(*operands) -> bool:
+    """Whether a product of these operands (all bf16) asks XLA for an fp32 result: on a CPU. XLA:CPU's library
+    multiplies bf16 into fp32 with the CPU's bf16 instructions (AVX512-BF16, AMX) at up to twice its fp32 rate,
+    while a bf16 result takes a path slower than fp32 (upcast operands). Accelerators accumulate bf16 in fp32
+    inside their kernels anyway."""
+    return jax.default_backend() == "cpu" and all(x.dtype == jnp.bfloat16 for x in operands)
 
 
 def split_in_two(x, axis: int):
@@ -134,7 +135,7 @@ def einsum(spec: str, a, b, out_dtype=None):
     of such a product would multiply in fp32. Every other case is plain jnp.einsum. The result equals a bf16
     product's (one rounding of an fp32 accumulation) up to summation order."""
     out_dtype = jnp.dtype(out_dtype or a.dtype)
-    if a.dtype == b.dtype == jnp.bfloat16 and widened_products():
+    if widened_products(a, b):
         return _widened_einsum(spec, out_dtype, a, b)
     return jnp.einsum(spec, a, b, preferred_element_type=out_dtype)
 

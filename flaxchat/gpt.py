@@ -152,7 +152,7 @@ class Linear(nnx.Module):
             flat = x.reshape(rows, x.shape[-1])
             y = [jnp.matmul(flat[i : i + 1], w.T, preferred_element_type=out_dtype) for i in range(rows)]
             return jnp.concatenate(y).reshape(*x.shape[:-1], w.shape[0])
-        if x.dtype == w.dtype == jnp.bfloat16 and widened_products():  # a CPU's fast bf16 -> fp32 products
+        if widened_products(x, w):  # a CPU's fast bf16 -> fp32 products
             return einsum("...i,oi->...o", x, w, out_dtype)
         return jnp.matmul(x, w.T, preferred_element_type=out_dtype)
 
@@ -530,7 +530,7 @@ def _local_loss_and_grads(x, targets, w, vocab_size, axes):
         # accumulate in fp32 (as autocast's backward does), so bf16 runs do not pay for fp32 matmuls here
         dlogits = jnp.pad(dlogits, ((0, 0), (0, pad_v))).astype(x.dtype)
         dx = jnp.einsum("nv,vc->nc", dlogits, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
-        if x.dtype == jnp.bfloat16 and widened_products() and chunk % 2 == 0:  # see common.widened_products
+        if widened_products(x) and chunk % 2 == 0:  # see common.widened_products
             dw = dw + jnp.einsum("bnv,bnc->vc", *(split_in_two(a, 0) for a in (dlogits, xc)),
                                  preferred_element_type=jnp.float32)
         else:

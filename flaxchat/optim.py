@@ -124,7 +124,7 @@ def _gram(x, tall: bool, mm):
     kernel instead of in fp32: the d4 model's two Muon stacks orthogonalise in ~67 instead of ~96 ms. Same sums
     (an fp32 accumulation of the same products)."""
     axis = -2 if tall else -1
-    if not (x.dtype == jnp.bfloat16 and widened_products() and x.shape[axis] % 2 == 0):
+    if not (widened_products(x) and x.shape[axis] % 2 == 0):
         return mm(jnp.swapaxes(x, -1, -2), x) if tall else mm(x, jnp.swapaxes(x, -1, -2))
     halves = split_in_two(x, axis)
     return einsum("...bji,...bjk->...ik" if tall else "...ibj,...kbj->...ik", halves, halves)
