@@ -1,3 +1,5 @@
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -56,6 +58,36 @@ def test_fused_loss_and_grads_equal_naive():
     np.testing.assert_allclose(float(fused), float(naive), rtol=1e-6)
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize("chunk_rows", [16, 9])  # even chunks take the (C, V) gradient path, odd ones the plain one
+def test_chunked_loss_gradients_equal_autodiff(monkeypatch, chunk_rows):
+    """loss_sum over several chunks (the last one padded) against autodiff through the plain softcapped
+    cross-entropy; on a CPU with even chunks lm_head's gradient is accumulated as (C, V) and no product
+    yields a (V, C) result: XLA:CPU runs the transposed accumulation at about the rate of the loss's other
+    two products, the (V, C) one over the rows at about half."""
+    from flaxchat import gpt
+
+    n, C, V, Vp = 40, 32, 200, 256
+    monkeypatch.setitem(gpt.LOSS_CHUNK_BYTES, "cpu", 4 * V * chunk_rows)
+    kx, kw, kt = jax.random.split(jax.random.key(3), 3)
+    x = jax.random.normal(kx, (n, C))
+    w = jax.random.normal(kw, (Vp, C)) * 0.3
+    t = jax.random.randint(kt, (n,), 0, V).at[:3].set(-1)
+
+    def plain(x, w):
+        z = gpt.SOFTCAP * jnp.tanh((x @ w.T)[:, :V] / gpt.SOFTCAP)
+        nll = jax.nn.logsumexp(z, axis=-1) - jnp.take_along_axis(z, jnp.maximum(t, 0)[:, None], axis=-1)[:, 0]
+        return jnp.sum(jnp.where(t >= 0, nll, 0.0))
+
+    fused = jax.jit(jax.value_and_grad(lambda x, w: gpt.loss_sum(x, w, t, V), argnums=(0, 1)))
+    (got, (gx, gw)), (want, (wx, ww)) = fused(x, w), jax.value_and_grad(plain, argnums=(0, 1))(x, w)
+    np.testing.assert_allclose(float(got), float(want), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(gx), np.asarray(wx), atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(gw), np.asarray(ww), atol=1e-5, rtol=1e-5)
+    results = re.findall(r"= f32\[(\d+),(\d+)\]\{1,0\} (?:dot|fusion)\([^\n]*dot_general", fused.lower(x, w).compile().as_text())
+    assert ((str(C), str(Vp)) in results) == (chunk_rows % 2 == 0)
+    assert ((str(Vp), str(C)) in results) == (chunk_rows % 2 == 1)
 
 
 def test_loss_reductions():
