@@ -122,7 +122,8 @@ def split_in_two(x, axis: int):
     A bf16 product that contracts the leading (row) axis of both operands (a weight gradient) or a stacked
     product of a matrix with its own transpose is one XLA:CPU's bf16 kernels do not take: XLA converts the
     operands and multiplies at the fp32 rate. Contracting over two axes instead, XLA first lays the operand out
-    for the library's bf16 kernel (a transposing copy) and the product runs at the bf16 rate."""
+    for the library's bf16 kernel (a transposing copy) and the product runs at the bf16 rate. The fused loss's
+    lm_head gradient takes the same route in fp32 too (gpt._local_loss_and_grads)."""
     axis = axis % x.ndim
     return x.reshape(*x.shape[:axis], 2, x.shape[axis] // 2, *x.shape[axis + 1:])
 
