@@ -519,7 +519,7 @@ def _local_loss_and_grads(x, targets, w, vocab_size, axes):
     # XLA:CPU's kernels take w's gradient (a product contracting the rows of both operands) at about the rate
     # of the other two products when it is accumulated as (C, Vp) with the rows split in two, after one
     # transposing copy of each chunk; as (Vp, C) over the rows it runs ~1.4x slower (fp32 and bf16 alike)
-    on_cpu = jax.default_backend() == "cpu" and chunk % 2 == 0
+    transposed = jax.default_backend() == "cpu" and chunk % 2 == 0  # dw accumulated as (C, Vp)
 
     def step(carry, a):
         total, dw = carry
@@ -534,16 +534,16 @@ def _local_loss_and_grads(x, targets, w, vocab_size, axes):
         # accumulate in fp32 (as autocast's backward does), so bf16 runs do not pay for fp32 matmuls here
         dlogits = jnp.pad(dlogits, ((0, 0), (0, pad_v))).astype(x.dtype)
         dx = jnp.einsum("nv,vc->nc", dlogits, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
-        if on_cpu:
+        if transposed:
             dw = dw + jnp.einsum("bnc,bnv->cv", *(split_in_two(a, 0) for a in (xc, dlogits)),
                                  preferred_element_type=jnp.float32)
         else:
             dw = dw + jnp.einsum("nv,nc->vc", dlogits, xc, preferred_element_type=jnp.float32)
         return (total + jnp.sum(losses), dw), dx
 
-    init = (jnp.zeros((), jnp.float32), jnp.zeros(w.shape[::-1] if on_cpu else w.shape, jnp.float32))
+    init = (jnp.zeros((), jnp.float32), jnp.zeros(w.shape[::-1] if transposed else w.shape, jnp.float32))
     (total, dw), dxs = jax.lax.scan(step, init, (xs, ts))
-    dw = dw.T if on_cpu else dw
+    dw = dw.T if transposed else dw
     dx = dxs.reshape(-1, C)[:n]
     return sharding.psum(total, axes), dx, sharding.psum(dw.astype(w.dtype), axes)
 
