@@ -60,6 +60,14 @@ def test_fused_loss_and_grads_equal_naive():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-6, rtol=1e-4)
 
 
+def test_cpu_loss_chunks_are_at_most_512_rows_within_the_byte_budget():
+    from flaxchat import gpt
+
+    assert gpt._chunk_rows(4096, 4096) == gpt.LOSS_CHUNK_ROWS_CPU == 512  # 64 MB would allow all 4096
+    assert gpt._chunk_rows(300, 4096) == 300
+    assert gpt._chunk_rows(4096, 262144) == gpt.LOSS_CHUNK_BYTES["cpu"] // (4 * 262144)  # 64 rows
+
+
 @pytest.mark.parametrize("chunk_rows", [16, 9])  # even chunks take the (C, V) gradient path, odd ones the plain one
 def test_chunked_loss_gradients_equal_autodiff(monkeypatch, chunk_rows):
     """loss_sum over several chunks (the last one padded) against autodiff through the plain softcapped
