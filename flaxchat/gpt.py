@@ -462,8 +462,8 @@ LOSS_CHUNK_ROWS_CPU = 512
 
 def _chunk_rows(n_rows, vocab_size):
     cpu = jax.default_backend() == "cpu"
-    rows = max(8, LOSS_CHUNK_BYTES["cpu" if cpu else "accelerator"] // (4 * vocab_size))
-    return min(n_rows, rows, LOSS_CHUNK_ROWS_CPU if cpu else rows)
+    rows = min(n_rows, max(8, LOSS_CHUNK_BYTES["cpu" if cpu else "accelerator"] // (4 * vocab_size)))
+    return min(rows, LOSS_CHUNK_ROWS_CPU) if cpu else rows
 
 
 def _softcapped_logits(x, w, vocab_size):
