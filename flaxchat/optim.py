@@ -98,6 +98,8 @@ def polar_express(x, ns_steps: int = 5):
 
     The 1.01 margin keeps the spectral norm strictly below one after the Frobenius
     normalisation. The Gram matrix is formed on the short side, so the cost is min(rows, cols)^2.
+    An fp32 matrix at least twice as long as it is wide takes the Gram form (polar_express_gram), the
+    same iterates with about half the products.
     """
     denom = _scale(1.01, _frobenius_norm(x))
     x = x / (denom + jnp.asarray(1e-6, x.dtype))
@@ -108,6 +110,8 @@ def polar_express(x, ns_steps: int = 5):
     else:
         mm = lambda a, b: jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)
     tall = x.shape[-2] > x.shape[-1]
+    if x.dtype == jnp.float32 and max(x.shape[-2:]) >= GRAM_FORM_MIN_ASPECT * min(x.shape[-2:]):
+        return polar_express_gram(x, ns_steps, tall, mm)
     for a, b, c in POLAR_EXPRESS_COEFFS[:ns_steps]:
         gram = _gram(x, tall, mm)
         if tall:
@@ -115,6 +119,33 @@ def polar_express(x, ns_steps: int = 5):
         else:
             x = _scale(a, x) + mm(_scale(b, gram) + _scale(c, mm(gram, gram)), x)
     return x
+
+
+# the Gram form pays off from this aspect ratio on: per iteration it costs 4 short-side products instead of
+# 2 * aspect + 1, plus 2 * aspect once
+GRAM_FORM_MIN_ASPECT = 2
+
+
+def polar_express_gram(x, ns_steps: int, tall: bool, mm):
+    """polar_express's iterates kept as x0 @ q (tall; q @ x0 wide), with q a short-side square matrix.
+
+    Each step x <- a x + b x g + c x g^2 (g = x^T x) is x <- x p(g), and every matrix in play is a polynomial
+    in g0 = x0^T x0, so they commute: q <- q p, g <- p g p. Only g0 and the final x0 @ q touch the long side,
+    so a 4:1 matrix (nanochat's MLP) orthogonalises in about half the time of the direct iteration, and in
+    fp32 it lands as close to the exact iterates (within ~1e-6). In bf16 the drift of g away from the
+    iterates' real Gram matrix would matter, so bf16 keeps the direct form.
+    """
+    g = _gram(x, tall, mm)
+    eye = jnp.eye(g.shape[-1], dtype=g.dtype)
+    q = None
+    for i, (a, b, c) in enumerate(POLAR_EXPRESS_COEFFS[:ns_steps]):
+        p = _scale(a, eye) + _scale(b, g) + _scale(c, mm(g, g))
+        q = p if q is None else mm(q, p) if tall else mm(p, q)
+        if i + 1 < ns_steps:
+            g = mm(mm(p, g), p)
+    if q is None:
+        return x
+    return mm(x, q) if tall else mm(q, x)
 
 
 def _gram(x, tall: bool, mm):
@@ -239,7 +270,9 @@ def _stack(arrays, size, layouts):
 
 
 def _unstack(x, n, layouts):
-    for spec in layouts[-2::-1]:
+    """The stack back to its arrays, the layouts walked backwards from the one _stack ended on: pinning the result
+    to that split too keeps XLA from partitioning the orthogonalisation's products some other way."""
+    for spec in layouts[::-1]:
         x = jax.lax.with_sharding_constraint(x, spec)
     return [x[i] for i in range(n)]
 
