@@ -131,9 +131,10 @@ def polar_express_gram(x, ns_steps: int, tall: bool, mm):
 
     Each step x <- a x + b x g + c x g^2 (g = x^T x) is x <- x p(g), and every matrix in play is a polynomial
     in g0 = x0^T x0, so they commute: q <- q p, g <- p g p. Only g0 and the final x0 @ q touch the long side,
-    so a 4:1 matrix (nanochat's MLP) orthogonalises in about half the time of the direct iteration, and in
-    fp32 it lands as close to the exact iterates (within ~1e-6). In bf16 the drift of g away from the
-    iterates' real Gram matrix would matter, so bf16 keeps the direct form.
+    so a 4:1 matrix (nanochat's MLP) orthogonalises in about half the time of the direct iteration; in fp32 it
+    lands closer to the float64 iterates than the direct form does (6e-7 against 2.3e-6 at a (4, 1024, 256)
+    stack: fewer roundings of long-side products). In bf16 the drift of g away from the iterates' real Gram
+    matrix would matter, so bf16 keeps the direct form.
     """
     g = _gram(x, tall, mm)
     eye = jnp.eye(g.shape[-1], dtype=g.dtype)
