@@ -601,7 +601,7 @@ def test_the_orthogonalisation_dtype_follows_the_models(monkeypatch):
 
 
 @pytest.mark.parametrize("shape, flops_ratio", [((2, 256, 64), 0.6), ((2, 64, 256), 0.6), ((96, 48), 0.9)])
-def test_long_fp32_matrices_orthogonalise_in_the_gram_form_with_fewer_products(shape, flops_ratio):
+def test_long_fp32_matrices_orthogonalise_in_the_gram_form_with_fewer_products(monkeypatch, shape, flops_ratio):
     """An fp32 matrix at least GRAM_FORM_MIN_ASPECT times as long as it is wide takes polar_express_gram: the
     same iterates (checked against the direct iteration in float64, as close as the direct fp32 form gets)
     for fewer matmul FLOPs: about half at nanochat's 4:1 MLP matrices."""
@@ -610,14 +610,9 @@ def test_long_fp32_matrices_orthogonalise_in_the_gram_form_with_fewer_products(s
     x = rand(np.random.default_rng(31), *shape)
     exact = np_polar(x.astype(np.float64))
     ours = np.asarray(optim.polar_express(jnp.asarray(x)))
-    mm = lambda a, b: jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)
-    tall = shape[-2] > shape[-1]
-    y = jnp.asarray(x) / (optim._scale(1.01, optim._frobenius_norm(jnp.asarray(x))) + 1e-6)
-    direct = y
-    for a, b, c in optim.POLAR_EXPRESS_COEFFS:
-        g = optim._gram(direct, tall, mm)
-        p = b * g + c * mm(g, g)
-        direct = a * direct + (mm(direct, p) if tall else mm(p, direct))
+    with monkeypatch.context() as m:  # the direct fp32 iteration of the same matrix (eager: no cached trace)
+        m.setattr(optim, "GRAM_FORM_MIN_ASPECT", float("inf"))
+        direct = optim.polar_express(jnp.asarray(x))
     direct_error = np.abs(np.asarray(direct, np.float64) - exact).max()
     assert np.abs(ours - exact).max() <= max(2 * direct_error, 1e-6)
     long, short = max(shape[-2:]), min(shape[-2:])
