@@ -86,7 +86,9 @@ def rms_norm(x):
     """Parameter-free RMSNorm over the last dim, eps = the dtype's machine epsilon (as torch's rms_norm)."""
     eps = jnp.finfo(x.dtype).eps
     x32 = x.astype(jnp.float32) if x.dtype != jnp.float32 else x
-    y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
+    # the row statistic is broadcast back with [..., None] rather than kept as a size-1 axis: XLA:CPU fuses the
+    # (..., 1) form's backward into slower kernels (the QK norm's ~1.35x slower at nanochat's small shapes)
+    y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1) + eps)[..., None]
     return y.astype(x.dtype)
 
 
@@ -243,12 +245,17 @@ def _attend_block(q, k, v, window, start, stop):
     B, _, H, D = q.shape
     Hkv = k.shape[2]
     lo = max(0, start - window)
-    qb = q[:, start:stop].reshape(B, stop - start, Hkv, H // Hkv, D)
-    s = einsum("btkgd,bskd->bkgts", qb, k[:, lo:stop], jnp.float32) * D**-0.5
+    # without GQA the group axis is left out in fp32: XLA:CPU's fused reductions over (..., 1, t, s) scores run
+    # several times slower than over (..., t, s) ones (the softmax backward's row sums: ~8x at nanochat's small
+    # shapes); its bf16 -> fp32 products take only the grouped form
+    flat = H == Hkv and not widened_products(q, k)
+    qb = q[:, start:stop] if flat else q[:, start:stop].reshape(B, stop - start, Hkv, H // Hkv, D)
+    g = "" if flat else "g"
+    s = einsum(f"btk{g}d,bskd->bk{g}ts", qb, k[:, lo:stop], jnp.float32) * D**-0.5
     qpos, kpos = jnp.arange(start, stop)[:, None], jnp.arange(lo, stop)[None, :]
     s = jnp.where((kpos <= qpos) & (qpos - kpos <= window), s, -jnp.inf)
     p = jax.nn.softmax(s, axis=-1).astype(q.dtype)
-    return einsum("bkgts,bskd->btkgd", p, v[:, lo:stop]).reshape(B, stop - start, H, D)
+    return einsum(f"bk{g}ts,bskd->btk{g}d", p, v[:, lo:stop]).reshape(B, stop - start, H, D)
 
 
 def chunked_attention(q, k, v, window):

@@ -307,14 +307,15 @@ def test_xla_attention_equals_reference(window):
                                atol=2e-5)
 
 
+@pytest.mark.parametrize("Hkv", [2, 4])  # 4: no GQA, the scores without a group axis
 @pytest.mark.parametrize("T", [128, 100])  # 100: the last query block is short
 @pytest.mark.parametrize("window", [16, 40, 128, 1000])
-def test_chunked_attention_equals_reference_forward_and_backward(window, T, monkeypatch):
+def test_chunked_attention_equals_reference_forward_and_backward(window, T, Hkv, monkeypatch):
     """The CPU path: chunks of rows, query blocks over the keys they see, recomputed in the backward pass."""
     from flaxchat import gpt
 
     monkeypatch.setattr(gpt, "CHUNK_SCORE_BYTES", 2**16)  # several chunks of rows even at this size
-    q, k, v = qkv_example(B=4, T=T)
+    q, k, v = qkv_example(B=4, T=T, Hkv=Hkv)
     np.testing.assert_allclose(np.asarray(gpt.attention(q, k, v, window, "chunked")),
                                reference_attention(q, k, v, window), atol=2e-5)
     f = lambda impl: jax.jit(jax.value_and_grad(
