@@ -19,7 +19,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from orbax.checkpoint import checkpoint_managers as ocm
 
-from flaxchat.common import get_base_dir
+from flaxchat.common import get_base_dir, print0
 from flaxchat.config import GPTConfig
 
 PHASE_DIRS = {"base": "base_checkpoints", "sft": "chatsft_checkpoints", "rl": "chatrl_checkpoints"}
@@ -101,6 +101,19 @@ class Checkpointer:
         if data_state is not None:
             items["data"] = ocp.args.JsonSave({"processes": _gather_json(data_state)})
         self.manager.save(step, args=ocp.args.Composite(**items), metrics=metrics, force=True)
+
+    def drop_earlier_run(self) -> None:
+        """Delete checkpoints an earlier run left in this directory; a new run calls it just before its first save.
+
+        As nanochat, a new run replaces the model under its tag; left in place, an earlier run's later steps would
+        be what `load_model` and `--resume` pick as the latest (and saving a step it already has fails). Done at
+        save time, so a run that crashes or is stopped before then keeps the old model.
+        """
+        steps = self.all_steps()
+        if steps:
+            print0(f"replacing the checkpoints of an earlier run in {self.directory} (steps {sorted(steps)})")
+            for step in steps:
+                self.manager.delete(step)
 
     def wait(self) -> None:
         self.manager.wait_until_finished()

@@ -249,7 +249,13 @@ def main(argv=None):
         for prompt, new in zip(prompts, generate(model, prompts, 16, temperature=0.0, stop_tokens=stops)):
             print0(tokenizer.decode(prompt + [t for t in new if t not in stops]))
 
+    saved_once = resume_step is not None  # a resumed run keeps the checkpoints it continues
+
     def save(step):
+        nonlocal saved_once
+        if not saved_once:
+            ckpt.drop_earlier_run()
+            saved_once = True
         meta = {"val_bpb": loop["val_bpb"], "user_config": user_config, "total_batch_size": plan.total_batch_size,
                 "device_batch_size": args.device_batch_size, "max_seq_len": args.max_seq_len,
                 "tokenizer_hash": tokenizer.content_hash, "git_commit": git_commit(), "seed": args.seed,

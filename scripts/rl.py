@@ -35,7 +35,6 @@ from flaxchat.checkpoint import Checkpointer, checkpoint_dir, find_model_tag, gi
 from flaxchat.common import compute_dtype, is_main_process, parse_args, print0, progress_bar
 from flaxchat.optim import build_optimizer
 from flaxchat.report import metrics_logger, plot_panels, read_jsonl
-from scripts.sft import drop_earlier_run
 
 SEQ_BUCKET = 32  # rollout batches are padded to a multiple of this many tokens: a few shapes, a few compiles
 
@@ -303,7 +302,7 @@ def main(argv=None):
             results = evaluate(step)
         if step > 0 and (step % args.save_every == 0 or step == num_steps):
             if not saved_once:
-                drop_earlier_run(ckpt)
+                ckpt.drop_earlier_run()
                 saved_once = True
             ckpt.save(step, model, meta={"user_config": user_config, "task": which, "git_commit": git_commit(),
                                          "source": {"phase": args.source, "model_tag": model_tag, "step": meta["step"]},

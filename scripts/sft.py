@@ -363,19 +363,6 @@ def resume(out_dir, model, optimizer, train_loader, mesh, trainable, lora, base_
     return meta["loop_state"], step
 
 
-def drop_earlier_run(ckpt) -> None:
-    """Delete checkpoints an earlier run left in this output directory, just before this run's first save.
-
-    As nanochat, a new run replaces the model under its tag; left in place, an earlier run's later steps would
-    be what `load_model` picks as the latest. Done at save time, so a run that crashes keeps the old model.
-    """
-    steps = ckpt.all_steps()
-    if steps:
-        print0(f"replacing the checkpoints of an earlier run in {ckpt.directory} (steps {sorted(steps)})")
-        for step in steps:
-            ckpt.manager.delete(step)
-
-
 # -----------------------------------------------------------------------------
 # Generative checks
 
@@ -588,7 +575,7 @@ def main(argv=None):
         nonlocal saved_once
         ckpt = Checkpointer(out_dir, keep=args.keep, keep_best=0)
         if not saved_once:
-            drop_earlier_run(ckpt)
+            ckpt.drop_earlier_run()
             saved_once = True
         ckpt.save(step, model, optimizer, data_state=train_loader.get_state(), params=trainable, meta={
             "val_bpb": loop["val_bpb"], "user_config": user_config, "max_seq_len": args.max_seq_len,

@@ -135,6 +135,22 @@ def test_resume_without_checkpoint_says_so(tiny_base_dir):
         main(TINY + ["--num-iterations", "2", "--resume", "--model-tag", "nothing"])
 
 
+def test_a_fresh_run_replaces_an_earlier_runs_checkpoints(tiny_base_dir, capsys):
+    """Rerunning without --resume under the same tag (the demo's --fresh does) replaces the earlier model: the
+    step both runs save does not clash and the earlier run's later step is not left to be picked as the latest."""
+    from flaxchat.checkpoint import Checkpointer
+    from scripts.pretrain import main
+
+    args = TINY + ["--eval-every", "-1", "--model-tag", "again"]
+    main(args + ["--num-iterations", "4", "--save-every", "2", "--keep", "5"])
+    out = str(tiny_base_dir / "base_checkpoints" / "again")
+    assert Checkpointer(out, async_save=False).all_steps() == [2, 4]
+    main(args + ["--num-iterations", "2"])
+    assert "replacing the checkpoints of an earlier run" in capsys.readouterr().out
+    assert Checkpointer(out, async_save=False).all_steps() == [2]
+    assert sorted(losses(metrics(tiny_base_dir, "again"))) == [1, 2]
+
+
 @pytest.mark.slow
 def test_profile_steps_writes_a_trace(tiny_base_dir):
     from scripts.pretrain import main

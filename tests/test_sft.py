@@ -212,13 +212,12 @@ def test_a_new_run_replaces_an_earlier_runs_checkpoints(tmp_path):
     from flaxchat.checkpoint import Checkpointer
     from flaxchat.config import GPTConfig
     from flaxchat.gpt import GPT
-    from scripts.sft import drop_earlier_run
 
     model = GPT(GPTConfig.from_depth(2, 32, 32, 64, "L", 64), rngs=nnx.Rngs(0))
     ckpt = Checkpointer(str(tmp_path / "run"), keep=3, keep_best=0, async_save=False)
     for step in (5, 9):  # an earlier, longer run
         ckpt.save(step, model)
-    drop_earlier_run(ckpt)
+    ckpt.drop_earlier_run()
     ckpt.save(4, model)  # this run's only checkpoint must be the one load_model picks
     assert ckpt.all_steps() == [4] and ckpt.latest_step() == 4
     ckpt.close()
