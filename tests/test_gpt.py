@@ -60,6 +60,24 @@ def test_fused_loss_and_grads_equal_naive():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-6, rtol=1e-4)
 
 
+def test_cpu_matmul_gradients_equal_autodiff_without_a_transposed_copy_of_the_output_gradient():
+    """A wide weight's gradient on a CPU is taken as (x^T dy)^T: the same gradients as autodiff's, and the
+    compiled backward never holds the (out, tokens) transposed gradient that autodiff's form makes XLA write."""
+    from flaxchat.gpt import cpu_matmul
+
+    x = jax.random.normal(jax.random.key(0), (4, 64, 32))
+    w = jax.random.normal(jax.random.key(1), (128, 32)) * 0.2
+
+    def grads(f):
+        return jax.jit(jax.grad(lambda x, w: jnp.sum(jnp.sin(f(x, w))), argnums=(0, 1)))
+
+    plain = grads(lambda x, w: jnp.matmul(x, w.T))
+    for a, b in zip(grads(cpu_matmul)(x, w), plain(x, w)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+    assert "f32[128,256]" in plain.lower(x, w).compile().as_text()  # 128 outputs x 256 tokens
+    assert "f32[128,256]" not in grads(cpu_matmul).lower(x, w).compile().as_text()
+
+
 def test_cpu_loss_chunks_are_at_most_512_rows_within_the_byte_budget():
     from flaxchat import gpt
 
