@@ -90,10 +90,10 @@ KILLER = textwrap.dedent("""
 
 
 @pytest.mark.parametrize("delay", [0.0, 0.05, 0.3])
-def test_a_save_killed_at_any_moment_never_loads_half_written(tmp_path, delay):
+def test_a_save_killed_at_any_moment_never_loads_half_written(tmp_path, delay, xla_flags):
     """SIGKILL while step 2 is being written: whatever is on disk is either absent or complete."""
     run = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": ROOT, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    env = {**os.environ, "PYTHONPATH": ROOT, "XLA_FLAGS": xla_flags(1)}
     proc = subprocess.run([sys.executable, "-c", KILLER, str(run), str(delay)], env=env, cwd=ROOT, capture_output=True, timeout=300)
     assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
     ckpt = Checkpointer(str(run))

@@ -26,13 +26,14 @@ def free_port():
         return s.getsockname()[1]
 
 
-def run_two_processes(base, argv, timeout=420):
-    """`python *argv` as processes 0 and 1 of one job; both must succeed. Their outputs, in order."""
+def run_two_processes(base, argv, xla_flags, timeout=420):
+    """`python *argv` as processes 0 and 1 of one job (4 CPU devices each); both must succeed. Their outputs,
+    in order. xla_flags: the conftest fixture."""
     port = free_port()
     procs = []
     for pid in range(2):
         env = {**os.environ, "PYTHONPATH": ROOT, "FLAXCHAT_BASE_DIR": str(base),
-               "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu",
+               "XLA_FLAGS": xla_flags(4), "JAX_PLATFORMS": "cpu",
                "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(pid)}
         procs.append(subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
@@ -53,14 +54,14 @@ def rows(base, tag):
 
 
 @pytest.mark.slow
-def test_two_processes_match_one_process(tiny_base_dir):
+def test_two_processes_match_one_process(tiny_base_dir, xla_flags):
     """Mesh tensor=8 spans both processes (every process holds every batch row), so both runs see the same
     data: losses and val bpb must match the single-process run on the same 8-device mesh. (Generation on
     parameters split over both hosts runs in the two-process SFT test's reply check.)"""
     from scripts.pretrain import main
 
     extra = ["--data", "1", "--tensor", "8"]
-    run_two_processes(tiny_base_dir, PRETRAIN + ARGS + extra + ["--model-tag", "two"])
+    run_two_processes(tiny_base_dir, PRETRAIN + ARGS + extra + ["--model-tag", "two"], xla_flags)
     main(ARGS + extra + ["--model-tag", "one"])
     two, one = rows(tiny_base_dir, "two"), rows(tiny_base_dir, "one")
     assert [r["step"] for r in two] == [r["step"] for r in one]
@@ -72,12 +73,12 @@ def test_two_processes_match_one_process(tiny_base_dir):
 
 
 @pytest.mark.slow
-def test_two_processes_data_parallel_read_disjoint_data(tiny_base_dir):
+def test_two_processes_data_parallel_read_disjoint_data(tiny_base_dir, xla_flags):
     """Mesh data=8: each process reads its own half of the documents and builds only its rows; training
     runs to the end and the saved checkpoint holds both processes' loader states. Then one process resumes
     the run and carries the data position over."""
     dp = ["--data", "8", "--device-batch-size", "1", "--model-tag", "dp", "--eval-every", "-1"]  # data, not evals
-    run_two_processes(tiny_base_dir, PRETRAIN + ARGS + dp)
+    run_two_processes(tiny_base_dir, PRETRAIN + ARGS + dp, xla_flags)
     r = rows(tiny_base_dir, "dp")
     losses = [x["loss"] for x in r if "loss" in x]
     assert len(losses) == 4 and losses[-1] < losses[0]
@@ -146,10 +147,10 @@ print(json.dumps({"agreed": agree_max(me == 1, 0.25 * (me + 1), 3 - me), "host":
 
 
 @pytest.mark.slow
-def test_agree_max_and_to_host_across_two_processes(tmp_path):
+def test_agree_max_and_to_host_across_two_processes(tmp_path, xla_flags):
     """Each process brings its own values and gets every value's maximum, in its own type; an array split over
     both processes' devices reads whole on each; process 0's object reaches both."""
-    outs = run_two_processes(tmp_path, ["-c", AGREE], timeout=120)
+    outs = run_two_processes(tmp_path, ["-c", AGREE], xla_flags, timeout=120)
     for out in outs:
         result = json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
         assert result["agreed"] == [True, 0.5, 3]
@@ -196,7 +197,7 @@ def epoch_steps(dataset, tokenizer, reader) -> int:
 
 
 @pytest.mark.slow
-def test_two_process_sft_agrees_on_its_last_step(sft_base_dir):
+def test_two_process_sft_agrees_on_its_last_step(sft_base_dir, xla_flags):
     """Mesh data=8: each process reads its own conversations and, on its own, would end the epoch at a different
     step. Both stop at the first process's end (MAX of last_step, as nanochat), train with one LR schedule, save
     the same checkpoint and run the reply check together; only process 0 prints and logs."""
@@ -208,7 +209,7 @@ def test_two_process_sft_agrees_on_its_last_step(sft_base_dir):
     assert own[0] != own[1], own  # without agreement the processes would part ways
     steps = min(own)
 
-    out0, out1 = run_two_processes(sft_base_dir, SFT, timeout=300)
+    out0, out1 = run_two_processes(sft_base_dir, SFT, xla_flags, timeout=300)
     assert f"SFT done: {steps} steps" in out0 and "SFT done" not in out1
     assert "replies ending with <|assistant_end|>" in out0 and "of 2" in out0 and "replies ending" not in out1
     out = sft_base_dir / "chatsft_checkpoints" / "d2"

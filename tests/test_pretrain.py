@@ -81,7 +81,7 @@ def _documents(base, tag, step):
 
 
 @pytest.mark.slow
-def test_resume_on_other_device_counts_continues(tiny_base_dir):
+def test_resume_on_other_device_counts_continues(tiny_base_dir, xla_flags):
     """8 devices to step 2, 4 devices (killed after step 4's checkpoint), 8 devices to step 6: the losses follow
     the uninterrupted 8-device run (accumulation and reduction order differ) and the same documents are seen."""
     import shutil
@@ -93,7 +93,7 @@ def test_resume_on_other_device_counts_continues(tiny_base_dir):
     runs = tiny_base_dir / "base_checkpoints"
     shutil.copytree(runs / "straight", runs / "elastic", ignore=shutil.ignore_patterns("4", "6"))
 
-    env = {**os.environ, "PYTHONPATH": ROOT, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    env = {**os.environ, "PYTHONPATH": ROOT, "XLA_FLAGS": xla_flags(4)}
     proc = subprocess.Popen([sys.executable, "-m", "scripts.pretrain", *args, "--model-tag", "elastic", "--resume"],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     committed = runs / "elastic" / "4" / "commit_success.txt"
