@@ -469,8 +469,11 @@ def skip_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransfo
     def update(updates, state, params=None, **extra_args):
         new_updates, new_inner = inner.update(updates, state.inner_state, params, **extra_args)
         finite = _all_finite(updates) & _all_finite(new_updates)
-        new_updates = jax.tree.map(lambda u: jnp.where(finite, u, jnp.zeros_like(u)), new_updates)
-        new_inner = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_inner, state.inner_state)
+        # One conditional rather than a jnp.where per leaf: the same step time, but the per-leaf selects were ~20%
+        # of the d4 train step's compile time on a CPU (hundreds of small fusions).
+        new_updates, new_inner = jax.lax.cond(
+            finite, lambda: (new_updates, new_inner),
+            lambda: (jax.tree.map(jnp.zeros_like, new_updates), state.inner_state))
         skipped = state.skipped_steps + jnp.logical_not(finite).astype(jnp.int32)
         return new_updates, SkipNonFiniteState(skipped, new_inner)
 
