@@ -13,14 +13,16 @@ import re
 N_DEVICES = 8
 # Must happen before JAX initialises its backend. Other XLA flags of the caller are kept; the device count is not.
 _xla_flags = re.sub(r"--xla_force_host_platform_device_count=\S*", "", os.environ.get("XLA_FLAGS", "")).split()
-# LLVM's optimisation off: the suite compiles hundreds of tiny programs and compiling is most of its time (30% less
-# with this; XLA's own HLO passes, which decide what a program computes and how it is sharded, still all run).
-# The machine code is slower and may round differently in the last bit, so subprocesses whose numbers a test
-# compares with this process's get the same flags (the `xla_flags` fixture); the demo test runs as users do.
-if not any(f.startswith("--xla_backend_optimization_level") for f in _xla_flags):
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# On the CPU, LLVM's optimisation off: the suite compiles hundreds of tiny programs and compiling is most of its time
+# (30% less with this; XLA's own HLO passes, which decide what a program computes and how it is sharded, still all
+# run). The machine code is slower and may round differently in the last bit, so subprocesses whose numbers a test
+# compares with this process's get the same flags (the `xla_flags` fixture); the demo test runs as users do. Not on
+# a GPU (the GPU tests, `-m gpu`), whose kernels would be compiled unoptimised too.
+_on_cpu = os.environ["JAX_PLATFORMS"] == "cpu"
+if _on_cpu and not any(f.startswith("--xla_backend_optimization_level") for f in _xla_flags):
     _xla_flags.append("--xla_backend_optimization_level=0")
 os.environ["XLA_FLAGS"] = " ".join([*_xla_flags, f"--xla_force_host_platform_device_count={N_DEVICES}"])
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("FLAXCHAT_DTYPE", "float32")
 # One persistent XLA compilation cache for the whole run, shared by the xdist workers (they inherit this
 # environment) and by the scripts tests launch: many tests compile the same tiny programs, and compiling is most
