@@ -324,7 +324,7 @@ def chunked_attention(q, k, v, window):
             q, k, v = (x.transpose(0, 2, 1, 3) for x in (q, k, v))
         split = lambda x: x.reshape(b // n, n, *x.shape[1:])
         out = jax.lax.map(jax.checkpoint(lambda a: rows(*a)), (split(q), split(k), split(v)))
-        out = out.reshape(b, *out.shape[2:])
+        out = out.reshape(q.shape)  # q as attended: heads-major or not
         return out.transpose(0, 2, 1, 3) if heads_major else out
 
     return _per_shard_heads(local, q, k, v)
