@@ -75,7 +75,7 @@ def collect(req_queue: queue.Queue, timeout=60.0) -> list[dict]:
 
 
 def wait_finished(req, timeout=30.0):
-    """Wait for a request the scheduler's thread ends (a cancel of a running one lands at its next step)."""
+    """Wait until the scheduler's thread has ended a request (a cancel, queued or running, lands at its next round)."""
     deadline = time.monotonic() + timeout
     while not req.finished and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -312,7 +312,7 @@ def test_submit_checks(scheduler, tok):
     req = Request(prompt=[1] * 60, max_tokens=50, emit=lambda e: None, top_k=10_000)
     scheduler.cancel(scheduler.submit(req))
     assert req.max_tokens == 4 and req.top_k == 200  # cut to the room left in the context and to MAX_TOP_K
-    # ended before the next test reads the shared scheduler's counters (if it had a slot, at its next step)
+    # ended (at the scheduler's next round) before the next test reads the shared scheduler's counters
     assert wait_finished(req) == "cancelled"
 
 
