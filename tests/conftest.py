@@ -22,7 +22,14 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _on_cpu = os.environ["JAX_PLATFORMS"] == "cpu"
 if _on_cpu and not any(f.startswith("--xla_backend_optimization_level") for f in _xla_flags):
     _xla_flags.append("--xla_backend_optimization_level=0")
-os.environ["XLA_FLAGS"] = " ".join([*_xla_flags, f"--xla_force_host_platform_device_count={N_DEVICES}"])
+
+
+def _flags_with(devices: int) -> str:
+    """This suite's XLA_FLAGS with `devices` CPU devices."""
+    return " ".join([*_xla_flags, f"--xla_force_host_platform_device_count={devices}"])
+
+
+os.environ["XLA_FLAGS"] = _flags_with(N_DEVICES)
 os.environ.setdefault("FLAXCHAT_DTYPE", "float32")
 # One persistent XLA compilation cache for the whole run, shared by the xdist workers (they inherit this
 # environment) and by the scripts tests launch: many tests compile the same tiny programs, and compiling is most
@@ -121,7 +128,7 @@ def pytest_runtest_teardown(item, nextitem):
 @pytest.fixture
 def xla_flags():
     """XLA_FLAGS for a subprocess: this suite's flags (see the top of this file) with `devices` CPU devices."""
-    return lambda devices: " ".join([*_xla_flags, f"--xla_force_host_platform_device_count={devices}"])
+    return _flags_with
 
 
 @pytest.fixture(autouse=True)
