@@ -39,8 +39,8 @@ import numpy as np
 from flax import nnx
 
 from flaxchat import sharding
-from flaxchat.common import (StepProfiler, compute_dtype, get_base_dir, huge_pages_active, parse_args,
-                             peak_flops_per_device, quiet_library_logs)
+from flaxchat.common import (StepProfiler, compute_dtype, get_base_dir, huge_pages_active, malloc_library,
+                             parse_args, peak_flops_per_device, quiet_library_logs)
 from flaxchat.config import GPTConfig, add_model_flags, config_from_flags
 from flaxchat.gpt import GPT, add_kernel_flags
 from flaxchat.quantize import add_quantize_flag, quantize_for_generation, weight_bytes
@@ -237,7 +237,7 @@ def bench_data(args, mesh) -> dict:
 def environment(args, mesh) -> dict:
     return {"device": jax.devices()[0].device_kind, "backend": jax.default_backend(), "num_devices": jax.device_count(),
             "mesh": dict(mesh.shape), "dtype": jnp.dtype(compute_dtype(args.dtype)).name, "jax": jax.__version__,
-            "python": platform.python_version(), "huge_pages": huge_pages_active()}
+            "python": platform.python_version(), "huge_pages": huge_pages_active(), "allocator": malloc_library()}
 
 
 def run_suite(args, mesh) -> None:

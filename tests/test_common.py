@@ -2,6 +2,7 @@
 
 import io
 import os
+import sys
 
 import jax
 import pytest
@@ -89,6 +90,31 @@ def test_demo_writes_under_the_base_dir(tmp_path, monkeypatch, capsys):
     demo = run_tinystories.Demo(run_tinystories.build_parser().parse_args(["--base-dir", str(tmp_path / "d")]))
     assert demo.env["FLAXCHAT_BASE_DIR"] == str(tmp_path / "d")
     assert common.HUGE_PAGES_TUNABLE in demo.env["GLIBC_TUNABLES"].split(":")  # its stages start with huge pages
+
+
+def test_malloc_library_names_a_preloaded_replacement():
+    line = "7f00-7f10 r-xp 00000000 08:01 42   {}"
+    maps = "\n".join(line.format(p) for p in ("/usr/lib/x86_64-linux-gnu/libc.so.6", "[heap]", "/usr/bin/python3.11"))
+    assert common.malloc_library(maps) == "system"
+    preloaded = maps + "\n" + line.format("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4.5.10")
+    assert common.malloc_library(preloaded) == "tcmalloc"
+    conda = maps + "\n" + line.format("/opt/env/lib/libjemalloc.so.2")
+    assert common.malloc_library(conda) == "jemalloc"
+    assert common.malloc_library("") == "system"
+
+
+def test_malloc_library_sees_ld_preload():
+    """A real preload, read back from /proc/self/maps by a fresh interpreter."""
+    import ctypes.util
+    import subprocess
+
+    found = sys.platform.startswith("linux") and ctypes.util.find_library("tcmalloc_minimal")
+    if not found:
+        pytest.skip("no tcmalloc to preload here (Debian/Ubuntu: apt install libtcmalloc-minimal4)")
+    probe = [sys.executable, "-c", "from flaxchat.common import malloc_library; print(malloc_library())"]
+    plain = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    for env, expected in ((plain, "system"), ({**plain, "LD_PRELOAD": found}, "tcmalloc")):
+        assert subprocess.run(probe, env=env, capture_output=True, text=True, check=True).stdout.strip() == expected
 
 
 def test_huge_pages_join_other_glibc_tunables():
