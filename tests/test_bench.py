@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from flaxchat.common import MALLOC_LIBRARIES
 from scripts.bench import main
 
 TINY = ["--depth", "2", "--aspect-ratio", "32", "--head-dim", "32", "--max-seq-len", "64", "--vocab-size", "512"]
@@ -23,7 +24,7 @@ def test_train_runs_on_the_mesh_the_flags_build(capsys):
     assert out["tokens_per_step"] == 8 * 64  # one row per device
     assert out["tok_per_s"] > 0 and 0 < out["mfu"] < 100 and out["compile_s"] >= 0
     assert out["attention"] == "chunked" and out["remat"] == "none"
-    assert out["allocator"] in ("system", "tcmalloc", "jemalloc", "mimalloc") and isinstance(out["huge_pages"], bool)
+    assert out["allocator"] in ("system", *MALLOC_LIBRARIES) and isinstance(out["huge_pages"], bool)
 
 
 @pytest.mark.eight_devices
