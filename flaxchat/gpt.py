@@ -25,7 +25,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from flaxchat import sharding
-from flaxchat.common import compute_dtype, einsum, split_in_two, widened_products
+from flaxchat.common import activation_dtype, compute_dtype, einsum, split_in_two, widened_products
 from flaxchat.config import GPTConfig
 
 SOFTCAP = 15.0
@@ -141,8 +141,12 @@ class Linear(nnx.Module):
     def __init__(self, in_features, out_features, *, init, axes, rngs):
         self.weight = _param(init, rngs.params(), (out_features, in_features), axes)
         self.einsum_form = False
+        self.products = None  # set by GPT to bf16 when a CPU keeps bf16 models' activations in fp32
 
     def __call__(self, x, out_dtype=None):
+        if self.products is not None and x.dtype != self.products:  # wider activations: products in `products`,
+            p = self.products  # the result in the activations' dtype (common.activation_dtype)
+            return self.multiply(x.astype(p), self.weight[...].astype(p), out_dtype or x.dtype)
         return self.multiply(x, self.weight[...].astype(x.dtype), out_dtype)
 
     def multiply(self, x, w, out_dtype=None):
@@ -668,7 +672,8 @@ REMAT_POLICIES = {
 
 class GPT(nnx.Module):
     """nanochat's GPT. dtype: compute dtype (activations, matmuls; also the embedding tables' storage, as
-    nanochat stores them, except for fp16). attention: see `resolve_attention`. remat: what each block keeps
+    nanochat stores them, except for fp16); bf16 on a CPU multiplies in bf16 and keeps the training forward's
+    activations in fp32 (`activation_dtype`, see common.activation_dtype). attention: see `resolve_attention`. remat: what each block keeps
     for the backward pass (REMAT_POLICIES); "dots" or "full" trade recomputation for activation memory."""
 
     def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs, dtype=None, attention: str = "auto", remat: str = "none"):
@@ -676,6 +681,7 @@ class GPT(nnx.Module):
             raise ValueError(f"unknown remat {remat!r}; choose one of {', '.join(REMAT_POLICIES)}")
         self.config = config
         self.dtype = dtype if dtype is not None else compute_dtype()
+        self.activation_dtype = activation_dtype(self.dtype)  # training forwards; forward_cached keeps self.dtype
         self.attention = resolve_attention(attention, dtype=self.dtype, head_dim=config.head_dim)
         self.remat = remat
         self.window_sizes = config.window_sizes()
@@ -698,6 +704,10 @@ class GPT(nnx.Module):
                 if config.has_ve(i)
             }
         )
+        if self.activation_dtype != self.dtype:
+            for _, m in nnx.iter_graph(self):
+                if isinstance(m, Linear):
+                    m.products = self.dtype
 
     # --- forward pieces -------------------------------------------------------
 
@@ -739,15 +749,16 @@ class GPT(nnx.Module):
         loss_reduction: "mean" over non-ignored targets, "sum", or "none" (per-token (B, T), 0 where ignored).
         """
         B, T = idx.shape
-        cos, sin = rotary_table(T, self.config.head_dim, self.dtype)
+        cos, sin = rotary_table(T, self.config.head_dim, self.activation_dtype)
         cos, sin = cos[None, :, None, :], sin[None, :, None, :]
-        x = rms_norm(self.transformer.wte(idx, self.dtype))
+        x = rms_norm(self.transformer.wte(idx, self.activation_dtype))
         x = self._smear(x, None)
         x, _ = self._trunk(idx, x, cos, sin)
         w = self.lm_head.matrix()
+        x = x.reshape(B * T, -1).astype(self.dtype)  # the lm_head's products in the compute dtype
         if targets is None:
-            return _softcapped_logits(x.reshape(B * T, -1), w, self.config.vocab_size).reshape(B, T, -1)
-        xf, tf = x.reshape(B * T, -1), targets.reshape(B * T).astype(jnp.int32)
+            return _softcapped_logits(x, w, self.config.vocab_size).reshape(B, T, -1)
+        xf, tf = x, targets.reshape(B * T).astype(jnp.int32)
         if loss_reduction == "none":
             return token_losses(xf, w, tf, self.config.vocab_size).reshape(B, T)
         total = loss_sum(xf, w, tf, self.config.vocab_size)

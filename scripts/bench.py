@@ -162,7 +162,7 @@ def bench_train(args, mesh) -> dict:
         loader.close()
     step_s = statistics.median(times)
     tokens = B * T * A
-    peak, source = peak_flops_per_device()
+    peak, source = peak_flops_per_device(model.dtype)
     flops = model.estimate_flops() * tokens / step_s
     return {
         "what": "train", "tok_per_s": tokens / step_s, "step_s": step_s, "step_s_min": min(times),

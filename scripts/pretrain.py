@@ -224,7 +224,7 @@ def main(argv=None):
     # Logging helpers
 
     flops_per_token = abstract_model.estimate_flops()
-    peak, peak_source = peak_flops_per_device()
+    peak, peak_source = peak_flops_per_device(dtype)
     print0(f"peak FLOP/s per device: {peak:.3e} ({peak_source})")
     if jax.default_backend() == "cpu" and sys.platform.startswith("linux") and not huge_pages_active():
         print0(f"tip: GLIBC_TUNABLES={HUGE_PAGES_TUNABLE} in the environment makes CPU steps faster (pixi tasks and "

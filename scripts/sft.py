@@ -555,7 +555,7 @@ def main(argv=None):
         elif os.path.exists(metrics_path):
             os.remove(metrics_path)
     flops_per_token = model.estimate_flops()
-    peak, _ = peak_flops_per_device()
+    peak, _ = peak_flops_per_device(model.dtype)
     log = metrics_logger(metrics_path, args.run, "flaxchat-sft", user_config)
 
     def for_sampling():

@@ -205,3 +205,26 @@ def test_split_in_two_halves_an_axis():
     x = jnp.arange(2 * 6 * 3).reshape(2, 6, 3)
     assert common.split_in_two(x, 1).shape == (2, 2, 3, 3) and common.split_in_two(x, -3).shape == (2, 1, 6, 3)
     assert (common.split_in_two(x, 1)[:, 1] == x[:, 3:]).all()
+
+
+def test_activation_dtype_widens_bfloat16_on_a_cpu_only():
+    import jax.numpy as jnp
+
+    assert common.activation_dtype(jnp.bfloat16, "cpu") == jnp.float32
+    assert common.activation_dtype(jnp.bfloat16, "gpu") == jnp.bfloat16
+    assert common.activation_dtype(jnp.bfloat16, "tpu") == jnp.bfloat16
+    for dtype in (jnp.float32, jnp.float16):
+        assert common.activation_dtype(dtype, "cpu") == dtype
+    assert common.activation_dtype(jnp.bfloat16) == (jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16)
+
+
+def test_a_cpu_peak_is_measured_for_the_compute_dtypes_products():
+    """MFU of a bf16 CPU run is against the rate of its products (bf16 operands, fp32 results), not fp32's."""
+    import jax.numpy as jnp
+
+    assert common.measured_matmul_peak(128, jnp.bfloat16, repeats=2, out_dtype=jnp.float32) > 0
+    if jax.default_backend() != "cpu":
+        pytest.skip("CPU only")
+    for dtype, words in ((None, "fp32"), (jnp.float32, "fp32"), (jnp.bfloat16, "bf16 -> fp32")):
+        peak, source = common.peak_flops_per_device(dtype)
+        assert peak > 0 and source.startswith(f"measured {words} matmul")

@@ -173,7 +173,7 @@ def lora_run(tiny_corpus, tmp_path_factory):
     argv = LORA_TINY + ["--chats", f"{chats}:2", "--num-iterations", "4", "--save-every", "2", "--keep", "2"]
     mp = pytest.MonkeyPatch()
     mp.setenv("FLAXCHAT_BASE_DIR", str(root))
-    mp.setattr("scripts.sft.peak_flops_per_device", lambda: (1e11, "a guess"))  # measuring it takes seconds
+    mp.setattr("scripts.sft.peak_flops_per_device", lambda dtype=None: (1e11, "a guess"))  # measuring it takes seconds
     try:
         result = main(argv + ["--output-tag", "straight"])
     finally:
@@ -197,7 +197,7 @@ def test_lora_resume_is_exact(lora_run, monkeypatch):
     runs = root / "chatsft_checkpoints"
     shutil.copytree(runs / "straight", runs / "resumed", ignore=shutil.ignore_patterns("4"))  # "killed" after step 2
     monkeypatch.setenv("FLAXCHAT_BASE_DIR", str(root))
-    monkeypatch.setattr("scripts.sft.peak_flops_per_device", lambda: (1e11, "a guess"))
+    monkeypatch.setattr("scripts.sft.peak_flops_per_device", lambda dtype=None: (1e11, "a guess"))
     try:
         main(argv + ["--output-tag", "resumed", "--resume"])
         assert losses(root, "resumed") == losses(root, "straight") and len(losses(root, "straight")) == 4
