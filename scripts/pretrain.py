@@ -62,7 +62,7 @@ def build_parser():
     p.add_argument("--run", type=str, default="dummy", help="wandb run name ('dummy' disables wandb; needs wandb installed)")
     # model
     add_model_flags(p)
-    p.add_argument("--dtype", type=str, default=None, choices=["float32", "bfloat16"], help="compute dtype (default: bf16 on GPU/TPU, fp32 on CPU; bfloat16 trains faster on CPUs with AVX512-BF16/AMX)")
+    p.add_argument("--dtype", type=str, default=None, choices=["float32", "bfloat16"], help="compute dtype (default: bf16 on GPU/TPU, fp32 on CPU; bfloat16 trains faster on CPUs with AVX512-BF16/AMX: bf16 products, fp32 activations)")
     add_kernel_flags(p)
     # horizon (first positive one wins, in this order)
     p.add_argument("--num-iterations", type=int, default=-1, help="explicit number of optimizer steps (-1 = off)")
