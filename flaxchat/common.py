@@ -341,6 +341,22 @@ def with_huge_pages(env) -> dict:
     return {**env, "GLIBC_TUNABLES": ":".join(t for t in (tunables, HUGE_PAGES_TUNABLE) if t)}
 
 
+def cpu_bf16_instructions(cpuinfo: str | None = None) -> bool:
+    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX flags in /proc/cpuinfo, or `cpuinfo`'s
+    text): there `--dtype bfloat16` trains ~1.4x faster than fp32 (README, "bf16 on a CPU")."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+                cpuinfo = f.read()
+        except OSError:
+            return False
+    for line in cpuinfo.splitlines():
+        name, _, value = line.partition(":")
+        if name.strip() == "flags":
+            return bool({"avx512_bf16", "amx_bf16"} & set(value.split()))
+    return False
+
+
 def huge_pages_active() -> bool:
     """Whether the environment asks glibc for huge pages (glibc reads it as a process starts: setting it later
     changes only the processes this one starts)."""

@@ -31,8 +31,9 @@ from flax import nnx
 
 from flaxchat import sharding
 from flaxchat.checkpoint import Checkpointer, checkpoint_dir, git_commit
-from flaxchat.common import (HUGE_PAGES_TUNABLE, StepProfiler, compute_dtype, huge_pages_active, is_main_process,
-                             parse_args, peak_flops_per_device, print0, progress_bar, quiet_library_logs)
+from flaxchat.common import (HUGE_PAGES_TUNABLE, StepProfiler, compute_dtype, cpu_bf16_instructions, huge_pages_active,
+                             is_main_process, parse_args, peak_flops_per_device, print0, progress_bar,
+                             quiet_library_logs)
 from flaxchat.config import GPTConfig, add_model_flags, config_from_flags, derive_training
 from flaxchat.dataloader import make_loader, make_val_loader
 from flaxchat.gpt import GPT, add_kernel_flags
@@ -229,6 +230,9 @@ def main(argv=None):
     if jax.default_backend() == "cpu" and sys.platform.startswith("linux") and not huge_pages_active():
         print0(f"tip: GLIBC_TUNABLES={HUGE_PAGES_TUNABLE} in the environment makes CPU steps faster (pixi tasks and "
                "the laptop demo set it; README, 'Speed on a CPU')")
+    if jax.default_backend() == "cpu" and jnp.dtype(dtype) == jnp.float32 and cpu_bf16_instructions():
+        print0("tip: this CPU multiplies bf16 in hardware: --dtype bfloat16 trains ~1.4x faster than fp32 here "
+               "(bf16 products, fp32 activations; README, 'bf16 on a CPU')")
     log = metrics_logger(metrics_path, args.run, "flaxchat", user_config)
 
     def evaluate():

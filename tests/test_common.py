@@ -228,3 +228,12 @@ def test_a_cpu_peak_is_measured_for_the_compute_dtypes_products():
     for dtype, words in ((None, "fp32"), (jnp.float32, "fp32"), (jnp.bfloat16, "bf16 -> fp32")):
         peak, source = common.peak_flops_per_device(dtype)
         assert peak > 0 and source.startswith(f"measured {words} matmul")
+
+
+def test_cpu_bf16_instructions_reads_the_cpu_flags():
+    zen5 = "processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu sse avx2 avx512f avx512_bf16 avx512_vnni\n"
+    sapphire = "flags\t\t: fpu avx2 avx512f amx_bf16 amx_tile\n"
+    zen3 = "flags\t\t: fpu sse avx2 fma\nbugs\t\t: avx512_bf16_is_not_a_flag_here\n"
+    assert common.cpu_bf16_instructions(zen5) and common.cpu_bf16_instructions(sapphire)
+    assert not common.cpu_bf16_instructions(zen3) and not common.cpu_bf16_instructions("")
+    assert isinstance(common.cpu_bf16_instructions(), bool)  # this machine's /proc/cpuinfo, or False without one
