@@ -673,8 +673,9 @@ REMAT_POLICIES = {
 class GPT(nnx.Module):
     """nanochat's GPT. dtype: compute dtype (activations, matmuls; also the embedding tables' storage, as
     nanochat stores them, except for fp16); bf16 on a CPU multiplies in bf16 and keeps the training forward's
-    activations in fp32 (`activation_dtype`, see common.activation_dtype). attention: see `resolve_attention`. remat: what each block keeps
-    for the backward pass (REMAT_POLICIES); "dots" or "full" trade recomputation for activation memory."""
+    activations in fp32 (`activation_dtype`, see common.activation_dtype). attention: see `resolve_attention`.
+    remat: what each block keeps for the backward pass (REMAT_POLICIES); "dots" or "full" trade recomputation for
+    activation memory."""
 
     def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs, dtype=None, attention: str = "auto", remat: str = "none"):
         if remat not in REMAT_POLICIES:
