@@ -341,6 +341,15 @@ def with_huge_pages(env) -> dict:
     return {**env, "GLIBC_TUNABLES": ":".join(t for t in (tunables, HUGE_PAGES_TUNABLE) if t)}
 
 
+def without_huge_pages(env) -> dict:
+    """A copy of `env` whose GLIBC_TUNABLES no longer asks for huge pages (other tunables kept): how a program
+    that is not flaxchat's runs by default."""
+    tunables = [t for t in env.get("GLIBC_TUNABLES", "").split(":")
+                if t and t.partition("=")[0] != "glibc.malloc.hugetlb"]
+    out = {k: v for k, v in env.items() if k != "GLIBC_TUNABLES"}
+    return {**out, "GLIBC_TUNABLES": ":".join(tunables)} if tunables else out
+
+
 def cpu_bf16_instructions(cpuinfo: str | None = None) -> bool:
     """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX flags in /proc/cpuinfo, or `cpuinfo`'s
     text): there `--dtype bfloat16` trains ~1.4x faster than fp32 (README, "bf16 on a CPU")."""
@@ -381,6 +390,47 @@ def malloc_library(maps: str | None = None) -> str:
         if any(lib.startswith(("lib" + name, name)) for lib in libraries):
             return name
     return "system"
+
+
+class MachineLoad:
+    """How busy the whole machine was over a stretch of time, for benchmarks on shared machines (Linux; elsewhere
+    every figure is None): the 1-minute load average at the start, and over the stretch the share of CPU time the
+    hypervisor gave to other guests (steal: a VM whose host is busy runs slower whatever it runs) and the share
+    this machine's CPUs spent working (user, system and interrupts). A quiet run shows a start load near 0-1
+    (the tail of the previous run) and steal near 0.
+
+        load = MachineLoad(); ...timed work...; load.stop()  # {"load_avg_1m", "steal_pct", "busy_pct"}
+    """
+
+    def __init__(self):
+        self.load_avg_1m = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+        self.start = self.cpu_times()
+
+    @staticmethod
+    def cpu_times(stat: str | None = None) -> list[int] | None:
+        """The aggregate `cpu` line of /proc/stat (or of `stat`'s text): user nice system idle iowait irq softirq
+        steal ... in clock ticks; None where there is none."""
+        if stat is None:
+            try:
+                with open("/proc/stat") as f:
+                    stat = f.read()
+            except OSError:
+                return None
+        for line in stat.splitlines():
+            if line.startswith("cpu "):
+                return [int(x) for x in line.split()[1:]]
+        return None
+
+    def stop(self, end: list[int] | None = None) -> dict:
+        end = self.cpu_times() if end is None else end
+        out = {"load_avg_1m": self.load_avg_1m, "steal_pct": None, "busy_pct": None}
+        if self.start is not None and end is not None:
+            delta = [b - a for a, b in zip(self.start, end)]
+            total = sum(delta[:8])  # guest time is already counted in user time
+            if total > 0:
+                out["steal_pct"] = 100 * delta[7] / total if len(delta) > 7 else 0.0
+                out["busy_pct"] = 100 * sum(delta[i] for i in (0, 1, 2, 5, 6)) / total
+        return out
 
 
 def parse_args(parser, argv=None):

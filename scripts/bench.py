@@ -19,6 +19,10 @@ Data loader (needs a tokenizer and parquet shards in $FLAXCHAT_BASE_DIR):
 The CPU suite (the shapes compared with nanochat; one JSON line per shape; the "real" row needs a tokenizer and
 shards in $FLAXCHAT_BASE_DIR):
     python -m scripts.bench --what train --suite cpu
+Side by side with nanochat (a checkout of github.com/karpathy/nanochat and PyTorch installed): each row first
+times nanochat's own step (its GPT, MuonAdamW and torch.compile, in a process of its own; flaxchat.nanochat_bench),
+then flaxchat's, and adds "nanochat" and "vs_nanochat" (flaxchat tok/s over nanochat's) to the JSON:
+    python -m scripts.bench --what train --suite cpu --nanochat ~/src/nanochat
 Everything:
     python -m scripts.bench --what all --depth 4 --max-seq-len 512
 On a GPU or TPU add --expect-backend gpu|tpu so a silent fall-back to the CPU stops the run at once.
@@ -28,8 +32,10 @@ import argparse
 import json
 import os
 import platform
+import re
 import resource
 import statistics
+import subprocess
 import sys
 import time
 
@@ -39,8 +45,8 @@ import numpy as np
 from flax import nnx
 
 from flaxchat import sharding
-from flaxchat.common import (StepProfiler, compute_dtype, get_base_dir, huge_pages_active, malloc_library,
-                             parse_args, peak_flops_per_device, quiet_library_logs)
+from flaxchat.common import (MachineLoad, StepProfiler, compute_dtype, get_base_dir, huge_pages_active,
+                             malloc_library, parse_args, peak_flops_per_device, quiet_library_logs, without_huge_pages)
 from flaxchat.config import GPTConfig, add_model_flags, config_from_flags
 from flaxchat.gpt import GPT, add_kernel_flags
 from flaxchat.quantize import add_quantize_flag, quantize_for_generation, weight_bytes
@@ -57,6 +63,9 @@ def build_parser():
     p.add_argument("--grad-accum", type=int, default=1, help="micro-steps per training step")
     p.add_argument("--steps", type=int, default=10, help="timed training steps (median reported)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps after compilation")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="train: time --steps steps this many times (with --nanochat: nanochat, then flaxchat, each "
+                        "round); the JSON adds every round and the median round's ratio")
     p.add_argument("--batch-size", type=int, default=1, help="generation rows")
     p.add_argument("--prompt-len", type=int, default=16, help="generation prompt tokens")
     p.add_argument("--max-new-tokens", type=int, default=256, help="generated tokens per row")
@@ -71,6 +80,8 @@ def build_parser():
                    help="train: run every shape of a suite (CPU_SUITE), one JSON line each; other flags still apply")
     p.add_argument("--real-data", action="store_true",
                    help="train: batches from the Grain loader over $FLAXCHAT_BASE_DIR's tokenizer and shards")
+    p.add_argument("--nanochat", metavar="DIR", default=None,
+                   help="train: also time nanochat's step (the checkout at DIR, with PyTorch) on the same shape, first")
     StepProfiler.add_flag(p, "--profile-dir (train)")
     p.add_argument("--profile-dir", type=str, default=None, help="where the trace goes (default $FLAXCHAT_BASE_DIR/profile/bench)")
     add_kernel_flags(p)
@@ -116,10 +127,39 @@ def real_batches(args, mesh):
     return tokenizer.get_vocab_size(), take, loader
 
 
+def time_nanochat(args, config, batch_size: int) -> dict:
+    """nanochat's step for the same model and batch, in a process of its own (flaxchat.nanochat_bench), run before
+    flaxchat's so neither runs beside the other. nanochat runs as it would on its own: the compute dtype through
+    NANOCHAT_DTYPE, and without the glibc huge-pages tunable flaxchat sets for itself."""
+    env = without_huge_pages(os.environ)
+    env["NANOCHAT_DTYPE"] = jnp.dtype(compute_dtype(args.dtype)).name
+    cmd = [sys.executable, "-m", "flaxchat.nanochat_bench", "--dir", args.nanochat, "--batch-size", str(batch_size),
+           "--config", json.dumps(config.to_dict()), "--grad-accum", str(args.grad_accum), "--steps", str(args.steps),
+           "--warmup", str(args.warmup)]
+    load = MachineLoad()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    machine = load.stop()  # over nanochat's whole process, compilation included
+    if proc.returncode != 0:  # the exception's own line where there is one, else the last line it printed
+        lines = proc.stderr.strip().splitlines() or ["it printed nothing"]
+        errors = [line for line in lines if re.match(r"(error: |[\w.]+(Error|Exception)\b)", line)]
+        sys.exit(f"error: timing nanochat failed: {(errors or lines)[-1]}")
+    return {**json.loads(proc.stdout.strip().splitlines()[-1]), "machine": machine}
+
+
 def bench_train(args, mesh) -> dict:
+    """flaxchat's training step: the median of --steps timed steps after compilation and --warmup steps, in
+    --rounds rounds. With --nanochat, each round first times nanochat's step on the same shape (time_nanochat),
+    so every pair of numbers comes from the same minutes of a machine whose speed may drift."""
     from flaxchat.optim import build_optimizer
     from flaxchat.training import train_step
 
+    dp = mesh.shape["data"] * mesh.shape["fsdp"]
+    B, T, A = args.device_batch_size * dp, args.max_seq_len, args.grad_accum
+    if args.nanochat and args.real_data:
+        from flaxchat.tokenizer import get_tokenizer
+
+        args.vocab_size = get_tokenizer().get_vocab_size()
+    theirs = [time_nanochat(args, make_config(args), B)] if args.nanochat else []  # before the loader's threads start
     loader, counter = None, iter(range(10**9))
     if args.real_data:
         args.vocab_size, take, loader = real_batches(args, mesh)
@@ -128,8 +168,6 @@ def bench_train(args, mesh) -> dict:
                                                 attention=args.attention, remat=args.remat), mesh)
     with jax.set_mesh(mesh):
         optimizer = build_optimizer(model, verbose=False)
-    dp = mesh.shape["data"] * mesh.shape["fsdp"]
-    B, T, A = args.device_batch_size * dp, args.max_seq_len, args.grad_accum
     if loader is None:
         rng = np.random.default_rng(0)
         put = lambda a: jax.device_put(a, sharding.batch_sharding(mesh))
@@ -140,31 +178,40 @@ def bench_train(args, mesh) -> dict:
     profiler = StepProfiler(args.profile_steps, args.profile_dir or os.path.join(get_base_dir(), "profile", "bench"))
 
     optimizer_step = nnx.cached_partial(train_step, model, optimizer)  # as pretrain calls it
+    steps = iter(range(10**9))
 
-    def step(i):
-        with profiler.step(i):  # real data: reading the next batches is part of the step, as in pretrain
+    def step():
+        with profiler.step(next(steps)):  # real data: reading the next batches is part of the step, as in pretrain
             xs, ys = take()
             with jax.set_mesh(mesh):
                 return float(optimizer_step(xs, ys))  # float() waits
 
     t0 = time.perf_counter()
-    step(0)
+    step()
     first_step_s = time.perf_counter() - t0  # tracing + compilation + one step
-    for i in range(args.warmup):
-        step(1 + i)
-    times = []
-    for i in range(args.steps):
-        t0 = time.perf_counter()
-        step(1 + args.warmup + i)
-        times.append(time.perf_counter() - t0)
+    for _ in range(args.warmup):
+        step()
+    tokens, rounds = B * T * A, []
+    for r in range(args.rounds):
+        if args.nanochat and r > 0:
+            theirs.append(time_nanochat(args, config, B))
+        times, load = [], MachineLoad()
+        for _ in range(args.steps):
+            t0 = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t0)
+        rounds.append({"tok_per_s": tokens / statistics.median(times), "step_s": statistics.median(times),
+                       "machine": load.stop(), "times": times})  # machine: how busy, while they were timed
+        if theirs:
+            rounds[-1].update(nanochat=theirs[-1], vs_nanochat=rounds[-1]["tok_per_s"] / theirs[-1]["tok_per_s"])
     profiler.close()
     if loader is not None:
         loader.close()
+    times = [t for r in rounds for t in r.pop("times")]
     step_s = statistics.median(times)
-    tokens = B * T * A
     peak, source = peak_flops_per_device(model.dtype)
     flops = model.estimate_flops() * tokens / step_s
-    return {
+    out = {
         "what": "train", "tok_per_s": tokens / step_s, "step_s": step_s, "step_s_min": min(times),
         "mfu": 100 * flops / (peak * jax.device_count()), "model_flops_per_s": flops,
         "peak_flops": peak * jax.device_count(), "peak_flops_source": source,
@@ -172,7 +219,16 @@ def bench_train(args, mesh) -> dict:
         "peak_mem_gb": peak_mem_gb(), "tokens_per_step": tokens, "flops_per_token": model.estimate_flops(),
         "num_params": model.num_scaling_params()["total"], "attention": model.attention, "remat": model.remat,
         "data": "grain loader" if loader is not None else "random tokens", "grad_accum": A,
+        "machine": rounds[0]["machine"],  # quiet: a start load of ~0-1 and steal ~0 (see common.MachineLoad)
     }
+    if theirs:  # over several rounds: nanochat's median tok/s and the median of the rounds' ratios
+        median = statistics.median(n["tok_per_s"] for n in theirs)
+        out["nanochat"] = theirs[0] if len(theirs) == 1 else {
+            "tok_per_s": median, **{k: theirs[0][k] for k in ("torch", "threads", "dtype")}}
+        out["vs_nanochat"] = statistics.median(r["vs_nanochat"] for r in rounds)
+    if args.rounds > 1:
+        out["rounds"] = rounds
+    return out
 
 
 def bench_comms(args, mesh) -> dict:
@@ -262,6 +318,15 @@ def main(argv=None):
         parser.error(str(e))
     if args.draft_model and not args.checkpoint:
         parser.error("--draft-model needs --checkpoint: a draft proposes tokens for a trained model")
+    if args.rounds < 1 or args.steps < 1:
+        parser.error("--rounds and --steps must be at least 1")
+    if args.nanochat:
+        if args.what not in ("train", "all"):
+            parser.error("--nanochat times nanochat's training step: use it with --what train")
+        if jax.default_backend() != "cpu":
+            parser.error(f"--nanochat compares the two on a CPU; JAX is running on {jax.default_backend()}")
+        if not os.path.isfile(os.path.join(os.path.expanduser(args.nanochat), "nanochat", "gpt.py")):
+            parser.error(f"--nanochat {args.nanochat}: not a nanochat checkout (no nanochat/gpt.py in it)")
     mesh = sharding.mesh_from_args(parser, args)
     if args.suite:
         return run_suite(args, mesh)

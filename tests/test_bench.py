@@ -80,3 +80,87 @@ def test_generate_times_speculative_sampling_between_checkpoints(capsys, tiny_ba
     with pytest.raises(SystemExit):
         main(["--what", "generate", "--draft-model", "d1"])
     assert "--draft-model needs --checkpoint" in capsys.readouterr().err
+
+
+# A stand-in for a nanochat checkout (tests run offline): nanochat/gpt.py with the interface flaxchat.nanochat_bench
+# uses (GPTConfig, GPT built on the meta device, init_weights, setup_optimizer, forward(idx, targets) -> loss,
+# COMPUTE_DTYPE), a one-layer model, and a note of the environment it ran in.
+STAND_IN = '''
+import dataclasses, json, os
+import torch
+from torch import nn
+COMPUTE_DTYPE = {"bfloat16": torch.bfloat16}.get(os.environ.get("NANOCHAT_DTYPE"), torch.float32)
+
+@dataclasses.dataclass
+class GPTConfig:
+    sequence_len: int = 64
+    vocab_size: int = 512
+    n_embd: int = 32
+
+class GPT(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+
+    def init_weights(self):
+        with open(os.path.join(os.path.dirname(__file__), "seen.json"), "w") as f:
+            json.dump({"config": dataclasses.asdict(self.config), "tunables": os.environ.get("GLIBC_TUNABLES"),
+                       "dtype": os.environ.get("NANOCHAT_DTYPE")}, f)
+        print("nanochat prints what it chose")  # to stdout, as nanochat does
+        nn.init.normal_(self.wte.weight); nn.init.zeros_(self.lm_head.weight)
+
+    def setup_optimizer(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    def forward(self, idx, targets):
+        if os.environ.get("STAND_IN_FAILS"):
+            raise ValueError("the stand-in was told to fail")
+        logits = self.lm_head(self.wte(idx))
+        return nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+'''
+
+
+@pytest.fixture
+def nanochat_checkout(tmp_path, monkeypatch):
+    pytest.importorskip("torch", reason="timing nanochat needs PyTorch (CI installs the CPU build)")
+    (tmp_path / "nanochat").mkdir()
+    (tmp_path / "nanochat" / "gpt.py").write_text(STAND_IN)
+    monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")  # torch.compile becomes a no-op: no C++ build in the tests
+    return tmp_path
+
+
+def test_nanochat_is_timed_before_us_each_round_on_the_same_shape(capsys, monkeypatch, nanochat_checkout):
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=4:glibc.malloc.hugetlb=1")
+    out = run(capsys, TINY + ["--what", "train", "--device-batch-size", "2", "--grad-accum", "2", "--steps", "2",
+                              "--warmup", "0", "--rounds", "2", "--nanochat", str(nanochat_checkout)])
+    assert len(out["rounds"]) == 2
+    for r in out["rounds"]:
+        assert r["nanochat"]["tok_per_s"] > 0 and r["nanochat"]["threads"] >= 1 and r["nanochat"]["dtype"] == "float32"
+        assert r["vs_nanochat"] == pytest.approx(r["tok_per_s"] / r["nanochat"]["tok_per_s"])
+        for machine in (r["machine"], r["nanochat"]["machine"]):
+            assert set(machine) == {"load_avg_1m", "steal_pct", "busy_pct"}
+    assert out["vs_nanochat"] == pytest.approx(sum(r["vs_nanochat"] for r in out["rounds"]) / 2)  # their median
+    assert out["nanochat"]["tok_per_s"] == pytest.approx(sum(r["nanochat"]["tok_per_s"] for r in out["rounds"]) / 2)
+    seen = json.loads((nanochat_checkout / "nanochat" / "seen.json").read_text())
+    assert seen["config"] == {"sequence_len": 64, "vocab_size": 512, "n_embd": 64}  # our config, its fields only
+    # nanochat runs as it would on its own: the compute dtype said, flaxchat's huge-pages tunable taken out
+    assert seen["tunables"] == "glibc.malloc.arena_max=4" and seen["dtype"] == "float32"
+
+
+def test_nanochat_errors_are_one_line(capsys, monkeypatch, tmp_path, nanochat_checkout):
+    argv = TINY + ["--what", "train", "--device-batch-size", "1", "--steps", "1", "--warmup", "0"]
+    with pytest.raises(SystemExit):
+        main(argv + ["--nanochat", str(tmp_path / "missing")])
+    assert "not a nanochat checkout (no nanochat/gpt.py in it)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(TINY + ["--what", "comms", "--nanochat", str(nanochat_checkout)])
+    assert "use it with --what train" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(argv + ["--rounds", "0"])
+    assert "--rounds and --steps must be at least 1" in capsys.readouterr().err
+    monkeypatch.setenv("STAND_IN_FAILS", "1")
+    with pytest.raises(SystemExit) as e:
+        main(argv + ["--nanochat", str(nanochat_checkout)])
+    assert str(e.value) == "error: timing nanochat failed: ValueError: the stand-in was told to fail"

@@ -124,6 +124,27 @@ def test_huge_pages_join_other_glibc_tunables():
     chosen = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}  # someone turned them off: their choice stands
     assert common.with_huge_pages(chosen) == chosen and common.with_huge_pages(chosen) is not chosen
 
+    assert common.without_huge_pages(common.with_huge_pages({"PATH": "/bin"})) == {"PATH": "/bin"}
+    mixed = common.with_huge_pages({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"})
+    assert common.without_huge_pages(mixed)["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2"
+
+
+_STAT = "cpu  {} 0 {} {} 0 0 0 {} 0 0\ncpu0 1 2 3 4 5 6 7 8 9 10\nintr 42\n"
+
+
+def test_machine_load_reads_steal_and_busy_shares_from_proc_stat():
+    load = common.MachineLoad()
+    load.start = common.MachineLoad.cpu_times(_STAT.format(1000, 100, 5000, 0))
+    assert load.start == [1000, 0, 100, 5000, 0, 0, 0, 0, 0, 0]
+    # 300 ticks of user, 100 of system, 500 idle and 100 stolen by other guests on the host
+    out = load.stop(common.MachineLoad.cpu_times(_STAT.format(1300, 200, 5500, 100)))
+    assert out["steal_pct"] == pytest.approx(10.0) and out["busy_pct"] == pytest.approx(40.0)
+    assert common.MachineLoad.cpu_times("no cpu line here") is None
+    load.start = None  # no /proc/stat (macOS): the shares are unknown, not zero
+    assert load.stop()["steal_pct"] is None and load.stop()["busy_pct"] is None
+    if sys.platform.startswith("linux"):
+        assert isinstance(common.MachineLoad().load_avg_1m, float) and common.MachineLoad.cpu_times() is not None
+
 
 _FAULTS = """
 import ctypes, threading

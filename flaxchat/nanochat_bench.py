@@ -1,0 +1,117 @@
+"""nanochat's training step, timed the way `scripts.bench` times flaxchat's (`bench --what train --nanochat DIR`).
+
+It runs in a process of its own and imports torch and the nanochat checkout at DIR, nothing of JAX: nanochat's
+GPT with its own weight init, the MuonAdamW of `GPT.setup_optimizer()`, the model compiled with
+`torch.compile(dynamic=False)` as nanochat's scripts/base_train.py compiles it, and base_train's micro-step loop
+(each micro-batch's loss divided by the accumulation steps, one optimizer step, gradients set to None). Threads
+and dtype are nanochat's own defaults: torch's thread count, fp32 on a CPU unless NANOCHAT_DTYPE says otherwise.
+Tokens are random, as in the flaxchat benchmark's random-token rows. One JSON object on stdout:
+
+    python -m flaxchat.nanochat_bench --dir ~/src/nanochat --config '{"n_layer": 4, "n_head": 4, ...}' \\
+        --batch-size 16 --grad-accum 1 --steps 10 --warmup 2
+
+The config is a flaxchat GPTConfig as a dict (the same field names as nanochat's); fields nanochat's GPTConfig
+does not have are dropped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+
+
+def load_nanochat(directory: str):
+    """nanochat's gpt module from a checkout (the folder holding nanochat/gpt.py); a clear error if it is not one."""
+    directory = os.path.abspath(os.path.expanduser(directory))
+    if not os.path.isfile(os.path.join(directory, "nanochat", "gpt.py")):
+        raise SystemExit(f"error: {directory} is not a nanochat checkout (no nanochat/gpt.py in it)")
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        raise SystemExit("error: timing nanochat needs PyTorch (pip install torch; a CPU build is enough)") from None
+    sys.path.insert(0, directory)
+    from nanochat import gpt
+
+    return gpt
+
+
+def build(gpt, config: dict):
+    """nanochat's model (weights initialised by its own init_weights) and its MuonAdamW."""
+    import torch
+
+    fields = {f.name for f in dataclasses.fields(gpt.GPTConfig)}
+    cfg = gpt.GPTConfig(**{k: v for k, v in config.items() if k in fields})
+    with torch.device("meta"):  # as base_train builds it: shapes first, storage and init after
+        model = gpt.GPT(cfg)
+    model.to_empty(device="cpu")
+    model.init_weights()
+    return model, model.setup_optimizer()
+
+
+def time_steps(model, optimizer, vocab_size: int, batch_size: int, seq_len: int, grad_accum: int, steps: int,
+               warmup: int, seed: int = 0) -> dict:
+    """The first step (compilation included), `warmup` more, then the median of `steps` timed steps."""
+    import torch
+
+    compiled = torch.compile(model, dynamic=False)
+    generator = torch.Generator().manual_seed(seed)
+    tokens = [torch.randint(0, vocab_size, (batch_size, seq_len + 1), generator=generator) for _ in range(2)]
+    batches = [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in tokens]  # as nanochat's loader yields them
+
+    def step(i):
+        for micro in range(grad_accum):
+            inputs, targets = batches[(i * grad_accum + micro) % 2]
+            loss = compiled(inputs, targets)
+            (loss / grad_accum).backward()
+        optimizer.step()
+        model.zero_grad(set_to_none=True)
+        return loss.item()  # waits for the step, as base_train's logging does
+
+    t0 = time.perf_counter()
+    step(0)
+    first_step_s = time.perf_counter() - t0
+    for i in range(warmup):
+        step(1 + i)
+    times = []
+    for i in range(steps):
+        t0 = time.perf_counter()
+        step(1 + warmup + i)
+        times.append(time.perf_counter() - t0)
+    step_s = statistics.median(times)
+    return {"tok_per_s": batch_size * seq_len * grad_accum / step_s, "step_s": step_s, "step_s_min": min(times),
+            "compile_s": max(first_step_s - step_s, 0.0), "first_step_s": first_step_s}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="Time nanochat's training step (prints one JSON object).")
+    p.add_argument("--dir", required=True, help="a nanochat checkout (the folder holding nanochat/gpt.py)")
+    p.add_argument("--config", required=True, help="the model as a JSON object of GPTConfig fields")
+    p.add_argument("--batch-size", type=int, required=True, help="sequences per micro-step")
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")
+    p.add_argument("--steps", type=int, default=10, help="timed steps (median reported)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps after the first")
+    args = p.parse_args(argv)
+    try:
+        config = json.loads(args.config)
+    except json.JSONDecodeError as e:
+        p.error(f"--config is not JSON: {e}")
+    gpt = load_nanochat(args.dir)
+    import torch
+
+    with contextlib.redirect_stdout(sys.stderr):  # nanochat prints what it chose; stdout holds only the JSON
+        model, optimizer = build(gpt, config)
+        out = time_steps(model, optimizer, config["vocab_size"], args.batch_size, config["sequence_len"],
+                         args.grad_accum, args.steps, args.warmup)
+    dtype = getattr(gpt, "COMPUTE_DTYPE", None)
+    print(json.dumps({**out, "torch": torch.__version__, "threads": torch.get_num_threads(),
+                      "dtype": str(dtype).removeprefix("torch.") if dtype is not None else None}))
+
+
+if __name__ == "__main__":
+    main()
