@@ -4,8 +4,10 @@ It runs in a process of its own and imports torch and the nanochat checkout at D
 GPT with its own weight init, the MuonAdamW of `GPT.setup_optimizer()`, the model compiled with
 `torch.compile(dynamic=False)` as nanochat's scripts/base_train.py compiles it, and base_train's micro-step loop
 (each micro-batch's loss divided by the accumulation steps, one optimizer step, gradients set to None). Threads
-and dtype are nanochat's own defaults: torch's thread count, fp32 on a CPU unless NANOCHAT_DTYPE says otherwise.
-Tokens are random, as in the flaxchat benchmark's random-token rows. One JSON object on stdout:
+and dtype are nanochat's own defaults: torch's thread count, fp32 on a CPU unless NANOCHAT_DTYPE says otherwise,
+bf16 on a recent CUDA GPU, where TF32 matmuls are allowed as nanochat's compute_init allows them. Attention is
+whatever nanochat picks: Flash Attention 3 where its `kernels` package can load it, else PyTorch's SDPA (the JSON
+says which). Tokens are random, as in the flaxchat benchmark's random-token rows. One JSON object on stdout:
 
     python -m flaxchat.nanochat_bench --dir ~/src/nanochat --config '{"n_layer": 4, "n_head": 4, ...}' \\
         --batch-size 16 --grad-accum 1 --steps 10 --warmup 2
@@ -41,27 +43,31 @@ def load_nanochat(directory: str):
     return gpt
 
 
-def build(gpt, config: dict):
-    """nanochat's model (weights initialised by its own init_weights) and its MuonAdamW."""
+def build(gpt, config: dict, device: str = "cpu"):
+    """nanochat's model on `device` (weights initialised by its own init_weights) and its MuonAdamW."""
     import torch
 
+    torch.manual_seed(42)  # as nanochat's compute_init, which base_train calls first
+    if device == "cuda":
+        torch.set_float32_matmul_precision("high")
     fields = {f.name for f in dataclasses.fields(gpt.GPTConfig)}
     cfg = gpt.GPTConfig(**{k: v for k, v in config.items() if k in fields})
     with torch.device("meta"):  # as base_train builds it: shapes first, storage and init after
         model = gpt.GPT(cfg)
-    model.to_empty(device="cpu")
+    model.to_empty(device=device)
     model.init_weights()
     return model, model.setup_optimizer()
 
 
 def time_steps(model, optimizer, vocab_size: int, batch_size: int, seq_len: int, grad_accum: int, steps: int,
-               warmup: int, seed: int = 0) -> dict:
+               warmup: int, seed: int = 0, device: str = "cpu") -> dict:
     """The first step (compilation included), `warmup` more, then the median of `steps` timed steps."""
     import torch
 
     compiled = torch.compile(model, dynamic=False)
     generator = torch.Generator().manual_seed(seed)
     tokens = [torch.randint(0, vocab_size, (batch_size, seq_len + 1), generator=generator) for _ in range(2)]
+    tokens = [t.to(device) for t in tokens]
     batches = [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in tokens]  # as nanochat's loader yields them
 
     def step(i):
@@ -71,7 +77,7 @@ def time_steps(model, optimizer, vocab_size: int, batch_size: int, seq_len: int,
             (loss / grad_accum).backward()
         optimizer.step()
         model.zero_grad(set_to_none=True)
-        return loss.item()  # waits for the step, as base_train's logging does
+        return loss.item()  # waits for the step (on a GPU too), as base_train's logging does
 
     t0 = time.perf_counter()
     step(0)
@@ -96,6 +102,7 @@ def main(argv=None):
     p.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")
     p.add_argument("--steps", type=int, default=10, help="timed steps (median reported)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps after the first")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where nanochat runs (default: cpu)")
     args = p.parse_args(argv)
     try:
         config = json.loads(args.config)
@@ -104,13 +111,19 @@ def main(argv=None):
     gpt = load_nanochat(args.dir)
     import torch
 
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"error: --device cuda, but this PyTorch ({torch.__version__}) sees no CUDA GPU")
     with contextlib.redirect_stdout(sys.stderr):  # nanochat prints what it chose; stdout holds only the JSON
-        model, optimizer = build(gpt, config)
+        model, optimizer = build(gpt, config, args.device)
         out = time_steps(model, optimizer, config["vocab_size"], args.batch_size, config["sequence_len"],
-                         args.grad_accum, args.steps, args.warmup)
+                         args.grad_accum, args.steps, args.warmup, device=args.device)
     dtype = getattr(gpt, "COMPUTE_DTYPE", None)
+    flash = sys.modules.get("nanochat.flash_attention")  # nanochat's choice of attention kernel, where it has one
+    extra = {"attention": "fa3" if flash.USE_FA3 else "sdpa"} if hasattr(flash, "USE_FA3") else {}
+    if args.device == "cuda":
+        extra.update(device=torch.cuda.get_device_name(), peak_mem_gb=torch.cuda.max_memory_allocated() / 2**30)
     print(json.dumps({**out, "torch": torch.__version__, "threads": torch.get_num_threads(),
-                      "dtype": str(dtype).removeprefix("torch.") if dtype is not None else None}))
+                      "dtype": str(dtype).removeprefix("torch.") if dtype is not None else None, **extra}))
 
 
 if __name__ == "__main__":

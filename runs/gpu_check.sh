@@ -9,6 +9,8 @@
 #        --platform manylinux_2_17_x86_64 --only-binary=:all:
 #   # 2. copy the repository and wheels/ to the GPU machine, then, offline:
 #   bash runs/gpu_check.sh --wheels wheels/            # or FLAXCHAT_WHEELS=wheels/ bash runs/gpu_check.sh
+#   # with nanochat's own training step timed on the same shapes first (a nanochat checkout; its PyTorch with CUDA):
+#   bash runs/gpu_check.sh --nanochat ~/src/nanochat
 #   # the same sequence with tiny models on the CPU, in ~1 minute (CI runs it: tests/test_gpu.py):
 #   bash runs/gpu_check.sh --cpu --out /tmp/gpu_check
 #
@@ -24,7 +26,12 @@ Options:
   --out DIR            output folder (default: $FLAXCHAT_BASE_DIR/gpu_check/<date-time>)
   --wheels DIR         local wheel folder to install missing dependencies from (pip --no-index --find-links);
                        also $FLAXCHAT_WHEELS. Not needed when flaxchat and its dependencies are installed.
+  --no-install         install nothing: run with the packages as they are (what falls short of flaxchat's
+                       requirements is listed, in missing.txt too, and used anyway)
   --cpu                smoke mode: the same steps with tiny models on the CPU (--expect-backend cpu)
+  --nanochat DIR       time nanochat's training step (the checkout at DIR: its GPT, MuonAdamW, torch.compile, with
+                       the PyTorch installed here) on each training shape before flaxchat's; the report adds
+                       nanochat's tok/s and the ratio
   --fetch-wheels DIR   (networked machine) download those wheels into DIR, then stop; arguments after -- go to
                        pip download
   -h, --help           this text
@@ -33,12 +40,14 @@ $FLAXCHAT_BASE_DIR/jax_cache), JAX_PLATFORMS (default cuda; cpu with --cpu).
 EOF
 }
 
-MODE=gpu OUT="" WHEELS=${FLAXCHAT_WHEELS:-} FETCH="" PIP_EXTRA=()
+MODE=gpu OUT="" WHEELS=${FLAXCHAT_WHEELS:-} FETCH="" PIP_EXTRA=() NANOCHAT=() INSTALL=yes
 while [ $# -gt 0 ]; do
     case $1 in
         --out) OUT=$2; shift 2 ;;
         --wheels) WHEELS=$2; shift 2 ;;
         --cpu) MODE=cpu; shift ;;
+        --nanochat) NANOCHAT=(--nanochat "$2"); shift 2 ;;
+        --no-install) INSTALL=no; shift ;;
         --fetch-wheels) FETCH=$2; shift 2 ;;
         --) shift; PIP_EXTRA=("$@"); break ;;
         -h|--help) usage; exit 0 ;;
@@ -65,7 +74,7 @@ mkdir -p "$OUT/logs"
 OUT=$(cd "$OUT" && pwd)
 # a reused --out folder: drop the last run's step records, so the report holds this run's steps only
 rm -f "$OUT"/*.cmd "$OUT"/*.out "$OUT"/*.rc "$OUT"/*.note "$OUT"/logs/*.log \
-    "$OUT"/tests.xml "$OUT"/env.json "$OUT"/report.json "$OUT"/summary.md
+    "$OUT"/tests.xml "$OUT"/env.json "$OUT"/report.json "$OUT"/summary.md "$OUT"/missing.txt "$OUT"/keep.txt
 # JAX takes 75% of GPU memory by default; the benchmarks want nearly all of it (export your own value to override).
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.92}
 # Compiled programs persist: a second check (or a later pretraining run of the same shapes) skips compilation.
@@ -119,6 +128,10 @@ step() {
 MISSING=$(python -m scripts.gpu_check missing)
 if [ -z "$MISSING" ] && python -c "import importlib.metadata as m; m.distribution('flaxchat')" 2>/dev/null; then
     echo "== install: flaxchat and its dependencies are installed; nothing to do"
+elif [ "$INSTALL" = no ]; then
+    # the scripts run from this folder, so flaxchat need not be installed; older versions are used as they are
+    echo "== install: skipped (--no-install); not satisfied here:" ${MISSING:-nothing}
+    echo "$MISSING" > "$OUT/missing.txt"
 else
     if [ -z "$WHEELS" ]; then
         echo "gpu_check: missing:" $MISSING >&2
@@ -156,7 +169,8 @@ for spec in "${TRAIN[@]}"; do
     name=train_d$depth
     for b in $batches; do
         if step "$name" python -m scripts.bench --what train --depth "$depth" --max-seq-len "$T" --vocab-size "$VOCAB" \
-                --dtype "$DTYPE" --device-batch-size "$b" "${BENCH_STEPS[@]}" --expect-backend "$BACKEND"; then
+                --dtype "$DTYPE" --device-batch-size "$b" "${BENCH_STEPS[@]}" --expect-backend "$BACKEND" \
+                ${NANOCHAT[@]+"${NANOCHAT[@]}"}; then
             break
         fi
         # only running out of memory is worth a smaller batch

@@ -23,6 +23,10 @@ Side by side with nanochat (a checkout of github.com/karpathy/nanochat and PyTor
 times nanochat's own step (its GPT, MuonAdamW and torch.compile, in a process of its own; flaxchat.nanochat_bench),
 then flaxchat's, and adds "nanochat" and "vs_nanochat" (flaxchat tok/s over nanochat's) to the JSON:
     python -m scripts.bench --what train --suite cpu --nanochat ~/src/nanochat
+    On one CUDA GPU (PyTorch with CUDA; --rounds 1; JAX then grows its memory as it needs it instead of taking
+    most of it at the start, so that nanochat's process, which runs first, has room):
+    python -m scripts.bench --what train --depth 12 --max-seq-len 2048 --device-batch-size 32 \
+        --vocab-size 32768 --dtype bfloat16 --nanochat ~/src/nanochat --expect-backend gpu
 Everything:
     python -m scripts.bench --what all --depth 4 --max-seq-len 512
 On a GPU or TPU add --expect-backend gpu|tpu so a silent fall-back to the CPU stops the run at once.
@@ -135,7 +139,7 @@ def time_nanochat(args, config, batch_size: int) -> dict:
     env["NANOCHAT_DTYPE"] = jnp.dtype(compute_dtype(args.dtype)).name
     cmd = [sys.executable, "-m", "flaxchat.nanochat_bench", "--dir", args.nanochat, "--batch-size", str(batch_size),
            "--config", json.dumps(config.to_dict()), "--grad-accum", str(args.grad_accum), "--steps", str(args.steps),
-           "--warmup", str(args.warmup)]
+           "--warmup", str(args.warmup), "--device", "cuda" if jax.default_backend() == "gpu" else "cpu"]
     load = MachineLoad()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     machine = load.stop()  # over nanochat's whole process, compilation included
@@ -323,8 +327,16 @@ def main(argv=None):
     if args.nanochat:
         if args.what not in ("train", "all"):
             parser.error("--nanochat times nanochat's training step: use it with --what train")
-        if jax.default_backend() != "cpu":
-            parser.error(f"--nanochat compares the two on a CPU; JAX is running on {jax.default_backend()}")
+        # On a GPU the two take turns on its memory: JAX must not take most of it before nanochat runs (set before
+        # the first call that starts JAX's backend; a value you exported is kept).
+        if not re.fullmatch(r"(cpu|tpu)(,(cpu|tpu))*", os.environ.get("JAX_PLATFORMS", "")):  # a GPU may be used
+            os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+        backend = jax.default_backend()
+        if backend not in ("cpu", "gpu"):
+            parser.error(f"--nanochat compares the two on a CPU or a CUDA GPU; JAX is running on {backend}")
+        if backend == "gpu" and (jax.device_count() > 1 or args.rounds > 1):
+            parser.error("--nanochat on a GPU: one GPU (CUDA_VISIBLE_DEVICES=0) and --rounds 1 (JAX keeps the "
+                         "memory it has grown to, so nanochat cannot run again after flaxchat's first round)")
         if not os.path.isfile(os.path.join(os.path.expanduser(args.nanochat), "nanochat", "gpt.py")):
             parser.error(f"--nanochat {args.nanochat}: not a nanochat checkout (no nanochat/gpt.py in it)")
     mesh = sharding.mesh_from_args(parser, args)

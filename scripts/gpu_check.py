@@ -283,13 +283,19 @@ def table(steps, columns, row) -> list[str]:
     return out
 
 
-def train_row(r) -> list[str]:
+def train_row(r, nanochat=False) -> list[str]:
     c, n = r["config"], r["num_params"]
-    return [f"d{c['n_layer']} ({n / 1e6:,.{0 if n >= 1e8 else 1}f}M params, {r['dtype']})",
-            f"{r['tokens_per_step'] // c['sequence_len']} x {c['sequence_len']}", fmt(r["tok_per_s"]),
-            fmt(r["mfu"], ".1f"), fmt(r["compile_s"], ".1f"), fmt(r["peak_mem_gb"], ".1f"),
-            r["attention"] + ("" if r["remat"] == "none" else f", remat {r['remat']}"),
-            f"{flops(r['peak_flops'])} ({r['peak_flops_source']})"]
+    row = [f"d{c['n_layer']} ({n / 1e6:,.{0 if n >= 1e8 else 1}f}M params, {r['dtype']})",
+           f"{r['tokens_per_step'] // c['sequence_len']} x {c['sequence_len']}", fmt(r["tok_per_s"]),
+           fmt(r["mfu"], ".1f"), fmt(r["compile_s"], ".1f"), fmt(r["peak_mem_gb"], ".1f"),
+           r["attention"] + ("" if r["remat"] == "none" else f", remat {r['remat']}"),
+           f"{flops(r['peak_flops'])} ({r['peak_flops_source']})"]
+    if nanochat:  # bench --nanochat: nanochat's own step on the same shape, timed first
+        theirs = r.get("nanochat") or {}
+        kernel = ", ".join(x for x in (theirs.get("dtype"), theirs.get("attention")) if x)
+        row += [fmt(theirs.get("tok_per_s")) + (f" ({kernel})" if kernel else ""), fmt(theirs.get("compile_s"), ".1f"),
+                fmt(r.get("vs_nanochat"), ".2f") + ("x" if r.get("vs_nanochat") else "")]
+    return row
 
 
 def generate_row(r) -> list[str]:
@@ -322,8 +328,13 @@ def summary_markdown(report) -> str:
     lines += ["", "## Training", "", "Random tokens, the real optimizer; median step after warm-up "
               "(`python -m scripts.bench --what train`). MFU is against the peak named in the last column; compile s is "
               "the first step's tracing and compilation (a warm $JAX_COMPILATION_CACHE_DIR cuts it).", ""]
-    lines += table(report["train"], ["model", "rows x seq", "tok/s", "MFU %", "compile s", "peak mem GiB", "attention",
-                                     "peak FLOP/s (source)"], train_row)
+    columns = ["model", "rows x seq", "tok/s", "MFU %", "compile s", "peak mem GiB", "attention", "peak FLOP/s (source)"]
+    nanochat = any(s["ok"] and "nanochat" in s["result"] for s in report["train"])
+    if nanochat:
+        lines += ["nanochat: its own GPT, MuonAdamW and `torch.compile` on the same shape and batch, timed first in a "
+                  "process of its own (`--nanochat DIR`); vs nanochat is flaxchat's tok/s over nanochat's.", ""]
+        columns += ["nanochat tok/s", "nanochat compile s", "vs nanochat"]
+    lines += table(report["train"], columns, lambda r: train_row(r, nanochat))
     lines += ["", "## Generation", "", "KV-cache engine, random prompts, every row makes every token "
               "(`python -m scripts.bench --what generate`).", ""]
     lines += table(report["generate"], ["model", "batch", "prompt + new", "decode tok/s", "time to first token ms",

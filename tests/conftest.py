@@ -168,6 +168,55 @@ def tiny_base_dir(tiny_corpus, tmp_path, monkeypatch):
     return base
 
 
+# A stand-in for a nanochat checkout (tests run offline): nanochat/gpt.py with the interface flaxchat.nanochat_bench
+# uses (GPTConfig, GPT built on the meta device, init_weights, setup_optimizer, forward(idx, targets) -> loss,
+# COMPUTE_DTYPE), a one-layer model, and a note of the environment it ran in.
+STAND_IN = '''
+import dataclasses, json, os
+import torch
+from torch import nn
+COMPUTE_DTYPE = {"bfloat16": torch.bfloat16}.get(os.environ.get("NANOCHAT_DTYPE"), torch.float32)
+
+@dataclasses.dataclass
+class GPTConfig:
+    sequence_len: int = 64
+    vocab_size: int = 512
+    n_embd: int = 32
+
+class GPT(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+
+    def init_weights(self):
+        with open(os.path.join(os.path.dirname(__file__), "seen.json"), "w") as f:
+            json.dump({"config": dataclasses.asdict(self.config), "tunables": os.environ.get("GLIBC_TUNABLES"),
+                       "dtype": os.environ.get("NANOCHAT_DTYPE")}, f)
+        print("nanochat prints what it chose")  # to stdout, as nanochat does
+        nn.init.normal_(self.wte.weight); nn.init.zeros_(self.lm_head.weight)
+
+    def setup_optimizer(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    def forward(self, idx, targets):
+        if os.environ.get("STAND_IN_FAILS"):
+            raise ValueError("the stand-in was told to fail")
+        logits = self.lm_head(self.wte(idx))
+        return nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+'''
+
+
+@pytest.fixture
+def nanochat_checkout(tmp_path, monkeypatch):
+    pytest.importorskip("torch", reason="timing nanochat needs PyTorch (CI installs the CPU build)")
+    (tmp_path / "nanochat").mkdir()
+    (tmp_path / "nanochat" / "gpt.py").write_text(STAND_IN)
+    monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")  # torch.compile becomes a no-op: no C++ build in the tests
+    return tmp_path
+
+
 def pytest_terminal_summary(terminalreporter, config):
     """The test order's seed at the end of the run, even under -q (which hides pytest-randomly's header)."""
     if config.pluginmanager.hasplugin("randomly") and not hasattr(config, "workerinput"):

@@ -1,6 +1,8 @@
 """scripts.bench: JSON out, the training benchmark on the flags' mesh, the comms reader, backend checks."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -82,55 +84,6 @@ def test_generate_times_speculative_sampling_between_checkpoints(capsys, tiny_ba
     assert "--draft-model needs --checkpoint" in capsys.readouterr().err
 
 
-# A stand-in for a nanochat checkout (tests run offline): nanochat/gpt.py with the interface flaxchat.nanochat_bench
-# uses (GPTConfig, GPT built on the meta device, init_weights, setup_optimizer, forward(idx, targets) -> loss,
-# COMPUTE_DTYPE), a one-layer model, and a note of the environment it ran in.
-STAND_IN = '''
-import dataclasses, json, os
-import torch
-from torch import nn
-COMPUTE_DTYPE = {"bfloat16": torch.bfloat16}.get(os.environ.get("NANOCHAT_DTYPE"), torch.float32)
-
-@dataclasses.dataclass
-class GPTConfig:
-    sequence_len: int = 64
-    vocab_size: int = 512
-    n_embd: int = 32
-
-class GPT(nn.Module):
-    def __init__(self, config):
-        super().__init__()
-        self.config = config
-        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-
-    def init_weights(self):
-        with open(os.path.join(os.path.dirname(__file__), "seen.json"), "w") as f:
-            json.dump({"config": dataclasses.asdict(self.config), "tunables": os.environ.get("GLIBC_TUNABLES"),
-                       "dtype": os.environ.get("NANOCHAT_DTYPE")}, f)
-        print("nanochat prints what it chose")  # to stdout, as nanochat does
-        nn.init.normal_(self.wte.weight); nn.init.zeros_(self.lm_head.weight)
-
-    def setup_optimizer(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
-
-    def forward(self, idx, targets):
-        if os.environ.get("STAND_IN_FAILS"):
-            raise ValueError("the stand-in was told to fail")
-        logits = self.lm_head(self.wte(idx))
-        return nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
-'''
-
-
-@pytest.fixture
-def nanochat_checkout(tmp_path, monkeypatch):
-    pytest.importorskip("torch", reason="timing nanochat needs PyTorch (CI installs the CPU build)")
-    (tmp_path / "nanochat").mkdir()
-    (tmp_path / "nanochat" / "gpt.py").write_text(STAND_IN)
-    monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")  # torch.compile becomes a no-op: no C++ build in the tests
-    return tmp_path
-
-
 def test_nanochat_is_timed_before_us_each_round_on_the_same_shape(capsys, monkeypatch, nanochat_checkout):
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=4:glibc.malloc.hugetlb=1")
     out = run(capsys, TINY + ["--what", "train", "--device-batch-size", "2", "--grad-accum", "2", "--steps", "2",
@@ -164,3 +117,16 @@ def test_nanochat_errors_are_one_line(capsys, monkeypatch, tmp_path, nanochat_ch
     with pytest.raises(SystemExit) as e:
         main(argv + ["--nanochat", str(nanochat_checkout)])
     assert str(e.value) == "error: timing nanochat failed: ValueError: the stand-in was told to fail"
+
+
+def test_nanochat_on_a_gpu_needs_one(nanochat_checkout):
+    """nanochat_bench --device cuda where PyTorch sees no GPU: one line, before anything is built."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this PyTorch sees a CUDA GPU")
+    r = subprocess.run([sys.executable, "-m", "flaxchat.nanochat_bench", "--dir", str(nanochat_checkout), "--config",
+                        json.dumps({"sequence_len": 8, "vocab_size": 16}), "--batch-size", "1", "--device", "cuda"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and r.stdout == ""
+    assert r.stderr.strip().splitlines()[-1].startswith("error: --device cuda, but this PyTorch (")

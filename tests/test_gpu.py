@@ -6,6 +6,7 @@ attention, bf16 activations) with a float32 XLA reference and asks its error to 
 bf16 arithmetic alone makes, so the tolerances hold for any seed rather than for one lucky draw.
 """
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -178,7 +179,7 @@ def run_check(*args, env=None, timeout=300):
 def test_gpu_check_help():
     r = run_check("--help")
     assert r.returncode == 0, r.stderr
-    for flag in ("--cpu", "--out", "--wheels", "--fetch-wheels"):
+    for flag in ("--cpu", "--out", "--wheels", "--fetch-wheels", "--nanochat", "--no-install"):
         assert flag in r.stdout
 
 
@@ -191,11 +192,14 @@ def test_gpu_check_stops_when_jax_is_not_on_a_gpu(tmp_path):
 
 
 @pytest.mark.slow
-def test_gpu_check_cpu_smoke(tmp_path):
-    """The whole GPU check with tiny models on the CPU: every section present, with sane numbers."""
+def test_gpu_check_cpu_smoke(tmp_path, request):
+    """The whole GPU check with tiny models on the CPU: every section present, with sane numbers; where PyTorch is
+    installed, with --nanochat (a stand-in checkout) timing nanochat's step on each training shape too."""
     out = tmp_path / "out"
+    nanochat = importlib.util.find_spec("torch") is not None
+    extra = ["--nanochat", str(request.getfixturevalue("nanochat_checkout"))] if nanochat else []
     t0 = time.perf_counter()
-    r = run_check("--cpu", "--out", str(out))
+    r = run_check("--cpu", "--out", str(out), *extra)
     seconds = time.perf_counter() - t0
     assert r.returncode == 0, f"gpu_check.sh --cpu failed after {seconds:.0f} s:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     report = json.loads((out / "report.json").read_text())
@@ -210,6 +214,8 @@ def test_gpu_check_cpu_smoke(tmp_path):
         assert t["ok"] and res["what"] == "train" and res["backend"] == "cpu"
         assert res["tok_per_s"] > 0 and 0 < res["mfu"] < 100 and res["compile_s"] >= 0 and res["peak_mem_gb"] > 0
         assert t["command"].startswith("python -m scripts.bench --what train")
+        if nanochat:
+            assert res["nanochat"]["tok_per_s"] > 0 and res["vs_nanochat"] > 0
     assert [g["result"]["batch_size"] for g in report["generate"]] == [1, 4]
     for g in report["generate"]:
         assert g["ok"] and g["result"]["tok_per_s"] > 0 and g["result"]["ttft_s"] > 0
@@ -220,4 +226,6 @@ def test_gpu_check_cpu_smoke(tmp_path):
     for heading in ("## Environment", "## Tests", "## Training", "## Generation", "## Serving"):
         assert heading in summary
     assert f"{report['train'][0]['result']['tok_per_s']:,.0f}" in summary
+    if nanochat:
+        assert "| vs nanochat |" in summary and f"| {report['train'][0]['result']['vs_nanochat']:.2f}x |" in summary
     print(f"gpu_check.sh --cpu: {seconds:.1f} s")
