@@ -232,7 +232,7 @@ def main(argv=None) -> int:
         scheduler = Scheduler(model, tokenizer, slots=args.slots, chunk=args.chunk)
     if not args.no_warmup:
         print(f"compiling for {args.slots} slots...", flush=True)
-        print(f"compiled in {scheduler.warmup():.1f} s")
+        print(f"compiled in {scheduler.warmup(progress=True):.1f} s")
     config = ServeConfig(model_name=name, max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_tokens,
                          default_max_tokens=args.default_max_tokens, default_temperature=args.temperature,
                          default_top_k=args.top_k, max_connections=args.max_connections,

@@ -13,7 +13,7 @@ from flax import nnx
 
 from flaxchat.config import GPTConfig
 from flaxchat.gpt import GPT, rms_norm
-from flaxchat.engine import FORCED_CAPACITY, Reply, sample_rows, stop_tokens
+from flaxchat.engine import FORCED_CAPACITY, Reply, attention_span, sample_rows, stop_tokens
 from flaxchat.scheduler import Request, Scheduler, batch_rows
 from flaxchat.tokenizer import Tokenizer
 
@@ -251,6 +251,27 @@ def test_a_long_reply_left_in_a_high_slot_moves_down_and_goes_on_unchanged(model
     tokens, moved, widths = serve(3, temperature=1.0, seed=5)
     assert moved == 1 and widths[-1] == 1
     assert tokens == serve(0, temperature=1.0, seed=5)[0]  # alone in slot 0: never moved
+
+
+def test_warmup_compiles_every_variant_and_shows_its_progress(model, tok, capsys):
+    """warmup decodes every (rows, span) pair once and, asked to, counts the variants on stderr as it goes (a
+    large server's first start compiles for minutes on a GPU)."""
+    s, pairs = Scheduler(model, tok, slots=4, chunk=4), []
+    decode = s._decode
+
+    def counted(controls, limit, rows, span):
+        pairs.append((rows, span))
+        return decode(controls, limit, rows=rows, span=span)
+
+    s._decode = counted
+    assert s.warmup(progress=True) > 0
+    rows = sorted({batch_rows(i, 4) for i in range(4)})
+    spans = sorted({attention_span(n, s.capacity) for n in range(1, s.capacity + 1)})
+    assert pairs == [(n, span) for n in rows for span in spans] and len(rows) == 3
+    total = len(s._prompt_buckets()) + len(pairs) + 2  # and two move counts (one and two rows) for 4 slots
+    err = capsys.readouterr().err
+    assert "compiling" in err and f"{total}/{total}" in err
+    s.close()
 
 
 def test_seeded_reply_does_not_depend_on_neighbours(scheduler, tok):
