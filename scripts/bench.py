@@ -119,16 +119,14 @@ CPU_SUITE = {
 }
 
 
-def real_batches(args, mesh):
-    """(vocab size, next_micro_batches()) from the Grain loader over the base dir's tokenizer and shards."""
+def real_batches(args, mesh, tokenizer):
+    """(next_micro_batches(), loader): the Grain loader over the base dir's shards, tokenized by `tokenizer`."""
     from flaxchat.dataloader import make_loader
-    from flaxchat.tokenizer import get_tokenizer
 
-    tokenizer = get_tokenizer()
     dp = mesh.shape["data"] * mesh.shape["fsdp"]
     loader = make_loader(tokenizer, args.device_batch_size * dp, args.max_seq_len, "train", mesh=mesh)
     take = lambda: tuple(zip(*(next(loader) for _ in range(args.grad_accum))))
-    return tokenizer.get_vocab_size(), take, loader
+    return take, loader
 
 
 def time_nanochat(args, config, batch_size: int) -> dict:
@@ -159,14 +157,15 @@ def bench_train(args, mesh) -> dict:
 
     dp = mesh.shape["data"] * mesh.shape["fsdp"]
     B, T, A = args.device_batch_size * dp, args.max_seq_len, args.grad_accum
-    if args.nanochat and args.real_data:
+    if args.real_data:
         from flaxchat.tokenizer import get_tokenizer
 
-        args.vocab_size = get_tokenizer().get_vocab_size()
+        tokenizer = get_tokenizer()
+        args.vocab_size = tokenizer.get_vocab_size()
     theirs = [time_nanochat(args, make_config(args), B)] if args.nanochat else []  # before the loader's threads start
     loader, counter = None, iter(range(10**9))
     if args.real_data:
-        args.vocab_size, take, loader = real_batches(args, mesh)
+        take, loader = real_batches(args, mesh, tokenizer)
     config = make_config(args)
     model = sharding.create_sharded(lambda: GPT(config, rngs=nnx.Rngs(0), dtype=compute_dtype(args.dtype),
                                                 attention=args.attention, remat=args.remat), mesh)
