@@ -242,7 +242,7 @@ class StepProfiler:
 
     def __init__(self, steps: tuple[int, int] | None, directory: str):
         self.start, self.stop = steps or (-1, -1)
-        self.directory, self.active = directory, False
+        self.directory, self.active, self.written = directory, False, False  # written: a trace was started
 
     @staticmethod
     def parse(spec: str) -> tuple[int, int]:
@@ -266,7 +266,7 @@ class StepProfiler:
         if i == self.start and not self.active:
             os.makedirs(self.directory, exist_ok=True)
             jax.profiler.start_trace(self.directory, create_perfetto_trace=True)
-            self.active = True
+            self.active = self.written = True
         elif i == self.stop and self.active:
             self.close()
         return jax.profiler.StepTraceAnnotation("step", step_num=i) if self.active else contextlib.nullcontext()

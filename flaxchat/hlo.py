@@ -146,3 +146,76 @@ def dot_types(hlo_text: str) -> list[tuple[str, str, int]]:
                 lhs, rhs = re.findall(r"%([^\s,)]+)", rest)[:2]
                 dots.append((element(lhs), element(rhs), _dot_flops(shape, rest, shapes)))
     return dots
+
+
+# What each op of a compiled program computes, for reading a profile (flaxchat.trace): its kind.
+_LAYOUT_OPS = {"copy", "transpose", "bitcast", "reshape", "broadcast", "slice", "dynamic-slice", "dynamic-update-slice",
+               "concatenate", "pad", "parameter", "constant", "iota", "tuple", "get-tuple-element", "copy-start",
+               "copy-done", "gather", "reverse"}
+_CONTAINERS = {"while", "conditional", "call"}
+
+
+def op_kinds(hlo_text: str) -> dict[str, str]:
+    """{instruction name: kind} for every instruction of an optimised HLO module; kinds as flaxchat.trace.KINDS.
+    A fusion is a matmul if it holds a dot, convolution or GEMM call (a GEMM with its epilogue), a reduction if it
+    holds a reduce, layout if it only moves data, else elementwise."""
+    from flaxchat.trace import kind_of_name
+
+    comps, _ = _parse(hlo_text)
+
+    def custom_kind(rest: str) -> str:
+        target = re.search(r'custom_call_target="([^"]*)"', rest)
+        kind = kind_of_name(target.group(1)) if target else "other"
+        return kind if kind in ("matmul", "attention", "collective") else "other"
+
+    def opcodes(comp: str, depth: int = 0) -> set:
+        """Opcodes of a fused computation and of the computations it calls (custom-calls as their kind)."""
+        found = set()
+        for _, _, opcode, rest in comps.get(comp, []):
+            found.add(custom_kind(rest) if opcode == "custom-call" else opcode)
+            if depth < 8:
+                for callee in re.findall(r"calls=%([\w.\-]+)", rest):
+                    found |= opcodes(callee, depth + 1)
+        return found
+
+    kinds = {}
+    for instructions in comps.values():
+        for name, _, opcode, rest in instructions:
+            base = opcode.removesuffix("-start").removesuffix("-done")
+            if opcode in ("dot", "convolution"):
+                kind = "matmul"
+            elif opcode == "custom-call":
+                kind = custom_kind(rest)
+            elif base in COLLECTIVES:
+                kind = "collective"
+            elif opcode == "fusion":
+                callee = re.search(r"calls=%([\w.\-]+)", rest)
+                inner = opcodes(callee.group(1)) if callee else set()
+                if inner & {"dot", "convolution", "matmul"} or "__triton_gemm" in rest:
+                    kind = "matmul"
+                elif "attention" in inner:
+                    kind = "attention"
+                elif inner & set(COLLECTIVES):
+                    kind = "collective"
+                elif inner & {"reduce", "reduce-window"}:
+                    kind = "reduction"
+                elif inner <= _LAYOUT_OPS:
+                    kind = "layout"
+                else:
+                    kind = "elementwise"
+            elif opcode in _LAYOUT_OPS:
+                kind = "layout"
+            elif opcode in ("reduce", "reduce-window"):
+                kind = "reduction"
+            elif opcode in _CONTAINERS:
+                kind = "control"
+            else:
+                kind = "elementwise" if opcode in _ELEMENTWISE else "other"
+            kinds[name] = kind
+    return kinds
+
+
+_ELEMENTWISE = {"add", "subtract", "multiply", "divide", "exponential", "log", "tanh", "logistic", "maximum", "minimum",
+                "select", "compare", "convert", "negate", "sqrt", "rsqrt", "power", "abs", "sign", "and", "or", "not",
+                "clamp", "exponential-minus-one", "log-plus-one", "floor", "ceil", "round-nearest-even", "is-finite",
+                "xor", "shift-left", "shift-right-logical", "remainder", "atan2", "cosine", "sine", "erf"}

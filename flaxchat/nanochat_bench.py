@@ -60,8 +60,9 @@ def build(gpt, config: dict, device: str = "cpu"):
 
 
 def time_steps(model, optimizer, vocab_size: int, batch_size: int, seq_len: int, grad_accum: int, steps: int,
-               warmup: int, seed: int = 0, device: str = "cpu") -> dict:
-    """The first step (compilation included), `warmup` more, then the median of `steps` timed steps."""
+               warmup: int, seed: int = 0, device: str = "cpu", profile: int = 0) -> dict:
+    """The first step (compilation included), `warmup` more, then the median of `steps` timed steps; with
+    `profile`, that many more steps under torch.profiler, summarized as flaxchat.trace summarizes JAX's traces."""
     import torch
 
     compiled = torch.compile(model, dynamic=False)
@@ -90,8 +91,42 @@ def time_steps(model, optimizer, vocab_size: int, batch_size: int, seq_len: int,
         step(1 + warmup + i)
         times.append(time.perf_counter() - t0)
     step_s = statistics.median(times)
-    return {"tok_per_s": batch_size * seq_len * grad_accum / step_s, "step_s": step_s, "step_s_min": min(times),
-            "compile_s": max(first_step_s - step_s, 0.0), "first_step_s": first_step_s}
+    out = {"tok_per_s": batch_size * seq_len * grad_accum / step_s, "step_s": step_s, "step_s_min": min(times),
+           "compile_s": max(first_step_s - step_s, 0.0), "first_step_s": first_step_s}
+    if profile:
+        out["profile"] = profile_steps(lambda i: step(1 + warmup + steps + i), profile, device)
+    return out
+
+
+def profile_steps(step, n: int, device: str) -> dict:
+    """n steps under torch.profiler: per step, the ops' self time by kind and the slowest ops (flaxchat.trace's
+    summary). On a GPU the CUDA kernels' device time; on a CPU the self time of the ops torch records on the
+    calling thread (its intra-op threads work inside them; the fused code torch.compile generates for a CPU
+    counts as its compiled region's own time)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from flaxchat.trace import summarize_ops
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    times = []
+    with profile(activities=activities) as prof:
+        for i in range(n):
+            t0 = time.perf_counter()
+            step(i)
+            times.append(time.perf_counter() - t0)
+    op_ms, counts = {}, {}
+    for e in prof.key_averages():
+        if device == "cuda":
+            if "CUDA" not in str(getattr(e, "device_type", "")):
+                continue  # the kernels themselves, not the CPU ops that launched them
+            us = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+        else:
+            us = e.self_cpu_time_total
+        if us > 0:
+            op_ms[e.key], counts[e.key] = us / 1e3, e.count
+    summary = summarize_ops(op_ms, n, 1e3 * statistics.median(times), counts=counts)
+    return {"device": "accelerator" if device == "cuda" else "cpu", "torch_profiler": torch.__version__, **summary}
 
 
 def main(argv=None):
@@ -103,7 +138,11 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=10, help="timed steps (median reported)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps after the first")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where nanochat runs (default: cpu)")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="after timing, N more steps under torch.profiler: the JSON adds where the step's time goes")
     args = p.parse_args(argv)
+    if args.profile < 0:
+        p.error("--profile takes a number of steps (0: no profile)")
     try:
         config = json.loads(args.config)
     except json.JSONDecodeError as e:
@@ -116,7 +155,7 @@ def main(argv=None):
     with contextlib.redirect_stdout(sys.stderr):  # nanochat prints what it chose; stdout holds only the JSON
         model, optimizer = build(gpt, config, args.device)
         out = time_steps(model, optimizer, config["vocab_size"], args.batch_size, config["sequence_len"],
-                         args.grad_accum, args.steps, args.warmup, device=args.device)
+                         args.grad_accum, args.steps, args.warmup, device=args.device, profile=args.profile)
     dtype = getattr(gpt, "COMPUTE_DTYPE", None)
     flash = sys.modules.get("nanochat.flash_attention")  # nanochat's choice of attention kernel, where it has one
     extra = {"attention": "fa3" if flash.USE_FA3 else "sdpa"} if hasattr(flash, "USE_FA3") else {}

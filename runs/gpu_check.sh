@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One command that checks flaxchat on a GPU machine whose JAX (with CUDA) is already installed, with no network:
-# install flaxchat around that JAX, confirm JAX is on the GPU, run the GPU tests, benchmark training (d12, d20),
-# generation (batch 1, 32) and serving, and write one report (report.json + summary.md).
+# install flaxchat around that JAX, confirm JAX is on the GPU, run the GPU tests, benchmark training (d12 and d20
+# with sliding windows, d12 with global attention), generation (batch 1, 32) and serving, and write one report
+# (report.json + summary.md).
 #
 #   # 1. on a machine with network, once: the wheels of flaxchat's pure-Python dependencies (not JAX, not CUDA)
 #   bash runs/gpu_check.sh --fetch-wheels wheels/      # same OS and Python as the GPU machine, or add after --:
@@ -11,6 +12,8 @@
 #   bash runs/gpu_check.sh --wheels wheels/            # or FLAXCHAT_WHEELS=wheels/ bash runs/gpu_check.sh
 #   # with nanochat's own training step timed on the same shapes first (a nanochat checkout; its PyTorch with CUDA):
 #   bash runs/gpu_check.sh --nanochat ~/src/nanochat
+#   # and where each training step's time goes, flaxchat's kernels beside nanochat's:
+#   bash runs/gpu_check.sh --nanochat ~/src/nanochat --profile
 #   # the same sequence with tiny models on the CPU, in ~1 minute (CI runs it: tests/test_gpu.py):
 #   bash runs/gpu_check.sh --cpu --out /tmp/gpu_check
 #
@@ -26,6 +29,9 @@ Options:
   --out DIR            output folder (default: $FLAXCHAT_BASE_DIR/gpu_check/<date-time>)
   --wheels DIR         local wheel folder to install missing dependencies from (pip --no-index --find-links);
                        also $FLAXCHAT_WHEELS. Not needed when flaxchat and its dependencies are installed.
+  --profile            profile three timed steps of each training shape (and nanochat's, with --nanochat): the
+                       summary adds where each step's time goes (ms by kind of op, the slowest ops); traces in
+                       OUT/profile/
   --no-install         install nothing: run with the packages as they are (what falls short of flaxchat's
                        requirements is listed, in missing.txt too, and used anyway)
   --cpu                smoke mode: the same steps with tiny models on the CPU (--expect-backend cpu)
@@ -40,7 +46,7 @@ $FLAXCHAT_BASE_DIR/jax_cache), JAX_PLATFORMS (default cuda; cpu with --cpu).
 EOF
 }
 
-MODE=gpu OUT="" WHEELS=${FLAXCHAT_WHEELS:-} FETCH="" PIP_EXTRA=() NANOCHAT=() INSTALL=yes
+MODE=gpu OUT="" WHEELS=${FLAXCHAT_WHEELS:-} FETCH="" PIP_EXTRA=() NANOCHAT=() INSTALL=yes PROFILE=no
 while [ $# -gt 0 ]; do
     case $1 in
         --out) OUT=$2; shift 2 ;;
@@ -48,6 +54,7 @@ while [ $# -gt 0 ]; do
         --cpu) MODE=cpu; shift ;;
         --nanochat) NANOCHAT=(--nanochat "$2"); shift 2 ;;
         --no-install) INSTALL=no; shift ;;
+        --profile) PROFILE=yes; shift ;;
         --fetch-wheels) FETCH=$2; shift 2 ;;
         --) shift; PIP_EXTRA=("$@"); break ;;
         -h|--help) usage; exit 0 ;;
@@ -85,8 +92,10 @@ if [ "$MODE" = gpu ]; then
     # the CPU unless JAX_PLATFORMS is set).
     export JAX_PLATFORMS=${JAX_PLATFORMS:-cuda}
     BACKEND=gpu DTYPE=bfloat16 T=2048 VOCAB=32768        # nanochat's d20 setting (runs/speedrun.sh's vocabulary)
-    TRAIN=("12 32 16 8" "20 32 16 8")                       # depth, then device batch sizes to try (nanochat: 32)
-    BENCH_STEPS=(--steps 10 --warmup 2)
+    # depth, window pattern, then device batch sizes to try (nanochat: 32). Sliding windows are nanochat's default;
+    # all-global (L) attention is the fair comparison where nanochat's Flash Attention 3 cannot load
+    TRAIN=("12 SSSL 32 16 8" "20 SSSL 32 16 8" "12 L 32 16 8")
+    BENCH_STEPS=(--steps 10 --warmup 2) PROFILE_STEPS=5:8    # three of the ten timed steps (step 0 compiles)
     GEN_DEPTH=20 GEN_T=2048 GEN_BATCHES=(1 32) GEN_LEN=(--prompt-len 16 --max-new-tokens 256)
     GPU_TESTS=()  # every test marked gpu, wherever it lives
     SERVE=(--depth 20 --seq-len 2048 --slots 32 --load-test 1,32 --load-tokens 256 --load-repeats 3)
@@ -96,8 +105,8 @@ else
     XLA_FLAGS=$(echo "${XLA_FLAGS:-}" | sed 's/--xla_force_host_platform_device_count=[0-9]*//; s/^ *//; s/ *$//')
     if [ -n "$XLA_FLAGS" ]; then export XLA_FLAGS; else unset XLA_FLAGS; fi
     BACKEND=cpu DTYPE=float32 T=64 VOCAB=512
-    TRAIN=("2 2")  # one tiny model: the smoke is about the sequence, the GPU run about d12 and d20
-    BENCH_STEPS=(--steps 2 --warmup 1)
+    TRAIN=("2 SSSL 2")  # one tiny model: the smoke is about the sequence, the GPU run about d12 and d20
+    BENCH_STEPS=(--steps 2 --warmup 1) PROFILE_STEPS=2:4
     GEN_DEPTH=2 GEN_T=128 GEN_BATCHES=(1 4) GEN_LEN=(--prompt-len 8 --max-new-tokens 16)
     GPU_TESTS=(tests/test_gpu.py)  # collecting only the file that holds them: the smoke is about the sequence
     SERVE=(--depth 2 --seq-len 128 --slots 4 --load-test 1,4 --load-tokens 16 --load-repeats 1)
@@ -165,12 +174,14 @@ step tests python -m pytest ${GPU_TESTS[@]+"${GPU_TESTS[@]}"} -m gpu -p no:cache
 
 # --- 4. training throughput: tok/s, MFU vs the datasheet bf16 peak, compile time, peak memory --------------------
 for spec in "${TRAIN[@]}"; do
-    read -r depth batches <<< "$spec"
-    name=train_d$depth
+    read -r depth pattern batches <<< "$spec"
+    name=train_d$depth$([ "$pattern" = SSSL ] || echo "_$pattern")
+    profile=()
+    [ "$PROFILE" = yes ] && profile=(--profile-steps "$PROFILE_STEPS" --profile-dir "$OUT/profile/$name")
     for b in $batches; do
         if step "$name" python -m scripts.bench --what train --depth "$depth" --max-seq-len "$T" --vocab-size "$VOCAB" \
-                --dtype "$DTYPE" --device-batch-size "$b" "${BENCH_STEPS[@]}" --expect-backend "$BACKEND" \
-                ${NANOCHAT[@]+"${NANOCHAT[@]}"}; then
+                --window-pattern "$pattern" --dtype "$DTYPE" --device-batch-size "$b" "${BENCH_STEPS[@]}" \
+                --expect-backend "$BACKEND" ${NANOCHAT[@]+"${NANOCHAT[@]}"} ${profile[@]+"${profile[@]}"}; then
             break
         fi
         # only running out of memory is worth a smaller batch

@@ -86,7 +86,8 @@ def build_parser():
                    help="train: batches from the Grain loader over $FLAXCHAT_BASE_DIR's tokenizer and shards")
     p.add_argument("--nanochat", metavar="DIR", default=None,
                    help="train: also time nanochat's step (the checkout at DIR, with PyTorch) on the same shape, first")
-    StepProfiler.add_flag(p, "--profile-dir (train)")
+    StepProfiler.add_flag(p, "--profile-dir (train; the JSON adds where their time went: ms by kind of op and the "
+                             "slowest ops, and nanochat's beside them with --nanochat)")
     p.add_argument("--profile-dir", type=str, default=None, help="where the trace goes (default $FLAXCHAT_BASE_DIR/profile/bench)")
     add_kernel_flags(p)
     sharding.add_mesh_flags(p)
@@ -138,6 +139,8 @@ def time_nanochat(args, config, batch_size: int) -> dict:
     cmd = [sys.executable, "-m", "flaxchat.nanochat_bench", "--dir", args.nanochat, "--batch-size", str(batch_size),
            "--config", json.dumps(config.to_dict()), "--grad-accum", str(args.grad_accum), "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--device", "cuda" if jax.default_backend() == "gpu" else "cpu"]
+    if args.profile_steps:  # as many steps of nanochat's under torch.profiler, after its timed ones
+        cmd += ["--profile", str(args.profile_steps[1] - args.profile_steps[0])]
     load = MachineLoad()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     machine = load.stop()  # over nanochat's whole process, compilation included
@@ -181,11 +184,11 @@ def bench_train(args, mesh) -> dict:
     profiler = StepProfiler(args.profile_steps, args.profile_dir or os.path.join(get_base_dir(), "profile", "bench"))
 
     optimizer_step = nnx.cached_partial(train_step, model, optimizer)  # as pretrain calls it
-    steps = iter(range(10**9))
+    steps, last = iter(range(10**9)), {}
 
     def step():
         with profiler.step(next(steps)):  # real data: reading the next batches is part of the step, as in pretrain
-            xs, ys = take()
+            xs, ys = last["batch"] = take()
             with jax.set_mesh(mesh):
                 return float(optimizer_step(xs, ys))  # float() waits
 
@@ -210,6 +213,7 @@ def bench_train(args, mesh) -> dict:
     profiler.close()
     if loader is not None:
         loader.close()
+    where = profile_summary(profiler, model, optimizer, last["batch"], mesh) if args.profile_steps else None
     times = [t for r in rounds for t in r.pop("times")]
     step_s = statistics.median(times)
     peak, source = peak_flops_per_device(model.dtype)
@@ -227,11 +231,32 @@ def bench_train(args, mesh) -> dict:
     if theirs:  # over several rounds: nanochat's median tok/s and the median of the rounds' ratios
         median = statistics.median(n["tok_per_s"] for n in theirs)
         out["nanochat"] = theirs[0] if len(theirs) == 1 else {
-            "tok_per_s": median, **{k: theirs[0][k] for k in ("torch", "threads", "dtype")}}
+            "tok_per_s": median, **{k: theirs[0][k] for k in ("torch", "threads", "dtype")},
+            **{k: theirs[-1][k] for k in ("profile",) if k in theirs[-1]}}  # each round's is in its own record
         out["vs_nanochat"] = statistics.median(r["vs_nanochat"] for r in rounds)
     if args.rounds > 1:
         out["rounds"] = rounds
+    if where is not None:
+        out["profile"] = where
     return out
+
+
+def profile_summary(profiler, model, optimizer, batch, mesh) -> dict | None:
+    """Where the profiled steps' time went (flaxchat.trace), each op's kind read off the compiled train step (the
+    same program, compiled again from the same arguments: a persistent compilation cache answers at once); a
+    summary of nanochat's step sits beside it in the JSON when --nanochat is given. None if the steps asked for
+    were never run."""
+    from flaxchat.hlo import op_kinds
+    from flaxchat.trace import format_summary, summarize_trace
+    from flaxchat.training import train_step
+
+    if not profiler.written:
+        return None
+    with jax.set_mesh(mesh):
+        hlo = train_step.lower(model, optimizer, *batch).compile().as_text()
+    summary = summarize_trace(profiler.directory, kinds=op_kinds(hlo), module="train_step")
+    print(format_summary(summary, "flaxchat's profiled steps: "), file=sys.stderr)
+    return summary
 
 
 def bench_comms(args, mesh) -> dict:

@@ -285,7 +285,7 @@ def table(steps, columns, row) -> list[str]:
 
 def train_row(r, nanochat=False) -> list[str]:
     c, n = r["config"], r["num_params"]
-    row = [f"d{c['n_layer']} ({n / 1e6:,.{0 if n >= 1e8 else 1}f}M params, {r['dtype']})",
+    row = [f"d{c['n_layer']} {c.get('window_pattern', '')} ({n / 1e6:,.{0 if n >= 1e8 else 1}f}M params, {r['dtype']})",
            f"{r['tokens_per_step'] // c['sequence_len']} x {c['sequence_len']}", fmt(r["tok_per_s"]),
            fmt(r["mfu"], ".1f"), fmt(r["compile_s"], ".1f"), fmt(r["peak_mem_gb"], ".1f"),
            r["attention"] + ("" if r["remat"] == "none" else f", remat {r['remat']}"),
@@ -303,6 +303,40 @@ def generate_row(r) -> list[str]:
     return [f"d{c['n_layer']} ({r['dtype']}, context {c['sequence_len']})", str(r["batch_size"]),
             f"{r['prompt_len']} + {r['max_new_tokens']}", fmt(r["tok_per_s"]), fmt(r["ttft_s"] * 1e3, ".1f"),
             fmt(r["prefill_tok_per_s"]), fmt(r["compile_s"], ".1f"), fmt(r["peak_mem_gb"], ".1f")]
+
+
+def profile_lines(steps) -> list[str]:
+    """`--profile`: per training shape, each program's step time by kind of op, then its slowest ops."""
+    from flaxchat.trace import KINDS
+
+    lines = []
+    for s in steps:
+        ours = s["ok"] and s["result"].get("profile")
+        if not ours:
+            continue
+        theirs = (s["result"].get("nanochat") or {}).get("profile")
+        step_ms = lambda p: fmt(p.get("step_ms"), ".1f")
+        busy = ours.get("busy")
+        busy = "" if busy is None else f" (device busy {100 * busy:.0f}% of it)"
+        head = f"### {s['name']}: flaxchat {step_ms(ours)} ms a step{busy}"
+        lines += ["", head + (f", nanochat {step_ms(theirs)} ms" if theirs else ""), ""]
+        columns = ["flaxchat ms/step", "share"] + (["nanochat ms/step", "share"] if theirs else [])
+        lines += ["| kind | " + " | ".join(columns) + " |", "|" + " --- |" * (len(columns) + 1)]
+        cell = lambda p, k: [fmt(p["by_kind"][k]["ms"], ".2f"), f"{p['by_kind'][k]['share']}%"] if k in p["by_kind"] else ["–", "–"]
+        for k in KINDS:
+            if k in ours["by_kind"] or (theirs and k in theirs["by_kind"]):
+                lines.append(f"| {k} | " + " | ".join(cell(ours, k) + (cell(theirs, k) if theirs else [])) + " |")
+        total = lambda p: [fmt(p["op_ms_per_step"], ".2f"), "100%"]
+        lines.append("| all ops | " + " | ".join(total(ours) + (total(theirs) if theirs else [])) + " |")
+        for who, p in (("flaxchat", ours), ("nanochat", theirs)):
+            if p:
+                lines += ["", f"{who}'s slowest ops (ms a step, kind, op):", ""]
+                lines += [f"- {t['ms']:.2f} ms ({t['share']}%) {t['kind']}: `{t['op'][:120]}`" for t in p["top"][:8]]
+    if lines:
+        lines = ["", "## Where the time goes", "", "`--profile`: a few timed steps under the profilers (jax.profiler, and "
+                 "torch.profiler for nanochat), self time of every op by kind (`flaxchat.trace`); on a GPU device "
+                 "time, on a CPU each op's time on the thread that ran it. Traces in profile/."] + lines
+    return lines
 
 
 def summary_markdown(report) -> str:
@@ -335,6 +369,7 @@ def summary_markdown(report) -> str:
                   "process of its own (`--nanochat DIR`); vs nanochat is flaxchat's tok/s over nanochat's.", ""]
         columns += ["nanochat tok/s", "nanochat compile s", "vs nanochat"]
     lines += table(report["train"], columns, lambda r: train_row(r, nanochat))
+    lines += profile_lines(report["train"])
     lines += ["", "## Generation", "", "KV-cache engine, random prompts, every row makes every token "
               "(`python -m scripts.bench --what generate`).", ""]
     lines += table(report["generate"], ["model", "batch", "prompt + new", "decode tok/s", "time to first token ms",

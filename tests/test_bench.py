@@ -84,10 +84,19 @@ def test_generate_times_speculative_sampling_between_checkpoints(capsys, tiny_ba
     assert "--draft-model needs --checkpoint" in capsys.readouterr().err
 
 
-def test_nanochat_is_timed_before_us_each_round_on_the_same_shape(capsys, monkeypatch, nanochat_checkout):
+def test_nanochat_is_timed_before_us_each_round_on_the_same_shape(capsys, monkeypatch, tmp_path, nanochat_checkout):
+    """Each round times nanochat first; --profile-steps adds where both steps' time goes (flaxchat's profiled steps
+    summed by op and kind, kinds read off the compiled step; nanochat's under torch.profiler, summed the same way)."""
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=4:glibc.malloc.hugetlb=1")
     out = run(capsys, TINY + ["--what", "train", "--device-batch-size", "2", "--grad-accum", "2", "--steps", "2",
-                              "--warmup", "0", "--rounds", "2", "--nanochat", str(nanochat_checkout)])
+                              "--warmup", "0", "--rounds", "2", "--nanochat", str(nanochat_checkout),
+                              "--profile-steps", "2:4", "--profile-dir", str(tmp_path / "prof")])
+    ours, theirs = out["profile"], out["nanochat"]["profile"]
+    assert ours["steps"] == 2 and ours["device"] == "cpu" and ours["trace"].startswith(str(tmp_path / "prof"))
+    assert ours["by_kind"]["matmul"]["ms"] > 0 and ours["op_ms_per_step"] > 0
+    assert "other" not in {t["kind"] for t in ours["top"]}  # every op of the step has its kind from the program
+    assert theirs["steps"] == 2 and theirs["by_kind"]["matmul"]["ms"] > 0  # the stand-in's lm_head
+    assert any(t["op"].startswith("aten::") for t in theirs["top"])
     assert len(out["rounds"]) == 2
     for r in out["rounds"]:
         assert r["nanochat"]["tok_per_s"] > 0 and r["nanochat"]["threads"] >= 1 and r["nanochat"]["dtype"] == "float32"

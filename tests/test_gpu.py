@@ -193,11 +193,12 @@ def test_gpu_check_stops_when_jax_is_not_on_a_gpu(tmp_path):
 
 @pytest.mark.slow
 def test_gpu_check_cpu_smoke(tmp_path, request):
-    """The whole GPU check with tiny models on the CPU: every section present, with sane numbers; where PyTorch is
-    installed, with --nanochat (a stand-in checkout) timing nanochat's step on each training shape too."""
+    """The whole GPU check with tiny models on the CPU: every section present, with sane numbers, the training
+    steps profiled (--profile); where PyTorch is installed, with --nanochat (a stand-in checkout) timing and
+    profiling nanochat's step on each training shape too."""
     out = tmp_path / "out"
     nanochat = importlib.util.find_spec("torch") is not None
-    extra = ["--nanochat", str(request.getfixturevalue("nanochat_checkout"))] if nanochat else []
+    extra = ["--profile"] + (["--nanochat", str(request.getfixturevalue("nanochat_checkout"))] if nanochat else [])
     t0 = time.perf_counter()
     r = run_check("--cpu", "--out", str(out), *extra)
     seconds = time.perf_counter() - t0
@@ -214,8 +215,11 @@ def test_gpu_check_cpu_smoke(tmp_path, request):
         assert t["ok"] and res["what"] == "train" and res["backend"] == "cpu"
         assert res["tok_per_s"] > 0 and 0 < res["mfu"] < 100 and res["compile_s"] >= 0 and res["peak_mem_gb"] > 0
         assert t["command"].startswith("python -m scripts.bench --what train")
+        assert res["profile"]["steps"] == 2 and res["profile"]["by_kind"]["matmul"]["ms"] > 0
+        assert "--window-pattern SSSL" in t["command"] and "--profile-steps 2:4" in t["command"]
         if nanochat:
             assert res["nanochat"]["tok_per_s"] > 0 and res["vs_nanochat"] > 0
+            assert res["nanochat"]["profile"]["steps"] == 2
     assert [g["result"]["batch_size"] for g in report["generate"]] == [1, 4]
     for g in report["generate"]:
         assert g["ok"] and g["result"]["tok_per_s"] > 0 and g["result"]["ttft_s"] > 0
@@ -223,8 +227,11 @@ def test_gpu_check_cpu_smoke(tmp_path, request):
     assert serve["ok"] and set(serve["result"]["median_tok_per_s"]) == {"1", "4"}
     assert all(v > 0 for v in serve["result"]["median_tok_per_s"].values())
     summary = (out / "summary.md").read_text()
-    for heading in ("## Environment", "## Tests", "## Training", "## Generation", "## Serving"):
+    for heading in ("## Environment", "## Tests", "## Training", "## Where the time goes", "### train_d2: ",
+                    "## Generation", "## Serving"):
         assert heading in summary
+    assert "| matmul | " in summary and "flaxchat's slowest ops" in summary
+    assert ("nanochat's slowest ops" in summary) == nanochat
     assert f"{report['train'][0]['result']['tok_per_s']:,.0f}" in summary
     if nanochat:
         assert "| vs nanochat |" in summary and f"| {report['train'][0]['result']['vs_nanochat']:.2f}x |" in summary

@@ -1,0 +1,173 @@
+"""Where a step's time goes: a profiler trace summed by op and by kind of work.
+
+`scripts.bench --profile-steps A:B` writes a jax.profiler trace (common.StepProfiler) and adds this summary to its
+JSON; `flaxchat.nanochat_bench --profile N` makes the same summary of nanochat's step from torch.profiler, so the
+two programs' kernels can be read side by side (runs/gpu_check.sh --profile puts both in summary.md).
+
+Kinds: matmul (dots, GEMM libraries, fusions around a dot), attention (fused attention kernels), collective,
+layout (copies, transposes, slicing and concatenation), reduction, elementwise (the other fusions), control (loop
+and call bookkeeping), other. With the compiled program's HLO text (`hlo.op_kinds`) an XLA op's kind comes from
+what it computes; without it, and for PyTorch's kernels, from its name. Times are self times (a loop's time
+excludes the ops inside it) per profiled step: on a GPU or TPU device time; on a CPU each op's time on the thread
+that ran it, summed over XLA's threads (ops XLA runs side by side both count; the helper threads an op splits its
+work over record nothing of their own, so op time is not CPU time there).
+
+Nothing here imports JAX: nanochat's process uses it with torch only.
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import gzip
+import json
+import os
+import re
+import statistics
+
+KINDS = ("matmul", "attention", "collective", "layout", "reduction", "elementwise", "control", "other")
+
+# Name rules, first match wins (lower-cased op or kernel name). Attention before matmul: flash kernels say gemm too.
+# torch.compile's own kernels: Triton's pointwise / reduction kernels on a GPU; on a CPU the compiled region's self
+# time (its fused C++ loops; the matmuls it calls are ops of their own).
+_NAME_RULES = [
+    ("elementwise", r"compiledfxgraph|triton_poi_"),
+    ("reduction", r"triton_(red|per)_"),
+    ("attention", r"fmha|sdpa|flash|attention|splash|scaled_dot_product"),
+    ("collective", r"all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute|nccl|allreduce|allgather"),
+    ("matmul", r"gemm|matmul|xmma|cutlass|cublas|ynn_fusion|\bdot\b|dot_general|convolution|^dot\.|aten::mm|"
+               r"aten::addmm|aten::bmm|aten::baddbmm|aten::linear|\bmm\b|extern_kernels\.mm|sgemm|wgmma|nvjet"),
+    ("layout", r"copy|transpose|bitcast|concatenate|\bcat\b|slice|pad|reshape|contiguous|clone|memcpy|memset|"
+               r"dynamic-update|gather"),
+    ("reduction", r"reduce|\bsum\b|_sum|norm|softmax|logsumexp|argmax|\bmax\b|\bmean\b|red_"),
+    ("control", r"^while|^conditional|^call\b|^call\.|compiledfunction|thunkexecutor"),
+    ("elementwise", r"fusion|triton|loop_|elementwise|vectorized|pointwise|add|mul|exp|tanh|where|select|"
+                    r"convert|cpp_fused|to_copy|aten::"),
+]
+
+
+def kind_of_name(name: str) -> str:
+    """A coarse kind from an op's or kernel's name alone (see _NAME_RULES)."""
+    low = name.lower()
+    for kind, pattern in _NAME_RULES:
+        if re.search(pattern, low):
+            return kind
+    return "other"
+
+
+def summarize_ops(op_times: dict, steps: int, step_ms: float | None, kinds: dict | None = None, top: int = 12,
+                  counts: dict | None = None) -> dict:
+    """{op: total ms over the profiled steps} -> the summary: per-step ms by kind and the `top` ops."""
+    steps = max(steps, 1)
+    kind = lambda op: (kinds or {}).get(op) or kind_of_name(op)
+    total = sum(op_times.values()) / steps
+    by_kind = collections.Counter()
+    for op, ms in op_times.items():
+        by_kind[kind(op)] += ms / steps
+    share = lambda ms: round(100 * ms / total, 1) if total else 0.0
+    ranked = sorted(op_times.items(), key=lambda kv: -kv[1])[:top]
+    return {
+        "steps": steps, "step_ms": step_ms, "op_ms_per_step": total,
+        "by_kind": {k: {"ms": by_kind[k], "share": share(by_kind[k])} for k in KINDS if by_kind[k]},
+        "top": [{"op": op, "kind": kind(op), "ms": ms / steps, "share": share(ms / steps),
+                 **({"calls": counts[op] / steps} if counts else {})} for op, ms in ranked],
+    }
+
+
+def newest_trace(directory: str) -> str:
+    """The newest perfetto_trace.json.gz under a jax.profiler log directory (plugins/profile/<time>/)."""
+    found = glob.glob(os.path.join(directory, "**", "perfetto_trace.json.gz"), recursive=True)
+    if not found:
+        raise FileNotFoundError(f"no perfetto_trace.json.gz under {directory} (was the trace written with "
+                                "create_perfetto_trace=True?)")
+    return max(found, key=os.path.getmtime)
+
+
+def _self_times(events: list) -> list[tuple[dict, float]]:
+    """(event, self time in µs) for complete events on one thread: nested events' time is taken off their parent."""
+    out, stack = [], []  # stack: [event, end, children's time]
+    for e in sorted(events, key=lambda e: (e["ts"], -e["dur"])):
+        while stack and stack[-1][1] <= e["ts"]:
+            done = stack.pop()
+            out.append((done[0], done[0]["dur"] - done[2]))
+        if stack:
+            stack[-1][2] += e["dur"]
+        stack.append([e, e["ts"] + e["dur"], 0.0])
+    out += [(ev, ev["dur"] - child) for ev, _, child in stack]
+    return out
+
+
+def summarize_trace(path: str, kinds: dict | None = None, module: str | None = None, top: int = 12) -> dict:
+    """Summary of a jax.profiler trace (a log directory or a perfetto_trace.json.gz): per profiled step (the steps
+    common.StepProfiler annotated), ms by kind and the slowest ops. kinds: hlo.op_kinds of the compiled program;
+    module: count only ops of HLO modules whose name contains it (e.g. "train_step")."""
+    path = path if path.endswith(".json.gz") else newest_trace(path)
+    with gzip.open(path, "rt") as f:
+        events = json.load(f)["traceEvents"]
+    processes = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    threads = {(e["pid"], e.get("tid")): e["args"]["name"] for e in events
+               if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    complete = [e for e in events if e.get("ph") == "X" and "dur" in e]
+    on_device = [e for e in complete if processes.get(e["pid"], "").startswith(("/device:GPU", "/device:TPU"))]
+    if any("hlo_op" in e.get("args", {}) for e in on_device):
+        ops = [e for e in on_device if "hlo_op" in e.get("args", {})]
+    elif on_device:  # kernels without op names: the device's stream / op lines
+        ops = [e for e in on_device if re.match(r"(Stream|XLA Ops)", threads.get((e["pid"], e.get("tid")), ""))]
+    else:  # a CPU: XLA's thunks on its threads
+        ops = [e for e in complete if "hlo_op" in e.get("args", {})]
+    if module:
+        ops = [e for e in ops if module in e.get("args", {}).get("hlo_module", module)]
+    by_thread = collections.defaultdict(list)
+    for e in ops:
+        by_thread[(e["pid"], e.get("tid"))].append(e)
+    op_times, counts, named = collections.Counter(), collections.Counter(), {}
+    for group in by_thread.values():
+        for e, self_us in _self_times(group):
+            name = e.get("args", {}).get("hlo_op") or e["name"]
+            op_times[name] += self_us / 1e3
+            counts[name] += 1
+            if name not in named and kind_of_name(e["name"]) != "other":
+                named[name] = kind_of_name(e["name"])  # a kernel's name says more than "custom-call.3"
+    kinds = {**named, **(kinds or {})}
+    marks = {}  # step_num -> duration of its StepTraceAnnotation (the host's view of the step)
+    for e in complete:
+        if e["name"] == "step" and "step_num" in e.get("args", {}):
+            marks[e["args"]["step_num"]] = e["dur"] / 1e3
+    out = summarize_ops(op_times, len(marks), statistics.median(marks.values()) if marks else None, kinds, top, counts)
+    # on a device, the share of the step it was busy (below 1: it waited on the host or on transfers); not on a
+    # CPU, where an op's helper threads leave no trace of their own
+    busy = out["op_ms_per_step"] / out["step_ms"] if out["step_ms"] and on_device else None
+    return {"trace": path, "device": "accelerator" if on_device else "cpu", "busy": busy, **out}
+
+
+def format_summary(summary: dict, title: str = "") -> str:
+    """A few lines of text: the step, ms by kind, the top ops."""
+    step = f"{summary['step_ms']:.1f} ms a step, " if summary.get("step_ms") else ""
+    busy = summary.get("busy")
+    busy = "" if busy is None else f" (busy {100 * busy:.0f}% of the step)"
+    lines = [f"{title}{step}{summary['op_ms_per_step']:.1f} ms of ops a step over {summary['steps']} step(s){busy}"]
+    lines.append("  " + ", ".join(f"{k} {v['ms']:.1f} ms ({v['share']}%)" for k, v in summary["by_kind"].items()))
+    lines += [f"  {t['ms']:9.2f} ms {t['share']:5.1f}%  {t['kind']:<11} {t['op']}" for t in summary["top"]]
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    import argparse
+
+    p = argparse.ArgumentParser(description="Where the profiled steps' time went: a jax.profiler trace (e.g. from "
+                                            "--profile-steps) summed by op and kind of op, per step.")
+    p.add_argument("path", help="the trace's log directory (its newest perfetto_trace.json.gz is read) or the file")
+    p.add_argument("--module", default="train_step", help="ops of HLO modules whose name holds this (default: "
+                                                          "train_step; '' for every module)")
+    p.add_argument("--top", type=int, default=12, help="how many of the slowest ops to list")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    args = p.parse_args(argv)
+    try:
+        summary = summarize_trace(args.path, module=args.module or None, top=args.top)
+    except (FileNotFoundError, OSError, ValueError, KeyError) as e:
+        raise SystemExit(f"error: cannot read a trace from {args.path}: {e}") from None
+    print(json.dumps(summary) if args.json else format_summary(summary))
+
+
+if __name__ == "__main__":
+    main()

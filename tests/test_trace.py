@@ -1,0 +1,172 @@
+"""flaxchat.trace and hlo.op_kinds: a profiler trace summed by op and kind of work, per profiled step."""
+
+import gzip
+import json
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from flaxchat.hlo import op_kinds
+from flaxchat.trace import KINDS, format_summary, kind_of_name, main, summarize_ops, summarize_trace
+
+
+def write_trace(path, events, processes, threads):
+    meta = [{"ph": "M", "pid": pid, "name": "process_name", "args": {"name": name}} for pid, name in processes.items()]
+    meta += [{"ph": "M", "pid": pid, "tid": tid, "name": "thread_name", "args": {"name": name}}
+             for (pid, tid), name in threads.items()]
+    with gzip.open(path, "wt") as f:
+        json.dump({"displayTimeUnit": "ns", "traceEvents": meta + events}, f)
+    return str(path)
+
+
+def op(pid, tid, ts, dur, name, hlo_op=None, module="jit_train_step"):
+    args = {"hlo_op": hlo_op, "hlo_module": module} if hlo_op else {}
+    return {"ph": "X", "pid": pid, "tid": tid, "ts": ts, "dur": dur, "name": name, "args": args}
+
+
+def step(ts, dur, n):
+    return {"ph": "X", "pid": 1, "tid": 1, "ts": ts, "dur": dur, "name": "step", "args": {"step_num": str(n)}}
+
+
+def test_a_gpu_trace_counts_kernels_on_the_device_by_op_and_step(tmp_path):
+    """Two steps of 10 ms: kernels on the GPU stream count (named by their HLO op, kinds from the program), the
+    host's events and other modules' kernels do not."""
+    events = [step(0, 10_000, 5), step(10_000, 10_000, 6)]
+    for s in (0, 10_000):
+        events += [op(2, 7, s + 100, 4000, "nvjet_tst_128x256_h_bz", "custom-call.3"),
+                   op(2, 7, s + 4200, 2000, "cudnn_generated_fort_native_sdpa_sm90", "custom-call.9"),
+                   op(2, 7, s + 6300, 1000, "loop_multiply_fusion", "multiply_fusion.2"),
+                   op(2, 7, s + 7400, 500, "input_reduce_fusion", "reduce_fusion"),
+                   op(2, 7, s + 8000, 900, "other module's kernel", "fusion.1", module="jit_generate"),
+                   op(1, 1, s + 50, 9000, "PjitFunction(train_step)")]  # host side: not device time
+    path = write_trace(tmp_path / "perfetto_trace.json.gz", events,
+                       {1: "/host:CPU", 2: "/device:GPU:0"}, {(1, 1): "python", (2, 7): "Stream #13(Compute)"})
+    kinds = {"custom-call.3": "matmul", "custom-call.9": "attention", "multiply_fusion.2": "elementwise",
+             "reduce_fusion": "reduction"}
+    s = summarize_trace(path, kinds=kinds, module="train_step")
+    assert s["device"] == "accelerator" and s["steps"] == 2 and s["step_ms"] == pytest.approx(10.0)
+    assert s["op_ms_per_step"] == pytest.approx(7.5)
+    assert {k: v["ms"] for k, v in s["by_kind"].items()} == pytest.approx(
+        {"matmul": 4.0, "attention": 2.0, "elementwise": 1.0, "reduction": 0.5})
+    assert [t["op"] for t in s["top"]] == ["custom-call.3", "custom-call.9", "multiply_fusion.2", "reduce_fusion"]
+    assert s["top"][0]["calls"] == 1 and s["top"][0]["share"] == pytest.approx(53.3)
+    # without the program, the kernel names decide
+    by_name = summarize_trace(str(tmp_path), module="train_step")
+    assert by_name["by_kind"]["matmul"]["ms"] == pytest.approx(4.0)
+    assert by_name["by_kind"]["attention"]["ms"] == pytest.approx(2.0)
+    text = format_summary(s, "flaxchat: ")
+    assert s["busy"] == pytest.approx(0.75)
+    assert text.startswith("flaxchat: 10.0 ms a step, 7.5 ms of ops a step over 2 step(s) (busy 75% of the step)")
+    assert "custom-call.3" in text and "matmul 4.0 ms (53.3%)" in text
+
+
+def test_a_cpu_trace_takes_nested_ops_self_time_on_each_thread(tmp_path):
+    """XLA:CPU runs a loop's body inside the loop's own thunk: the loop keeps only its own time; each thread's ops
+    add up (two busy threads make twice the step's time)."""
+    events = [step(0, 1000, 1)]
+    for tid in (11, 12):
+        events += [op(1, tid, 0, 900, "while.5", "while.5"), op(1, tid, 100, 500, "ynn_fusion.3", "ynn_fusion.3"),
+                   op(1, tid, 650, 200, "copy.1", "copy.1"), op(1, tid, 700, 50, "bitcast.2", "bitcast.2"),
+                   op(1, tid, 0, 1000, "ThunkExecutor::Execute")]  # no op name: bookkeeping, not counted
+    path = write_trace(tmp_path / "perfetto_trace.json.gz", events, {1: "/host:CPU"},
+                       {(1, 1): "python", (1, 11): "tf_XLAEigen/1", (1, 12): "tf_XLAEigen/2"})
+    s = summarize_trace(path, kinds={"while.5": "control", "ynn_fusion.3": "matmul", "copy.1": "layout",
+                                     "bitcast.2": "layout"})
+    assert s["device"] == "cpu" and s["steps"] == 1
+    ms = {t["op"]: t["ms"] for t in s["top"]}
+    assert ms == pytest.approx({"ynn_fusion.3": 1.0, "while.5": 0.4, "copy.1": 0.3, "bitcast.2": 0.1})
+    assert s["by_kind"]["layout"]["ms"] == pytest.approx(0.4) and s["op_ms_per_step"] == pytest.approx(1.8)
+    assert s["busy"] is None and "busy" not in format_summary(s)  # helper threads leave no events on a CPU
+
+
+def test_a_real_cpu_trace_of_a_jitted_step(tmp_path):
+    """jax.profiler's own trace of two annotated steps, each op's kind read off the compiled program."""
+
+    @jax.jit
+    def train_step(x, w):
+        h = jnp.tanh(x @ w)
+        return (h.T @ h).sum(axis=0) + jnp.concatenate([h[:, :8], h[:, 8:]], axis=1).T.sum(axis=1)
+
+    x, w = jnp.ones((256, 128)), jnp.ones((128, 64)) / 128
+    train_step(x, w).block_until_ready()
+    jax.profiler.start_trace(str(tmp_path), create_perfetto_trace=True)
+    for i in range(2):
+        with jax.profiler.StepTraceAnnotation("step", step_num=i):
+            train_step(x, w).block_until_ready()
+    jax.profiler.stop_trace()
+    kinds = op_kinds(train_step.lower(x, w).compile().as_text())
+    s = summarize_trace(str(tmp_path), kinds=kinds, module="train_step")
+    assert s["device"] == "cpu" and s["steps"] == 2 and s["step_ms"] > 0
+    assert s["by_kind"]["matmul"]["ms"] > 0 and set(s["by_kind"]) <= set(KINDS)
+    assert all(t["op"] in kinds for t in s["top"])  # every op the trace names is an instruction of the program
+    assert sum(v["share"] for v in s["by_kind"].values()) == pytest.approx(100, abs=0.5)
+
+
+def test_op_kinds_reads_what_each_instruction_computes():
+    import re
+
+    def f(a, b, c):
+        y = jax.lax.fori_loop(0, 3, lambda i, y: jnp.tanh(y @ b), a)
+        return y.sum(axis=1), (c * 2 + 1).T.copy(), jnp.exp(c) * c
+
+    text = jax.jit(f).lower(jnp.ones((64, 32)), jnp.ones((32, 32)), jnp.ones((16, 48))).compile().as_text()
+    kinds = op_kinds(text)
+    ops = [m.groups() for line in text.splitlines()
+           if (m := re.match(r"^\s*(?:ROOT\s+)?%(\S+) = .*? ([a-z][a-z0-9\-]*)\(", line))]
+    assert {name for name, _ in ops} == set(kinds) and set(kinds.values()) <= set(KINDS)  # each instruction, once
+    of = lambda opcode: {kinds[name] for name, o in ops if o == opcode}
+    assert of("while") == {"control"} and of("dot") <= {"matmul"} and of("parameter") == {"layout"}
+    assert {"matmul", "reduction", "elementwise"} <= of("fusion") | of("dot") | of("reduce")
+    assert {"matmul", "reduction", "elementwise", "layout", "control"} <= set(kinds.values())
+
+
+@pytest.mark.parametrize("name, kind", [
+    ("nvjet_tst_192x192_64x4_2x1_v_bz_coopB_NNT", "matmul"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "matmul"),
+    ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128, 128>>", "attention"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7", "attention"),
+    ("triton_poi_fused_add_mul_0", "elementwise"),
+    ("triton_red_fused__to_copy_mean_pow_1", "reduction"),
+    ("ncclDevKernel_AllReduce_Sum_f32_RING_LL", "collective"),
+    ("aten::mm", "matmul"),
+    ("## Call CompiledFxGraph fxtzavlxavmd4hzmcqxhg4t4362gynlswnbpyd2onen4bnm5yxn2 ##", "elementwise"),
+    ("aten::cat", "layout"),
+    ("transpose_copy_fusion.3", "layout"),
+    ("something_else", "other"),
+])
+def test_kernel_names_have_a_kind(name, kind):
+    assert kind_of_name(name) == kind
+
+
+def test_summarize_ops_ranks_ops_and_sums_kinds_per_step():
+    s = summarize_ops({"aten::mm": 30.0, "triton_poi_fused_add_0": 10.0, "aten::cat": 20.0}, steps=2, step_ms=40.0,
+                      top=2, counts={"aten::mm": 6, "aten::cat": 2, "triton_poi_fused_add_0": 2})
+    assert s["op_ms_per_step"] == 30.0 and s["step_ms"] == 40.0
+    assert [(t["op"], t["ms"], t["calls"]) for t in s["top"]] == [("aten::mm", 15.0, 3), ("aten::cat", 10.0, 1)]
+    assert list(s["by_kind"]) == ["matmul", "layout", "elementwise"]  # in KINDS order
+    assert s["by_kind"]["matmul"] == {"ms": 15.0, "share": 50.0}
+
+
+def test_a_folder_without_a_trace_says_so(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no perfetto_trace.json.gz under"):
+        summarize_trace(str(tmp_path))
+    with pytest.raises(SystemExit, match="^error: cannot read a trace from .*no perfetto_trace.json.gz under"):
+        main([str(tmp_path)])
+    (tmp_path / "perfetto_trace.json.gz").write_bytes(b"not gzip")
+    with pytest.raises(SystemExit, match="^error: cannot read a trace from "):
+        main([str(tmp_path / "perfetto_trace.json.gz")])
+
+
+def test_the_command_line_prints_a_trace_folders_summary(tmp_path, capsys):
+    events = [step(0, 2000, 1), op(1, 11, 0, 1500, "ynn_fusion.3", "ynn_fusion.3"),
+              op(1, 11, 1500, 500, "transpose_copy_fusion", "transpose_copy_fusion", module="jit_other")]
+    (tmp_path / "plugins" / "profile" / "t").mkdir(parents=True)
+    write_trace(tmp_path / "plugins" / "profile" / "t" / "perfetto_trace.json.gz", events, {1: "/host:CPU"},
+                {(1, 11): "tf_XLAEigen/1"})
+    main([str(tmp_path)])
+    text = capsys.readouterr().out
+    assert text.startswith("2.0 ms a step, 1.5 ms of ops a step over 1 step(s)\n")
+    assert "ynn_fusion.3" in text
+    main([str(tmp_path), "--module", "", "--json"])
+    assert json.loads(capsys.readouterr().out)["by_kind"]["layout"]["ms"] == pytest.approx(0.5)
