@@ -215,6 +215,51 @@ def op_kinds(hlo_text: str) -> dict[str, str]:
     return kinds
 
 
+def _stack_frames(hlo_text: str) -> dict[int, str]:
+    """{stack_frame_id: "flaxchat/gpt.py:598 loss_fn"}: the innermost user frame of each of the module's stack
+    frames (its FileNames / FunctionNames / FileLocations / StackFrames tables)."""
+    tables, section = {"FileNames": {}, "FunctionNames": {}, "FileLocations": {}, "StackFrames": {}}, None
+    for line in hlo_text.splitlines():
+        text = line.strip()
+        if text in tables:
+            section = text
+        elif section and (m := re.match(r"(\d+) (.*)$", text)):
+            tables[section][int(m.group(1))] = m.group(2)
+        elif text:
+            section = None
+    field = lambda entry, key: int(re.search(rf"\b{key}=(\d+)", entry).group(1))
+    unquote = lambda name: name.strip().strip('"')
+    frames = {}
+    for frame_id, entry in tables["StackFrames"].items():
+        try:
+            location = tables["FileLocations"][field(entry, "file_location_id")]
+            path = unquote(tables["FileNames"][field(location, "file_name_id")])
+            function = unquote(tables["FunctionNames"][field(location, "function_name_id")])
+            frames[frame_id] = f"{'/'.join(path.split('/')[-2:])}:{field(location, 'line')} {function}"
+        except (AttributeError, KeyError):  # a table this XLA prints differently: no source for that frame
+            continue
+    return frames
+
+
+def op_sources(hlo_text: str) -> dict[str, str]:
+    """{instruction name: where it came from}: the source line that made it (a fusion: its root's) and the end of
+    its JAX op_name, e.g. "flaxchat/gpt.py:598 step (nv,vc->nc/dot_general)": what a profile's "ynn_fusion.168"
+    or "custom-call.3" computes. Only the op_name where the program has no stack frames."""
+    comps, _ = _parse(hlo_text)
+    frames = _stack_frames(hlo_text)
+    sources = {}
+    for instructions in comps.values():
+        for name, _, _, rest in instructions:
+            op_name = re.search(r'op_name="([^"]*)"', rest)
+            if not op_name:
+                continue
+            frame = re.search(r"stack_frame_id=(\d+)", rest)
+            where = frames.get(int(frame.group(1))) if frame else None
+            tail = "/".join(op_name.group(1).split("/")[-2:])
+            sources[name] = f"{where} ({tail})" if where else op_name.group(1)
+    return sources
+
+
 _ELEMENTWISE = {"add", "subtract", "multiply", "divide", "exponential", "log", "tanh", "logistic", "maximum", "minimum",
                 "select", "compare", "convert", "negate", "sqrt", "rsqrt", "power", "abs", "sign", "and", "or", "not",
                 "clamp", "exponential-minus-one", "log-plus-one", "floor", "ceil", "round-nearest-even", "is-finite",

@@ -56,8 +56,9 @@ def kind_of_name(name: str) -> str:
 
 
 def summarize_ops(op_times: dict, steps: int, step_ms: float | None, kinds: dict | None = None, top: int = 12,
-                  counts: dict | None = None) -> dict:
-    """{op: total ms over the profiled steps} -> the summary: per-step ms by kind and the `top` ops."""
+                  counts: dict | None = None, sources: dict | None = None) -> dict:
+    """{op: total ms over the profiled steps} -> the summary: per-step ms by kind and the `top` ops (with the JAX
+    operation each came from, where `sources` names it: hlo.op_sources)."""
     steps = max(steps, 1)
     kind = lambda op: (kinds or {}).get(op) or kind_of_name(op)
     total = sum(op_times.values()) / steps
@@ -70,7 +71,8 @@ def summarize_ops(op_times: dict, steps: int, step_ms: float | None, kinds: dict
         "steps": steps, "step_ms": step_ms, "op_ms_per_step": total,
         "by_kind": {k: {"ms": by_kind[k], "share": share(by_kind[k])} for k in KINDS if by_kind[k]},
         "top": [{"op": op, "kind": kind(op), "ms": ms / steps, "share": share(ms / steps),
-                 **({"calls": counts[op] / steps} if counts else {})} for op, ms in ranked],
+                 **({"calls": counts[op] / steps} if counts else {}),
+                 **({"source": sources[op]} if sources and op in sources else {})} for op, ms in ranked],
     }
 
 
@@ -97,10 +99,11 @@ def _self_times(events: list) -> list[tuple[dict, float]]:
     return out
 
 
-def summarize_trace(path: str, kinds: dict | None = None, module: str | None = None, top: int = 12) -> dict:
+def summarize_trace(path: str, kinds: dict | None = None, module: str | None = None, top: int = 12,
+                    sources: dict | None = None) -> dict:
     """Summary of a jax.profiler trace (a log directory or a perfetto_trace.json.gz): per profiled step (the steps
-    common.StepProfiler annotated), ms by kind and the slowest ops. kinds: hlo.op_kinds of the compiled program;
-    module: count only ops of HLO modules whose name contains it (e.g. "train_step")."""
+    common.StepProfiler annotated), ms by kind and the slowest ops. kinds: hlo.op_kinds of the compiled program,
+    sources: its hlo.op_sources; module: count only ops of HLO modules whose name contains it (e.g. "train_step")."""
     path = path if path.endswith(".json.gz") else newest_trace(path)
     with gzip.open(path, "rt") as f:
         events = json.load(f)["traceEvents"]
@@ -133,7 +136,8 @@ def summarize_trace(path: str, kinds: dict | None = None, module: str | None = N
     for e in complete:
         if e["name"] == "step" and "step_num" in e.get("args", {}):
             marks[e["args"]["step_num"]] = e["dur"] / 1e3
-    out = summarize_ops(op_times, len(marks), statistics.median(marks.values()) if marks else None, kinds, top, counts)
+    out = summarize_ops(op_times, len(marks), statistics.median(marks.values()) if marks else None, kinds, top, counts,
+                        sources)
     # on a device, the share of the step it was busy (below 1: it waited on the host or on transfers); not on a
     # CPU, where an op's helper threads leave no trace of their own
     busy = out["op_ms_per_step"] / out["step_ms"] if out["step_ms"] and on_device else None
@@ -147,7 +151,8 @@ def format_summary(summary: dict, title: str = "") -> str:
     busy = "" if busy is None else f" (busy {100 * busy:.0f}% of the step)"
     lines = [f"{title}{step}{summary['op_ms_per_step']:.1f} ms of ops a step over {summary['steps']} step(s){busy}"]
     lines.append("  " + ", ".join(f"{k} {v['ms']:.1f} ms ({v['share']}%)" for k, v in summary["by_kind"].items()))
-    lines += [f"  {t['ms']:9.2f} ms {t['share']:5.1f}%  {t['kind']:<11} {t['op']}" for t in summary["top"]]
+    lines += [f"  {t['ms']:9.2f} ms {t['share']:5.1f}%  {t['kind']:<11} {t['op']}"
+              + (f"  <- {t['source']}" if t.get("source") else "") for t in summary["top"]]
     return "\n".join(lines)
 
 

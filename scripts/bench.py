@@ -246,7 +246,7 @@ def profile_summary(profiler, model, optimizer, batch, mesh) -> dict | None:
     same program, compiled again from the same arguments: a persistent compilation cache answers at once); a
     summary of nanochat's step sits beside it in the JSON when --nanochat is given. None if the steps asked for
     were never run."""
-    from flaxchat.hlo import op_kinds
+    from flaxchat.hlo import op_kinds, op_sources
     from flaxchat.trace import format_summary, summarize_trace
     from flaxchat.training import train_step
 
@@ -254,7 +254,7 @@ def profile_summary(profiler, model, optimizer, batch, mesh) -> dict | None:
         return None
     with jax.set_mesh(mesh):
         hlo = train_step.lower(model, optimizer, *batch).compile().as_text()
-    summary = summarize_trace(profiler.directory, kinds=op_kinds(hlo), module="train_step")
+    summary = summarize_trace(profiler.directory, kinds=op_kinds(hlo), module="train_step", sources=op_sources(hlo))
     print(format_summary(summary, "flaxchat's profiled steps: "), file=sys.stderr)
     return summary
 

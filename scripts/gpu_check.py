@@ -331,7 +331,8 @@ def profile_lines(steps) -> list[str]:
         for who, p in (("flaxchat", ours), ("nanochat", theirs)):
             if p:
                 lines += ["", f"{who}'s slowest ops (ms a step, kind, op):", ""]
-                lines += [f"- {t['ms']:.2f} ms ({t['share']}%) {t['kind']}: `{t['op'][:120]}`" for t in p["top"][:8]]
+                lines += [f"- {t['ms']:.2f} ms ({t['share']}%) {t['kind']}: `{t['op'][:120]}`"
+                          + (f" from `{t['source']}`" if t.get("source") else "") for t in p["top"][:8]]
     if lines:
         lines = ["", "## Where the time goes", "", "`--profile`: a few timed steps under the profilers (jax.profiler, and "
                  "torch.profiler for nanochat), self time of every op by kind (`flaxchat.trace`); on a GPU device "

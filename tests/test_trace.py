@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from flaxchat.hlo import op_kinds
+from flaxchat.hlo import op_kinds, op_sources
 from flaxchat.trace import KINDS, format_summary, kind_of_name, main, summarize_ops, summarize_trace
 
 
@@ -95,11 +95,17 @@ def test_a_real_cpu_trace_of_a_jitted_step(tmp_path):
         with jax.profiler.StepTraceAnnotation("step", step_num=i):
             train_step(x, w).block_until_ready()
     jax.profiler.stop_trace()
-    kinds = op_kinds(train_step.lower(x, w).compile().as_text())
-    s = summarize_trace(str(tmp_path), kinds=kinds, module="train_step")
+    text = train_step.lower(x, w).compile().as_text()
+    kinds, sources = op_kinds(text), op_sources(text)
+    s = summarize_trace(str(tmp_path), kinds=kinds, module="train_step", sources=sources)
     assert s["device"] == "cpu" and s["steps"] == 2 and s["step_ms"] > 0
     assert s["by_kind"]["matmul"]["ms"] > 0 and set(s["by_kind"]) <= set(KINDS)
     assert all(t["op"] in kinds for t in s["top"])  # every op the trace names is an instruction of the program
+    first = train_step.__wrapped__.__code__.co_firstlineno  # the decorator's line; its products are 2 and 3 below
+    made = {f"tests/test_trace.py:{first + i} {train_step.__wrapped__.__qualname__} (jit(train_step)/dot_general)"
+            for i in (2, 3)}
+    assert {t["source"] for t in s["top"] if t["kind"] == "matmul"} & made  # the source line that made it
+    assert " <- " in format_summary(s)  # each op with the JAX operation it came from
     assert sum(v["share"] for v in s["by_kind"].values()) == pytest.approx(100, abs=0.5)
 
 
