@@ -153,6 +153,10 @@ _LAYOUT_OPS = {"copy", "transpose", "bitcast", "reshape", "broadcast", "slice", 
                "concatenate", "pad", "parameter", "constant", "iota", "tuple", "get-tuple-element", "copy-start",
                "copy-done", "gather", "reverse"}
 _CONTAINERS = {"while", "conditional", "call"}
+_ELEMENTWISE = {"add", "subtract", "multiply", "divide", "exponential", "log", "tanh", "logistic", "maximum", "minimum",
+                "select", "compare", "convert", "negate", "sqrt", "rsqrt", "power", "abs", "sign", "and", "or", "not",
+                "clamp", "exponential-minus-one", "log-plus-one", "floor", "ceil", "round-nearest-even", "is-finite",
+                "xor", "shift-left", "shift-right-logical", "remainder", "atan2", "cosine", "sine", "erf"}
 
 
 def op_kinds(hlo_text: str) -> dict[str, str]:
@@ -259,8 +263,3 @@ def op_sources(hlo_text: str) -> dict[str, str]:
             sources[name] = f"{where} ({tail})" if where else op_name.group(1)
     return sources
 
-
-_ELEMENTWISE = {"add", "subtract", "multiply", "divide", "exponential", "log", "tanh", "logistic", "maximum", "minimum",
-                "select", "compare", "convert", "negate", "sqrt", "rsqrt", "power", "abs", "sign", "and", "or", "not",
-                "clamp", "exponential-minus-one", "log-plus-one", "floor", "ceil", "round-nearest-even", "is-finite",
-                "xor", "shift-left", "shift-right-logical", "remainder", "atan2", "cosine", "sine", "erf"}

@@ -129,9 +129,9 @@ def summarize_trace(path: str, kinds: dict | None = None, module: str | None = N
             name = e.get("args", {}).get("hlo_op") or e["name"]
             op_times[name] += self_us / 1e3
             counts[name] += 1
-            if name not in named and kind_of_name(e["name"]) != "other":
+            if name not in named:
                 named[name] = kind_of_name(e["name"])  # a kernel's name says more than "custom-call.3"
-    kinds = {**named, **(kinds or {})}
+    kinds = {**{op: k for op, k in named.items() if k != "other"}, **(kinds or {})}
     marks = {}  # step_num -> duration of its StepTraceAnnotation (the host's view of the step)
     for e in complete:
         if e["name"] == "step" and "step_num" in e.get("args", {}):

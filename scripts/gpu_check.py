@@ -322,7 +322,8 @@ def profile_lines(steps) -> list[str]:
         lines += ["", head + (f", nanochat {step_ms(theirs)} ms" if theirs else ""), ""]
         columns = ["flaxchat ms/step", "share"] + (["nanochat ms/step", "share"] if theirs else [])
         lines += ["| kind | " + " | ".join(columns) + " |", "|" + " --- |" * (len(columns) + 1)]
-        cell = lambda p, k: [fmt(p["by_kind"][k]["ms"], ".2f"), f"{p['by_kind'][k]['share']}%"] if k in p["by_kind"] else ["–", "–"]
+        cell = lambda p, k: ([fmt(p["by_kind"][k]["ms"], ".2f"), f"{p['by_kind'][k]['share']}%"]
+                             if k in p["by_kind"] else ["–", "–"])
         for k in KINDS:
             if k in ours["by_kind"] or (theirs and k in theirs["by_kind"]):
                 lines.append(f"| {k} | " + " | ".join(cell(ours, k) + (cell(theirs, k) if theirs else [])) + " |")
@@ -334,9 +335,9 @@ def profile_lines(steps) -> list[str]:
                 lines += [f"- {t['ms']:.2f} ms ({t['share']}%) {t['kind']}: `{t['op'][:120]}`"
                           + (f" from `{t['source']}`" if t.get("source") else "") for t in p["top"][:8]]
     if lines:
-        lines = ["", "## Where the time goes", "", "`--profile`: a few timed steps under the profilers (jax.profiler, and "
-                 "torch.profiler for nanochat), self time of every op by kind (`flaxchat.trace`); on a GPU device "
-                 "time, on a CPU each op's time on the thread that ran it. Traces in profile/."] + lines
+        lines = ["", "## Where the time goes", "", "`--profile`: a few timed steps under the profilers (jax.profiler, "
+                 "and torch.profiler for nanochat), self time of every op by kind (`flaxchat.trace`); on a GPU "
+                 "device time, on a CPU each op's time on the thread that ran it. Traces in profile/."] + lines
     return lines
 
 
