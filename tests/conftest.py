@@ -14,14 +14,20 @@ N_DEVICES = 8
 # Must happen before JAX initialises its backend. Other XLA flags of the caller are kept; the device count is not.
 _xla_flags = re.sub(r"--xla_force_host_platform_device_count=\S*", "", os.environ.get("XLA_FLAGS", "")).split()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# On the CPU, LLVM's optimisation off: the suite compiles hundreds of tiny programs and compiling is most of its time
-# (30% less with this; XLA's own HLO passes, which decide what a program computes and how it is sharded, still all
-# run). The machine code is slower and may round differently in the last bit, so subprocesses whose numbers a test
-# compares with this process's get the same flags (the `xla_flags` fixture); the demo test runs as users do. Not on
-# a GPU (the GPU tests, `-m gpu`), whose kernels would be compiled unoptimised too.
+# On the CPU, programs compiled for speed of compiling: the suite compiles thousands of small programs (a tiny
+# model's train step, decode loops, every eager op) and compiling is most of its time. LLVM's optimisation off (30%
+# less), and XLA:CPU's older fusion code generator instead of its MLIR fusion emitters, which at -O0 take a tiny
+# model's train step from ~4.9 to ~2.7 s to compile (the suite: 17.4 -> 11.5 min on 2 cores). XLA's HLO passes,
+# which decide what a program computes and how it is sharded, all still run. The machine code is slower and may
+# round differently in the last bit, so subprocesses whose numbers a test compares with this process's get the same
+# flags (the `xla_flags` fixture), and tests that read a compiled program's fusions compile it as users' programs
+# are compiled (the `users_codegen` fixture); the demo test runs as users do. Not on a GPU (the GPU tests,
+# `-m gpu`), whose kernels would be compiled unoptimised too.
 _on_cpu = os.environ["JAX_PLATFORMS"] == "cpu"
-if _on_cpu and not any(f.startswith("--xla_backend_optimization_level") for f in _xla_flags):
-    _xla_flags.append("--xla_backend_optimization_level=0")
+_FAST_COMPILE = {"xla_backend_optimization_level": "0", "xla_cpu_use_fusion_emitters": "false"}
+for _flag, _value in _FAST_COMPILE.items():
+    if _on_cpu and not any(f.startswith(f"--{_flag}") for f in _xla_flags):
+        _xla_flags.append(f"--{_flag}={_value}")
 
 
 def _flags_with(devices: int) -> str:
@@ -129,6 +135,13 @@ def pytest_runtest_teardown(item, nextitem):
 def xla_flags():
     """XLA_FLAGS for a subprocess: this suite's flags (see the top of this file) with `devices` CPU devices."""
     return _flags_with
+
+
+@pytest.fixture
+def users_codegen():
+    """compiler_options for `.lower(...).compile(compiler_options=...)` that compile one program's fusions as users'
+    programs are compiled (XLA:CPU's fusion emitters; see the top of this file), for tests that read them."""
+    return {"xla_cpu_use_fusion_emitters": True} if _on_cpu else None
 
 
 @pytest.fixture(autouse=True)

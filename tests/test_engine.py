@@ -359,7 +359,7 @@ def test_sampling_on_a_mesh_equals_one_device(model):
         assert E.generate(sharded, PROMPTS, 6, temperature=1.0, top_k=top_k, seed=1) == want
 
 
-def test_decode_loop_updates_the_cache_in_place(model):
+def test_decode_loop_updates_the_cache_in_place(model, users_codegen):
     """Inside the compiled decode loop each step writes its keys/values into the carried cache in place: no copy
     or transpose of a whole cache layer per step (which once cost more than a small model's matmuls)."""
     import re
@@ -369,7 +369,7 @@ def test_decode_loop_updates_the_cache_in_place(model):
         padded, lengths = E.pad_prompts([[1, 2, 3]] * rows, 64, 8)
         slots = progs.start(params, padded, lengths, copies=1, rows=rows, capacity=64)
         hlo = progs.decode.lower(params, slots, E.controls(rows, remaining=8), np.int32(8), rows=rows, span=64,
-                                 chunk=8, stop_tokens=(), tool_end=-1, tiers=()).compile().as_text()
+                                 chunk=8, stop_tokens=(), tool_end=-1, tiers=()).compile(compiler_options=users_codegen).as_text()
         loop = next(line for line in hlo.splitlines() if " while(" in line and 'op_name="jit(_decode)/while"' in line)
         name = re.search(r"body=(%[\w.-]+)", loop).group(1)
         body = hlo[hlo.index(f"\n{name} ") + 1:]
@@ -410,6 +410,7 @@ def test_an_extracted_part_decodes_like_the_whole_cache(model):
         np.testing.assert_array_equal(a, b)
         assert a.shape == (rows, 12)
         np.testing.assert_array_equal(whole.cache.pos, flushed.cache.pos)
-        np.testing.assert_allclose(whole.logits, flushed.logits, atol=1e-6)
+        # two programs of different shapes: their sums may run in another order (a few fp32 ulps apart)
+        np.testing.assert_allclose(whole.logits, flushed.logits, rtol=1e-5, atol=1e-5)
         for x, y in zip(whole.cache.k + whole.cache.v, flushed.cache.k + flushed.cache.v):
-            np.testing.assert_allclose(x, y, atol=1e-6)
+            np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)

@@ -60,7 +60,7 @@ def test_fused_loss_and_grads_equal_naive():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-6, rtol=1e-4)
 
 
-def test_cpu_matmul_gradients_equal_autodiff_without_a_transposed_copy_of_the_output_gradient():
+def test_cpu_matmul_gradients_equal_autodiff_without_a_transposed_copy_of_the_output_gradient(users_codegen):
     """A wide weight's gradient on a CPU is taken as (x^T dy)^T: the same gradients as autodiff's, and the
     compiled backward never holds the (out, tokens) transposed gradient that autodiff's form makes XLA write."""
     from flaxchat.gpt import cpu_matmul
@@ -74,8 +74,9 @@ def test_cpu_matmul_gradients_equal_autodiff_without_a_transposed_copy_of_the_ou
     plain = grads(lambda x, w: jnp.matmul(x, w.T))
     for a, b in zip(grads(cpu_matmul)(x, w), plain(x, w)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
-    assert "f32[128,256]" in plain.lower(x, w).compile().as_text()  # 128 outputs x 256 tokens
-    assert "f32[128,256]" not in grads(cpu_matmul).lower(x, w).compile().as_text()
+    compiled = lambda f: f.lower(x, w).compile(compiler_options=users_codegen).as_text()
+    assert "f32[128,256]" in compiled(plain)  # 128 outputs x 256 tokens
+    assert "f32[128,256]" not in compiled(grads(cpu_matmul))
 
 
 def test_cpu_loss_chunks_are_at_most_512_rows_within_the_byte_budget():
@@ -87,7 +88,7 @@ def test_cpu_loss_chunks_are_at_most_512_rows_within_the_byte_budget():
 
 
 @pytest.mark.parametrize("chunk_rows", [16, 9])  # even chunks take the (C, V) gradient path, odd ones the plain one
-def test_chunked_loss_gradients_equal_autodiff(monkeypatch, chunk_rows):
+def test_chunked_loss_gradients_equal_autodiff(monkeypatch, chunk_rows, users_codegen):
     """loss_sum over several chunks (the last one padded) against autodiff through the plain softcapped
     cross-entropy; on a CPU with even chunks lm_head's gradient is accumulated as (C, V) and no product
     yields a (V, C) result: XLA:CPU runs the transposed accumulation at about the rate of the loss's other
@@ -111,7 +112,7 @@ def test_chunked_loss_gradients_equal_autodiff(monkeypatch, chunk_rows):
     np.testing.assert_allclose(float(got), float(want), rtol=1e-6)
     np.testing.assert_allclose(np.asarray(gx), np.asarray(wx), atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(np.asarray(gw), np.asarray(ww), atol=1e-5, rtol=1e-5)
-    program = fused.lower(x, w).compile().as_text()
+    program = fused.lower(x, w).compile(compiler_options=users_codegen).as_text()
     results = re.findall(r"= f32\[(\d+),(\d+)\]\{1,0\} (?:dot|fusion)\([^\n]*dot_general", program)  # products' shapes
     assert ((str(C), str(Vp)) in results) == (chunk_rows % 2 == 0)
     assert ((str(Vp), str(C)) in results) == (chunk_rows % 2 == 1)

@@ -136,7 +136,7 @@ def float_copies_of_int8_matrices(hlo: str, params) -> list[str]:
     return [line for line in computed if any(line.strip().startswith(s) for s in shapes)]
 
 
-def test_int8_decode_loop_reads_int8_weights():
+def test_int8_decode_loop_reads_int8_weights(users_codegen):
     """The decode loop converts the int8 weights inside each step (fused into its matrix-vector products): no
     float copy of a weight matrix is made outside the loop, and greedy decoding equals the uncached forward.
     On a CPU the int8 programs compile with 512-bit vectors (the compile below would fail on an unknown option);
@@ -148,7 +148,7 @@ def test_int8_decode_loop_reads_int8_weights():
     padded, lengths = E.pad_prompts([[1, 2, 3, 4]], 64, 8)
     slots = progs.start(params, padded, lengths, copies=1, rows=1, capacity=64)
     hlo = progs.decode.lower(params, slots, E.controls(1, remaining=8), np.int32(8), rows=1, span=64, chunk=8,
-                             stop_tokens=(), tool_end=-1, tiers=()).compile().as_text()
+                             stop_tokens=(), tool_end=-1, tiers=()).compile(compiler_options=users_codegen).as_text()
     assert not float_copies_of_int8_matrices(hlo, params)
     forward = nnx.jit(lambda m, idx: m(idx))  # one program: the sequence right-padded to 16 (causal, so harmless)
     seq = [1, 2, 3, 4]
@@ -157,7 +157,7 @@ def test_int8_decode_loop_reads_int8_weights():
     assert E.generate(model, [[1, 2, 3, 4]], 6, temperature=0.0)[0] == seq[4:]
 
 
-def test_int8_speculative_loop_reads_int8_weights():
+def test_int8_speculative_loop_reads_int8_weights(users_codegen):
     """Speculative sampling with an int8 model and an int8 draft: the rounds convert the weights inside the loop
     too, and greedy speculative decoding equals the int8 model's own greedy tokens."""
     from flaxchat import speculative as S
@@ -169,7 +169,7 @@ def test_int8_speculative_loop_reads_int8_weights():
     padded, lengths = E.pad_prompts([[1, 2, 3, 4]], 64, 8)
     greedy = (0.0, None, None)
     spec, _ = progs.start(params, padded[0], lengths[0], jax.random.key(0), capacity=64, rule=greedy)
-    hlo = progs.run.lower(params, spec, np.int32(8), k=2, rule=greedy, stops=(), tool_end=-1, chunk=8).compile().as_text()
+    hlo = progs.run.lower(params, spec, np.int32(8), k=2, rule=greedy, stops=(), tool_end=-1, chunk=8).compile(compiler_options=users_codegen).as_text()
     assert not float_copies_of_int8_matrices(hlo, params)
     plain = E.generate(model, [[1, 2, 3, 4]], 10, temperature=0.0)[0]
     assert S.generate_speculative(model, draft, [1, 2, 3, 4], 10, draft_steps=2, temperature=0.0) == plain
