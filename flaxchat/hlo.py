@@ -246,14 +246,28 @@ def _stack_frames(hlo_text: str) -> dict[int, str]:
 
 
 def op_sources(hlo_text: str) -> dict[str, str]:
-    """{instruction name: where it came from}: the source line that made it (a fusion: its root's) and the end of
-    its JAX op_name, e.g. "flaxchat/gpt.py:598 step (nv,vc->nc/dot_general)": what a profile's "ynn_fusion.168"
-    or "custom-call.3" computes. Only the op_name where the program has no stack frames."""
+    """{instruction name: where it came from}: the source line that made it and the end of its JAX op_name, e.g.
+    "flaxchat/gpt.py:598 step (nv,vc->nc/dot_general)": what a profile's "ynn_fusion.168" or "custom-call.3"
+    computes. A fusion is named by the product it holds (a GEMM with a norm's backward fused after it is the
+    product's line, not the norm's), else by its root. Only the op_name where the program has no stack frames."""
     comps, _ = _parse(hlo_text)
     frames = _stack_frames(hlo_text)
+
+    def product(comp: str, depth: int = 0) -> str | None:
+        """The metadata of the first product (dot, convolution) inside a fused computation, or None."""
+        for _, _, opcode, rest in comps.get(comp, []):
+            if opcode in ("dot", "convolution") and "op_name=" in rest:
+                return rest
+            callee = re.search(r"calls=%([\w.\-]+)", rest) if depth < 8 else None
+            if callee and (found := product(callee.group(1), depth + 1)):
+                return found
+        return None
+
     sources = {}
     for instructions in comps.values():
-        for name, _, _, rest in instructions:
+        for name, _, opcode, rest in instructions:
+            callee = re.search(r"calls=%([\w.\-]+)", rest) if opcode == "fusion" else None
+            rest = (product(callee.group(1)) if callee else None) or rest
             op_name = re.search(r'op_name="([^"]*)"', rest)
             if not op_name:
                 continue

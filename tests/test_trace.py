@@ -2,6 +2,7 @@
 
 import gzip
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -107,6 +108,26 @@ def test_a_real_cpu_trace_of_a_jitted_step(tmp_path):
     assert {t["source"] for t in s["top"] if t["kind"] == "matmul"} & made  # the source line that made it
     assert " <- " in format_summary(s)  # each op with the JAX operation it came from
     assert sum(v["share"] for v in s["by_kind"].values()) == pytest.approx(100, abs=0.5)
+
+
+def test_a_fused_product_is_named_by_its_product_not_its_epilogue():
+    """A GEMM with elementwise work and a reduction fused after it (a norm's backward) is named by the product's
+    source line, not by its root's."""
+
+    def f(x, w, g):
+        y = x @ w
+        return y * g + jnp.sum(y * g, axis=-1, keepdims=True) * y
+
+    line = f.__code__.co_firstlineno + 1
+    text = jax.jit(f).lower(jnp.ones((256, 128)), jnp.ones((128, 128)), jnp.ones((256, 128))).compile().as_text()
+    kinds, sources = op_kinds(text), op_sources(text)
+    fused = [name for name, kind in kinds.items() if kind == "matmul" and f"%{name} = " in text
+             and re.search(rf"%{re.escape(name)} = [^\n]* fusion\(", text)]
+    assert fused  # XLA:CPU fuses the epilogue into the product's call
+    for name in fused:
+        root = re.search(rf"%{re.escape(name)} = [^\n]*op_name=\"([^\"]*)\"", text).group(1)
+        assert not root.endswith("dot_general")  # the fusion's own metadata is its root's (the add)
+        assert sources[name] == f"tests/test_trace.py:{line} {f.__qualname__} (jit(f)/dot_general)"
 
 
 def test_op_kinds_reads_what_each_instruction_computes():
