@@ -368,8 +368,9 @@ def test_decode_loop_updates_the_cache_in_place(model, users_codegen):
     for rows in (1, 3):
         padded, lengths = E.pad_prompts([[1, 2, 3]] * rows, 64, 8)
         slots = progs.start(params, padded, lengths, copies=1, rows=rows, capacity=64)
-        hlo = progs.decode.lower(params, slots, E.controls(rows, remaining=8), np.int32(8), rows=rows, span=64,
-                                 chunk=8, stop_tokens=(), tool_end=-1, tiers=()).compile(compiler_options=users_codegen).as_text()
+        lowered = progs.decode.lower(params, slots, E.controls(rows, remaining=8), np.int32(8), rows=rows, span=64,
+                                     chunk=8, stop_tokens=(), tool_end=-1, tiers=())
+        hlo = lowered.compile(compiler_options=users_codegen).as_text()
         loop = next(line for line in hlo.splitlines() if " while(" in line and 'op_name="jit(_decode)/while"' in line)
         name = re.search(r"body=(%[\w.-]+)", loop).group(1)
         body = hlo[hlo.index(f"\n{name} ") + 1:]
