@@ -153,10 +153,20 @@ _LAYOUT_OPS = {"copy", "transpose", "bitcast", "reshape", "broadcast", "slice", 
                "concatenate", "pad", "parameter", "constant", "iota", "tuple", "get-tuple-element", "copy-start",
                "copy-done", "gather", "reverse"}
 _CONTAINERS = {"while", "conditional", "call"}
+_CALLS = re.compile(r"calls=%([\w.\-]+)")
 _ELEMENTWISE = {"add", "subtract", "multiply", "divide", "exponential", "log", "tanh", "logistic", "maximum", "minimum",
                 "select", "compare", "convert", "negate", "sqrt", "rsqrt", "power", "abs", "sign", "and", "or", "not",
                 "clamp", "exponential-minus-one", "log-plus-one", "floor", "ceil", "round-nearest-even", "is-finite",
                 "xor", "shift-left", "shift-right-logical", "remainder", "atan2", "cosine", "sine", "erf"}
+
+
+def _fused(comps: dict, comp: str, depth: int = 0):
+    """The instructions of a fused computation and of the computations they call, in program order."""
+    for instruction in comps.get(comp, []):
+        yield instruction
+        if depth < 8:
+            for callee in _CALLS.findall(instruction[3]):
+                yield from _fused(comps, callee, depth + 1)
 
 
 def op_kinds(hlo_text: str) -> dict[str, str]:
@@ -172,16 +182,6 @@ def op_kinds(hlo_text: str) -> dict[str, str]:
         kind = kind_of_name(target.group(1)) if target else "other"
         return kind if kind in ("matmul", "attention", "collective") else "other"
 
-    def opcodes(comp: str, depth: int = 0) -> set:
-        """Opcodes of a fused computation and of the computations it calls (custom-calls as their kind)."""
-        found = set()
-        for _, _, opcode, rest in comps.get(comp, []):
-            found.add(custom_kind(rest) if opcode == "custom-call" else opcode)
-            if depth < 8:
-                for callee in re.findall(r"calls=%([\w.\-]+)", rest):
-                    found |= opcodes(callee, depth + 1)
-        return found
-
     kinds = {}
     for instructions in comps.values():
         for name, _, opcode, rest in instructions:
@@ -193,8 +193,9 @@ def op_kinds(hlo_text: str) -> dict[str, str]:
             elif base in COLLECTIVES:
                 kind = "collective"
             elif opcode == "fusion":
-                callee = re.search(r"calls=%([\w.\-]+)", rest)
-                inner = opcodes(callee.group(1)) if callee else set()
+                callee = _CALLS.search(rest)  # its opcodes, custom-calls as their kind
+                inner = {custom_kind(r) if o == "custom-call" else o
+                         for _, _, o, r in (_fused(comps, callee.group(1)) if callee else ())}
                 if inner & {"dot", "convolution", "matmul"} or "__triton_gemm" in rest:
                     kind = "matmul"
                 elif "attention" in inner:
@@ -253,20 +254,15 @@ def op_sources(hlo_text: str) -> dict[str, str]:
     comps, _ = _parse(hlo_text)
     frames = _stack_frames(hlo_text)
 
-    def product(comp: str, depth: int = 0) -> str | None:
+    def product(comp: str) -> str | None:
         """The metadata of the first product (dot, convolution) inside a fused computation, or None."""
-        for _, _, opcode, rest in comps.get(comp, []):
-            if opcode in ("dot", "convolution") and "op_name=" in rest:
-                return rest
-            callee = re.search(r"calls=%([\w.\-]+)", rest) if depth < 8 else None
-            if callee and (found := product(callee.group(1), depth + 1)):
-                return found
-        return None
+        products = (r for _, _, o, r in _fused(comps, comp) if o in ("dot", "convolution") and "op_name=" in r)
+        return next(products, None)
 
     sources = {}
     for instructions in comps.values():
         for name, _, opcode, rest in instructions:
-            callee = re.search(r"calls=%([\w.\-]+)", rest) if opcode == "fusion" else None
+            callee = _CALLS.search(rest) if opcode == "fusion" else None
             rest = (product(callee.group(1)) if callee else None) or rest
             op_name = re.search(r'op_name="([^"]*)"', rest)
             if not op_name:
