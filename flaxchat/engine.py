@@ -39,9 +39,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from flaxchat.attention import write_cache
 from flaxchat.common import from_main_process, is_main_process
 from flaxchat.execution import execute_code, use_calculator
-from flaxchat.gpt import KVCache, rms_norm, write_cache
+from flaxchat.gpt import KVCache, rms_norm
 
 MIN_BUCKET = 16  # smallest padded prompt length
 STREAM_CHUNK = 16  # most decode steps per jitted call while streaming (a ~50 ms burst on a laptop CPU)

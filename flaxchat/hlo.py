@@ -221,7 +221,7 @@ def op_kinds(hlo_text: str) -> dict[str, str]:
 
 
 def _stack_frames(hlo_text: str) -> dict[int, str]:
-    """{stack_frame_id: "flaxchat/gpt.py:598 loss_fn"}: the innermost user frame of each of the module's stack
+    """{stack_frame_id: "flaxchat/fused_loss.py:124 step"}: the innermost user frame of each of the module's stack
     frames (its FileNames / FunctionNames / FileLocations / StackFrames tables)."""
     tables, section = {"FileNames": {}, "FunctionNames": {}, "FileLocations": {}, "StackFrames": {}}, None
     for line in hlo_text.splitlines():
@@ -248,7 +248,7 @@ def _stack_frames(hlo_text: str) -> dict[int, str]:
 
 def op_sources(hlo_text: str) -> dict[str, str]:
     """{instruction name: where it came from}: the source line that made it and the end of its JAX op_name, e.g.
-    "flaxchat/gpt.py:598 step (nv,vc->nc/dot_general)": what a profile's "ynn_fusion.168" or "custom-call.3"
+    "flaxchat/fused_loss.py:124 step (nv,vc->nc/dot_general)": what a profile's "ynn_fusion.168" or "custom-call.3"
     computes. A fusion is named by the product it holds (a GEMM with a norm's backward fused after it is the
     product's line, not the norm's), else by its root. Only the op_name where the program has no stack frames."""
     comps, _ = _parse(hlo_text)

@@ -1,5 +1,3 @@
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -77,45 +75,6 @@ def test_cpu_matmul_gradients_equal_autodiff_without_a_transposed_copy_of_the_ou
     compiled = lambda f: f.lower(x, w).compile(compiler_options=users_codegen).as_text()
     assert "f32[128,256]" in compiled(plain)  # 128 outputs x 256 tokens
     assert "f32[128,256]" not in compiled(grads(cpu_matmul))
-
-
-def test_cpu_loss_chunks_are_at_most_512_rows_within_the_byte_budget():
-    from flaxchat import gpt
-
-    assert gpt._chunk_rows(4096, 4096) == gpt.LOSS_CHUNK_ROWS_CPU == 512  # 64 MB would allow all 4096
-    assert gpt._chunk_rows(300, 4096) == 300
-    assert gpt._chunk_rows(4096, 262144) == gpt.LOSS_CHUNK_BYTES["cpu"] // (4 * 262144)  # 64 rows
-
-
-@pytest.mark.parametrize("chunk_rows", [16, 9])  # even chunks take the (C, V) gradient path, odd ones the plain one
-def test_chunked_loss_gradients_equal_autodiff(monkeypatch, chunk_rows, users_codegen):
-    """loss_sum over several chunks (the last one padded) against autodiff through the plain softcapped
-    cross-entropy; on a CPU with even chunks lm_head's gradient is accumulated as (C, V) and no product
-    yields a (V, C) result: XLA:CPU runs the transposed accumulation at about the rate of the loss's other
-    two products, the (V, C) one over the rows at about half."""
-    from flaxchat import gpt
-
-    n, C, V, Vp = 40, 32, 200, 256
-    monkeypatch.setitem(gpt.LOSS_CHUNK_BYTES, "cpu", 4 * V * chunk_rows)
-    kx, kw, kt = jax.random.split(jax.random.key(3), 3)
-    x = jax.random.normal(kx, (n, C))
-    w = jax.random.normal(kw, (Vp, C)) * 0.3
-    t = jax.random.randint(kt, (n,), 0, V).at[:3].set(-1)
-
-    def plain(x, w):
-        z = gpt.SOFTCAP * jnp.tanh((x @ w.T)[:, :V] / gpt.SOFTCAP)
-        nll = jax.nn.logsumexp(z, axis=-1) - jnp.take_along_axis(z, jnp.maximum(t, 0)[:, None], axis=-1)[:, 0]
-        return jnp.sum(jnp.where(t >= 0, nll, 0.0))
-
-    fused = jax.jit(jax.value_and_grad(lambda x, w: gpt.loss_sum(x, w, t, V), argnums=(0, 1)))
-    (got, (gx, gw)), (want, (wx, ww)) = fused(x, w), jax.value_and_grad(plain, argnums=(0, 1))(x, w)
-    np.testing.assert_allclose(float(got), float(want), rtol=1e-6)
-    np.testing.assert_allclose(np.asarray(gx), np.asarray(wx), atol=1e-5, rtol=1e-5)
-    np.testing.assert_allclose(np.asarray(gw), np.asarray(ww), atol=1e-5, rtol=1e-5)
-    program = fused.lower(x, w).compile(compiler_options=users_codegen).as_text()
-    results = re.findall(r"= f32\[(\d+),(\d+)\]\{1,0\} (?:dot|fusion)\([^\n]*dot_general", program)  # products' shapes
-    assert ((str(C), str(Vp)) in results) == (chunk_rows % 2 == 0)
-    assert ((str(Vp), str(C)) in results) == (chunk_rows % 2 == 1)
 
 
 def test_loss_reductions():
@@ -279,102 +238,7 @@ def test_make_mesh_errors():
 
 
 # -----------------------------------------------------------------------------
-# Attention kernels, remat, low-precision storage
-
-
-def test_attention_dispatch_picks_the_backend_kernel():
-    from flaxchat.gpt import resolve_attention
-
-    assert resolve_attention("auto", "gpu", jnp.bfloat16, 128) == "cudnn"
-    assert resolve_attention("auto", "gpu", jnp.float32, 128) == "xla"  # cuDNN's fused kernel needs bf16/fp16
-    assert resolve_attention("auto", "gpu", jnp.bfloat16, 512) == "xla"
-    assert resolve_attention("auto", "tpu", jnp.bfloat16, 128) == "splash"
-    assert resolve_attention("auto", "cpu", jnp.float32, 128) == "chunked"
-    assert resolve_attention("splash", "cpu", jnp.float32, 64) == "splash"  # Pallas' interpreter off a TPU
-    with pytest.raises(ValueError, match="cuDNN attention needs a GPU"):
-        resolve_attention("cudnn", "cpu", jnp.bfloat16, 128)
-    with pytest.raises(ValueError, match="unknown attention"):
-        resolve_attention("flash", "gpu")
-    assert GPT(TINY, rngs=nnx.Rngs(0)).attention == "chunked"  # this machine
-
-
-def reference_attention(q, k, v, window):
-    """Plain numpy: key j visible to query i iff i - window <= j <= i; kv heads shared by groups of query heads."""
-    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
-    B, T, H, D = q.shape
-    g = H // k.shape[2]
-    k, v = np.repeat(k, g, axis=2), np.repeat(v, g, axis=2)
-    s = np.einsum("bthd,bshd->bhts", q, k) / np.sqrt(D)
-    i, j = np.arange(T)[:, None], np.arange(T)[None, :]
-    s = np.where((j <= i) & (i - j <= window), s, -np.inf)
-    p = np.exp(s - s.max(-1, keepdims=True))
-    p /= p.sum(-1, keepdims=True)
-    return np.einsum("bhts,bshd->bthd", p, v)
-
-
-def qkv_example(B=2, T=128, H=4, Hkv=2, D=32, seed=0):
-    rng = np.random.default_rng(seed)
-    return tuple(jnp.asarray(rng.normal(size=(B, T, h, D)), jnp.float32) for h in (H, Hkv, Hkv))
-
-
-@pytest.mark.parametrize("window", [16, 40, 128, 1000])
-def test_xla_attention_equals_reference(window):
-    from flaxchat.gpt import attention
-
-    q, k, v = qkv_example()
-    np.testing.assert_allclose(np.asarray(attention(q, k, v, window, "xla")), reference_attention(q, k, v, window),
-                               atol=2e-5)
-
-
-@pytest.mark.parametrize("Hkv", [2, 4])  # 4: no GQA, the scores without a group axis
-@pytest.mark.parametrize("T", [128, 100])  # 100: the last query block is short
-@pytest.mark.parametrize("window", [16, 40, 128, 1000])
-def test_chunked_attention_equals_reference_forward_and_backward(window, T, Hkv, monkeypatch):
-    """The CPU path: chunks of rows, query blocks over the keys they see, recomputed in the backward pass."""
-    from flaxchat import gpt
-
-    monkeypatch.setattr(gpt, "CHUNK_SCORE_BYTES", 2**16)  # several chunks of rows even at this size
-    q, k, v = qkv_example(B=4, T=T, Hkv=Hkv)
-    np.testing.assert_allclose(np.asarray(gpt.attention(q, k, v, window, "chunked")),
-                               reference_attention(q, k, v, window), atol=2e-5)
-    f = lambda impl: jax.jit(jax.value_and_grad(
-        lambda q, k, v: jnp.sum(jnp.sin(gpt.attention(q, k, v, window, impl))), argnums=(0, 1, 2)))
-    (val_c, grads_c), (val_x, grads_x) = f("chunked")(q, k, v), f("xla")(q, k, v)
-    np.testing.assert_allclose(float(val_c), float(val_x), rtol=2e-4)  # a sum of 50k terms
-    for a, b in zip(grads_c, grads_x):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=5e-5)
-
-
-@pytest.mark.eight_devices
-@pytest.mark.parametrize("impl", ["chunked", "splash"])
-def test_attention_kernels_on_a_mesh_run_per_shard(impl):
-    from flaxchat.gpt import attention
-
-    q, k, v = qkv_example(B=4)
-    mesh = sharding.make_mesh(2, 2, 2)
-    rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("data", "fsdp"), None, "tensor", None))
-    with jax.set_mesh(mesh):
-        f = jax.jit(lambda q, k, v: attention(q, k, v, 40, impl))
-        args = [jax.device_put(a, rows) for a in (q, k, v)]
-        out = f(*args)
-        hlo = f.lower(*args).compile().as_text()
-    np.testing.assert_allclose(np.asarray(out), reference_attention(q, k, v, 40), atol=2e-5)
-    assert "all-gather" not in hlo and "all-reduce" not in hlo  # each device attends over its own rows and heads
-
-
-@pytest.mark.parametrize("window", [40, 128])
-def test_splash_attention_equals_xla_forward_and_backward(window):
-    """The TPU kernel, run by Pallas' interpreter on the CPU: same values and gradients as the XLA path."""
-    from flaxchat.gpt import attention
-
-    q, k, v = qkv_example()
-    f = lambda impl: jax.jit(jax.value_and_grad(
-        lambda q, k, v: jnp.sum(jnp.sin(attention(q, k, v, window, impl))), argnums=(0, 1, 2)))
-    (val_s, grads_s), (val_x, grads_x) = f("splash")(q, k, v), f("xla")(q, k, v)
-    np.testing.assert_allclose(float(val_s), float(val_x), rtol=1e-5)
-    for a, b in zip(grads_s, grads_x):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=5e-5)
-
+# Remat, low-precision storage, products
 
 
 @pytest.mark.parametrize("remat", ["dots", "full"])

@@ -19,8 +19,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from flaxchat.attention import attention
 from flaxchat.config import GPTConfig
-from flaxchat.gpt import GPT, attention
+from flaxchat.gpt import GPT
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -13,7 +13,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from flaxchat import sharding
 from flaxchat.config import GPTConfig
-from flaxchat.gpt import GPT, loss_sum, token_losses
+from flaxchat.fused_loss import loss_sum, token_losses
+from flaxchat.gpt import GPT
 from flaxchat.hlo import program_stats
 from flaxchat.optim import Schedule, build_optimizer
 from flaxchat.training import compile_train_step, train_step

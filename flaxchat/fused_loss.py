@@ -1,0 +1,150 @@
+"""The GPT's loss: lm_head, logit soft-cap and cross-entropy, fused and computed chunk by chunk of rows.
+
+Materialising (B*T, vocab) logits dominates a small model's step (a 4096 x 32768 fp32 tensor is 512 MB, written
+and re-read several times). Computing them chunk by chunk, and producing the gradients of x and lm_head in the
+same pass (as Liger's fused linear cross-entropy does), keeps every pass cache-sized. On a mesh each device runs
+this on its own rows only (a shard_map over the batch axes): chunking the global rows instead would put the
+sharding on the chunk axis and make every device compute every chunk.
+
+`loss_sum` is the training loss (a custom VJP: its gradients come out of the forward pass), `token_losses` the
+per-token losses, `softcapped_logits` the logits themselves.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from flaxchat import sharding
+from flaxchat.common import split_in_two
+
+SOFTCAP = 15.0  # nanochat's logit soft-cap: SOFTCAP * tanh(logits / SOFTCAP), in (-15, 15)
+
+# Most fp32 logits bytes per chunk: on an accelerator thousands of rows per chunk keep the matmuls large (the
+# chunks' logits are transient, a few of them live at once). A CPU takes at most LOSS_CHUNK_ROWS_CPU rows a chunk:
+# at small vocabularies a chunk's logits then stay in the last-level cache for the soft-cap, softmax and gradient
+# passes, while the products stay large enough for full-rate kernels (measured best at vocab 4096 and 32768 alike)
+LOSS_CHUNK_BYTES = {"cpu": 64 * 2**20, "accelerator": 512 * 2**20}
+LOSS_CHUNK_ROWS_CPU = 512
+
+
+def _chunk_rows(n_rows, vocab_size):
+    cpu = jax.default_backend() == "cpu"
+    rows = min(n_rows, max(8, LOSS_CHUNK_BYTES["cpu" if cpu else "accelerator"] // (4 * vocab_size)))
+    return min(rows, LOSS_CHUNK_ROWS_CPU) if cpu else rows
+
+
+def softcapped_logits(x, w, vocab_size):
+    """x (n, C) against lm_head w (Vp, C) -> soft-capped fp32 logits (n, vocab_size); padded vocab rows dropped."""
+    logits = jnp.einsum("nc,vc->nv", x, w.astype(x.dtype), preferred_element_type=jnp.float32)
+    logits = logits[:, :vocab_size]
+    return SOFTCAP * jnp.tanh(logits / SOFTCAP)
+
+
+def _token_losses(z, t, lse):
+    """z (n, V) soft-capped logits, t (n,) targets with -1 = ignore, lse (n,) z's log-sum-exp -> per-token loss
+    (0 where ignored)."""
+    zt = jnp.take_along_axis(z, jnp.maximum(t, 0)[:, None], axis=-1)[:, 0]
+    return jnp.where(t >= 0, lse - zt, 0.0)
+
+
+def _split_rows(x, t, chunk):
+    """Pad rows to a multiple of chunk (padded targets are -1) and reshape to (n_chunks, chunk, ...)."""
+    n = x.shape[0]
+    pad = (-n) % chunk
+    x = jnp.pad(x, ((0, pad), (0, 0)))
+    t = jnp.pad(t, (0, pad), constant_values=-1)
+    return x.reshape(-1, chunk, x.shape[-1]), t.reshape(-1, chunk)
+
+
+def _over_rows(f, x, targets, w, row_outputs):
+    """f(x, targets, w, axes) on each device's own rows; row_outputs flags which outputs are per row."""
+    axes = sharding.free_axes(sharding.BATCH_AXES)
+    rows = P(axes)
+    out_specs = tuple(rows if r else P() for r in row_outputs)
+    return sharding.per_shard(functools.partial(f, axes=axes), axes, (rows, rows, P()), out_specs)(x, targets, w)
+
+
+def _local_token_losses(x, targets, w, vocab_size, axes):
+    chunk = _chunk_rows(x.shape[0], vocab_size)
+    xs, ts = _split_rows(x, targets, chunk)
+
+    def chunk_losses(a):
+        z = softcapped_logits(a[0], w, vocab_size)
+        return _token_losses(z, a[1], jax.nn.logsumexp(z, axis=-1))
+
+    losses = jax.lax.map(chunk_losses, (xs, ts))
+    return (losses.reshape(-1)[: x.shape[0]],)
+
+
+def token_losses(x, w, targets, vocab_size):
+    """Per-token cross-entropy (N,) of rows x (N, C) against lm_head w (Vp, C); computed chunk by chunk."""
+    f = functools.partial(_local_token_losses, vocab_size=vocab_size)
+    return _over_rows(f, x, targets, w, (True,))[0]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def loss_sum(x, w, targets, vocab_size):
+    """Sum of per-token losses; its gradient is computed in the forward pass (see the module's docstring)."""
+    return _loss_sum_fwd(x, w, targets, vocab_size)[0]
+
+
+def _local_loss_and_grads(x, targets, w, vocab_size, axes):
+    """Loss sum and the gradients of x and w over this device's rows; sums over devices via psum."""
+    n, C = x.shape
+    chunk = _chunk_rows(n, vocab_size)
+    xs, ts = _split_rows(x, targets, chunk)
+    pad_v = w.shape[0] - vocab_size
+    # XLA:CPU's kernels take w's gradient (a product contracting the rows of both operands) at about the rate
+    # of the other two products when it is accumulated as (C, Vp) with the rows split in two, after one
+    # transposing copy of each chunk; as (Vp, C) over the rows it runs ~1.4x slower (fp32 and bf16 alike)
+    transposed = jax.default_backend() == "cpu" and chunk % 2 == 0  # dw accumulated as (C, Vp)
+
+    def step(carry, a):
+        total, dw = carry
+        xc, tc = a
+        z = softcapped_logits(xc, w, vocab_size)
+        # |z| < SOFTCAP, so exp(z) cannot overflow (a row sums to at most V * e^15): the log-sum-exp needs no max
+        # pass, the softmax reuses exp(z) and the target's one-hot is subtracted in the gradient's pass (no
+        # scatter); the laptop demo's loss: its elementwise passes 26 -> 16 ms a step on one core
+        e = jnp.exp(z)
+        total_e = jnp.sum(e, axis=-1)
+        losses = _token_losses(z, tc, jnp.log(total_e))
+        valid = (tc >= 0)[:, None]
+        onehot = jnp.arange(z.shape[-1])[None, :] == tc[:, None]
+        dz = e * (1.0 / total_e)[:, None] - onehot  # softmax minus the target's one-hot
+        dlogits = jnp.where(valid, dz * (1.0 - jnp.square(z / SOFTCAP)), 0.0)  # through the tanh soft-cap
+        # padded vocab rows get zero gradient; the two gradient matmuls run in the compute dtype and
+        # accumulate in fp32 (as autocast's backward does), so bf16 runs do not pay for fp32 matmuls here
+        dlogits = jnp.pad(dlogits, ((0, 0), (0, pad_v))).astype(x.dtype)
+        dx = jnp.einsum("nv,vc->nc", dlogits, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
+        if transposed:
+            dw = dw + jnp.einsum("bnc,bnv->cv", *(split_in_two(a, 0) for a in (xc, dlogits)),
+                                 preferred_element_type=jnp.float32)
+        else:
+            dw = dw + jnp.einsum("nv,nc->vc", dlogits, xc, preferred_element_type=jnp.float32)
+        return (total + jnp.sum(losses), dw), dx
+
+    init = (jnp.zeros((), jnp.float32), jnp.zeros(w.shape[::-1] if transposed else w.shape, jnp.float32))
+    (total, dw), dxs = jax.lax.scan(step, init, (xs, ts))
+    dw = dw.T if transposed else dw
+    dx = dxs.reshape(-1, C)[:n]
+    return sharding.psum(total, axes), dx, sharding.psum(dw.astype(w.dtype), axes)
+
+
+def _loss_sum_fwd(x, w, targets, vocab_size):
+    f = functools.partial(_local_loss_and_grads, vocab_size=vocab_size)
+    total, dx, dw = _over_rows(f, x, targets, w, (False, True, False))
+    return total, (dx, dw, targets)
+
+
+def _loss_sum_bwd(vocab_size, res, g):
+    dx, dw, targets = res
+    return (g * dx).astype(dx.dtype), g * dw, np.zeros(targets.shape, dtype=jax.dtypes.float0)
+
+
+loss_sum.defvjp(_loss_sum_fwd, _loss_sum_bwd)

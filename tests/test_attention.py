@@ -1,0 +1,100 @@
+"""The attention kernels (flaxchat.attention): dispatch, and every kernel against a plain reference."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from flaxchat import attention as attn
+from flaxchat import sharding
+from flaxchat.attention import attention, resolve_attention
+from flaxchat.config import GPTConfig
+from flaxchat.gpt import GPT
+
+TINY = GPTConfig(sequence_len=64, vocab_size=300, n_layer=2, n_head=2, n_kv_head=2, n_embd=64)
+
+
+def test_attention_dispatch_picks_the_backend_kernel():
+    assert resolve_attention("auto", "gpu", jnp.bfloat16, 128) == "cudnn"
+    assert resolve_attention("auto", "gpu", jnp.float32, 128) == "xla"  # cuDNN's fused kernel needs bf16/fp16
+    assert resolve_attention("auto", "gpu", jnp.bfloat16, 512) == "xla"
+    assert resolve_attention("auto", "tpu", jnp.bfloat16, 128) == "splash"
+    assert resolve_attention("auto", "cpu", jnp.float32, 128) == "chunked"
+    assert resolve_attention("splash", "cpu", jnp.float32, 64) == "splash"  # Pallas' interpreter off a TPU
+    with pytest.raises(ValueError, match="cuDNN attention needs a GPU"):
+        resolve_attention("cudnn", "cpu", jnp.bfloat16, 128)
+    with pytest.raises(ValueError, match="unknown attention"):
+        resolve_attention("flash", "gpu")
+    assert GPT(TINY, rngs=nnx.Rngs(0)).attention == "chunked"  # this machine
+
+
+def reference_attention(q, k, v, window):
+    """Plain numpy: key j visible to query i iff i - window <= j <= i; kv heads shared by groups of query heads."""
+    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    B, T, H, D = q.shape
+    g = H // k.shape[2]
+    k, v = np.repeat(k, g, axis=2), np.repeat(v, g, axis=2)
+    s = np.einsum("bthd,bshd->bhts", q, k) / np.sqrt(D)
+    i, j = np.arange(T)[:, None], np.arange(T)[None, :]
+    s = np.where((j <= i) & (i - j <= window), s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return np.einsum("bhts,bshd->bthd", p, v)
+
+
+def qkv_example(B=2, T=128, H=4, Hkv=2, D=32, seed=0):
+    rng = np.random.default_rng(seed)
+    return tuple(jnp.asarray(rng.normal(size=(B, T, h, D)), jnp.float32) for h in (H, Hkv, Hkv))
+
+
+@pytest.mark.parametrize("window", [16, 40, 128, 1000])
+def test_xla_attention_equals_reference(window):
+    q, k, v = qkv_example()
+    np.testing.assert_allclose(np.asarray(attention(q, k, v, window, "xla")), reference_attention(q, k, v, window),
+                               atol=2e-5)
+
+
+@pytest.mark.parametrize("Hkv", [2, 4])  # 4: no GQA, the scores without a group axis
+@pytest.mark.parametrize("T", [128, 100])  # 100: the last query block is short
+@pytest.mark.parametrize("window", [16, 40, 128, 1000])
+def test_chunked_attention_equals_reference_forward_and_backward(window, T, Hkv, monkeypatch):
+    """The CPU path: chunks of rows, query blocks over the keys they see, recomputed in the backward pass."""
+    monkeypatch.setattr(attn, "CHUNK_SCORE_BYTES", 2**16)  # several chunks of rows even at this size
+    q, k, v = qkv_example(B=4, T=T, Hkv=Hkv)
+    np.testing.assert_allclose(np.asarray(attention(q, k, v, window, "chunked")),
+                               reference_attention(q, k, v, window), atol=2e-5)
+    f = lambda impl: jax.jit(jax.value_and_grad(
+        lambda q, k, v: jnp.sum(jnp.sin(attention(q, k, v, window, impl))), argnums=(0, 1, 2)))
+    (val_c, grads_c), (val_x, grads_x) = f("chunked")(q, k, v), f("xla")(q, k, v)
+    np.testing.assert_allclose(float(val_c), float(val_x), rtol=2e-4)  # a sum of 50k terms
+    for a, b in zip(grads_c, grads_x):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=5e-5)
+
+
+@pytest.mark.eight_devices
+@pytest.mark.parametrize("impl", ["chunked", "splash"])
+def test_attention_kernels_on_a_mesh_run_per_shard(impl):
+    q, k, v = qkv_example(B=4)
+    mesh = sharding.make_mesh(2, 2, 2)
+    rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("data", "fsdp"), None, "tensor", None))
+    with jax.set_mesh(mesh):
+        f = jax.jit(lambda q, k, v: attention(q, k, v, 40, impl))
+        args = [jax.device_put(a, rows) for a in (q, k, v)]
+        out = f(*args)
+        hlo = f.lower(*args).compile().as_text()
+    np.testing.assert_allclose(np.asarray(out), reference_attention(q, k, v, 40), atol=2e-5)
+    assert "all-gather" not in hlo and "all-reduce" not in hlo  # each device attends over its own rows and heads
+
+
+@pytest.mark.parametrize("window", [40, 128])
+def test_splash_attention_equals_xla_forward_and_backward(window):
+    """The TPU kernel, run by Pallas' interpreter on the CPU: same values and gradients as the XLA path."""
+    q, k, v = qkv_example()
+    f = lambda impl: jax.jit(jax.value_and_grad(
+        lambda q, k, v: jnp.sum(jnp.sin(attention(q, k, v, window, impl))), argnums=(0, 1, 2)))
+    (val_s, grads_s), (val_x, grads_x) = f("splash")(q, k, v), f("xla")(q, k, v)
+    np.testing.assert_allclose(float(val_s), float(val_x), rtol=1e-5)
+    for a, b in zip(grads_s, grads_x):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=5e-5)
+
