@@ -10,7 +10,8 @@ and call bookkeeping), other. With the compiled program's HLO text (`hlo.op_kind
 what it computes; without it, and for PyTorch's kernels, from its name. Times are self times (a loop's time
 excludes the ops inside it) per profiled step: on a GPU or TPU device time; on a CPU each op's time on the thread
 that ran it, summed over XLA's threads (ops XLA runs side by side both count; the helper threads an op splits its
-work over record nothing of their own, so op time is not CPU time there).
+work over record nothing of their own, so op time is not CPU time there). `busy` is the share of the step the
+program was running: kernel time over step time on a device, the time at least one op ran on a CPU.
 
 Nothing here imports JAX: nanochat's process uses it with torch only.
 """
@@ -132,16 +133,38 @@ def summarize_trace(path: str, kinds: dict | None = None, module: str | None = N
             if name not in named:
                 named[name] = kind_of_name(e["name"])  # a kernel's name says more than "custom-call.3"
     kinds = {**{op: k for op, k in named.items() if k != "other"}, **(kinds or {})}
-    marks = {}  # step_num -> duration of its StepTraceAnnotation (the host's view of the step)
-    for e in complete:
-        if e["name"] == "step" and "step_num" in e.get("args", {}):
-            marks[e["args"]["step_num"]] = e["dur"] / 1e3
+    steps = [e for e in complete if e["name"] == "step" and "step_num" in e.get("args", {})]  # StepTraceAnnotations
+    marks = {e["args"]["step_num"]: e["dur"] / 1e3 for e in steps}  # step_num -> the host's view of the step
     out = summarize_ops(op_times, len(marks), statistics.median(marks.values()) if marks else None, kinds, top, counts,
                         sources)
-    # on a device, the share of the step it was busy (below 1: it waited on the host or on transfers); not on a
-    # CPU, where an op's helper threads leave no trace of their own
-    busy = out["op_ms_per_step"] / out["step_ms"] if out["step_ms"] and on_device else None
+    # the share of the step the program was running (below 1: it waited on the host, on input or on transfers): on
+    # a device its kernels' time over the step's; on a CPU, where XLA runs ops side by side on its threads, the
+    # share of the steps' wall time during which at least one op ran
+    if on_device:
+        busy = out["op_ms_per_step"] / out["step_ms"] if out["step_ms"] else None
+    else:
+        busy = covered_share(ops, [(e["ts"], e["ts"] + e["dur"]) for e in steps])
     return {"trace": path, "device": "accelerator" if on_device else "cpu", "busy": busy, **out}
+
+
+def covered_share(events: list, windows: list[tuple[float, float]]) -> float | None:
+    """The share of the windows' total time during which at least one of the events ran (events overlapping each
+    other or nested count once); None without windows."""
+    total = sum(b - a for a, b in windows)
+    if total <= 0:
+        return None
+    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events)
+    covered = 0.0
+    for a, b in windows:
+        end = a  # covered up to here within this window
+        for s, t in spans:
+            if s >= b:
+                break
+            s, t = max(s, end), min(t, b)
+            if t > s:
+                covered += t - s
+                end = t
+    return covered / total
 
 
 def format_summary(summary: dict, title: str = "") -> str:

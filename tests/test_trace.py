@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import pytest
 
 from flaxchat.hlo import op_kinds, op_sources
-from flaxchat.trace import KINDS, format_summary, kind_of_name, main, summarize_ops, summarize_trace
+from flaxchat.trace import KINDS, covered_share, format_summary, kind_of_name, main, summarize_ops, summarize_trace
 
 
 def write_trace(path, events, processes, threads):
@@ -78,7 +78,16 @@ def test_a_cpu_trace_takes_nested_ops_self_time_on_each_thread(tmp_path):
     ms = {t["op"]: t["ms"] for t in s["top"]}
     assert ms == pytest.approx({"ynn_fusion.3": 1.0, "while.5": 0.4, "copy.1": 0.3, "bitcast.2": 0.1})
     assert s["by_kind"]["layout"]["ms"] == pytest.approx(0.4) and s["op_ms_per_step"] == pytest.approx(1.8)
-    assert s["busy"] is None and "busy" not in format_summary(s)  # helper threads leave no events on a CPU
+    assert s["busy"] == pytest.approx(0.9)  # some op ran from 0 to 900 of the 1000 µs (the executor's own event
+    assert "(busy 90% of the step)" in format_summary(s)  # names no op and does not count)
+
+
+def test_covered_share_counts_overlapping_and_nested_events_once_within_the_windows():
+    ev = lambda a, b: {"ts": a, "dur": b - a}
+    events = [ev(10, 50), ev(30, 70), ev(40, 45), ev(90, 210), ev(250, 260), ev(400, 500)]
+    # window 1: 10-70 and 90-100; window 2: 200-210 and 250-260; the last event falls outside both
+    assert covered_share(events, [(0, 100), (200, 300)]) == pytest.approx(90 / 200)
+    assert covered_share(events, []) is None
 
 
 def test_a_real_cpu_trace_of_a_jitted_step(tmp_path):
@@ -99,7 +108,7 @@ def test_a_real_cpu_trace_of_a_jitted_step(tmp_path):
     text = train_step.lower(x, w).compile().as_text()
     kinds, sources = op_kinds(text), op_sources(text)
     s = summarize_trace(str(tmp_path), kinds=kinds, module="train_step", sources=sources)
-    assert s["device"] == "cpu" and s["steps"] == 2 and s["step_ms"] > 0
+    assert s["device"] == "cpu" and s["steps"] == 2 and s["step_ms"] > 0 and 0 < s["busy"] <= 1
     assert s["by_kind"]["matmul"]["ms"] > 0 and set(s["by_kind"]) <= set(KINDS)
     assert all(t["op"] in kinds for t in s["top"])  # every op the trace names is an instruction of the program
     first = train_step.__wrapped__.__code__.co_firstlineno  # the decorator's line; its products are 2 and 3 below
@@ -191,7 +200,8 @@ def test_the_command_line_prints_a_trace_folders_summary(tmp_path, capsys):
                 {(1, 11): "tf_XLAEigen/1"})
     main([str(tmp_path)])
     text = capsys.readouterr().out
-    assert text.startswith("2.0 ms a step, 1.5 ms of ops a step over 1 step(s)\n")
+    assert text.startswith("2.0 ms a step, 1.5 ms of ops a step over 1 step(s) (busy 75% of the step)\n")
     assert "ynn_fusion.3" in text
     main([str(tmp_path), "--module", "", "--json"])
-    assert json.loads(capsys.readouterr().out)["by_kind"]["layout"]["ms"] == pytest.approx(0.5)
+    every_module = json.loads(capsys.readouterr().out)
+    assert every_module["by_kind"]["layout"]["ms"] == pytest.approx(0.5) and every_module["busy"] == 1.0
