@@ -82,3 +82,17 @@ def compile_train_step(config, mesh, batch_size: int, grad_accum: int = 1, dtype
     x = jax.ShapeDtypeStruct((batch_size, config.sequence_len), jnp.int32, sharding=sharding.batch_sharding(mesh))
     with jax.set_mesh(mesh):
         return train_step.lower(model, optimizer, (x,) * grad_accum, (x,) * grad_accum).compile()
+
+
+def profile_summary(profiler, model, optimizer, batch, mesh) -> dict | None:
+    """Where a StepProfiler's steps of train_step spent their time (flaxchat.trace's summary), each op's kind and
+    source line read off the compiled step: the same program, compiled again from the same arguments (a persistent
+    compilation cache answers at once). batch: (xs, ys) as train_step takes them. None if no trace was written."""
+    from flaxchat.hlo import op_kinds, op_sources
+    from flaxchat.trace import summarize_trace
+
+    if not profiler.written:
+        return None
+    with jax.set_mesh(mesh):
+        hlo = train_step.lower(model, optimizer, *batch).compile().as_text()
+    return summarize_trace(profiler.directory, kinds=op_kinds(hlo), module="train_step", sources=op_sources(hlo))

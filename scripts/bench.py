@@ -156,7 +156,8 @@ def bench_train(args, mesh) -> dict:
     --rounds rounds. With --nanochat, each round first times nanochat's step on the same shape (time_nanochat),
     so every pair of numbers comes from the same minutes of a machine whose speed may drift."""
     from flaxchat.optim import build_optimizer
-    from flaxchat.training import train_step
+    from flaxchat.trace import format_summary
+    from flaxchat.training import profile_summary, train_step
 
     dp = mesh.shape["data"] * mesh.shape["fsdp"]
     B, T, A = args.device_batch_size * dp, args.max_seq_len, args.grad_accum
@@ -214,6 +215,8 @@ def bench_train(args, mesh) -> dict:
     if loader is not None:
         loader.close()
     where = profile_summary(profiler, model, optimizer, last["batch"], mesh) if args.profile_steps else None
+    if where is not None:
+        print(format_summary(where, "flaxchat's profiled steps: "), file=sys.stderr)
     times = [t for r in rounds for t in r.pop("times")]
     step_s = statistics.median(times)
     peak, source = peak_flops_per_device(model.dtype)
@@ -239,24 +242,6 @@ def bench_train(args, mesh) -> dict:
     if where is not None:
         out["profile"] = where
     return out
-
-
-def profile_summary(profiler, model, optimizer, batch, mesh) -> dict | None:
-    """Where the profiled steps' time went (flaxchat.trace), each op's kind read off the compiled train step (the
-    same program, compiled again from the same arguments: a persistent compilation cache answers at once); a
-    summary of nanochat's step sits beside it in the JSON when --nanochat is given. None if the steps asked for
-    were never run."""
-    from flaxchat.hlo import op_kinds, op_sources
-    from flaxchat.trace import format_summary, summarize_trace
-    from flaxchat.training import train_step
-
-    if not profiler.written:
-        return None
-    with jax.set_mesh(mesh):
-        hlo = train_step.lower(model, optimizer, *batch).compile().as_text()
-    summary = summarize_trace(profiler.directory, kinds=op_kinds(hlo), module="train_step", sources=op_sources(hlo))
-    print(format_summary(summary, "flaxchat's profiled steps: "), file=sys.stderr)
-    return summary
 
 
 def bench_comms(args, mesh) -> dict:

@@ -41,7 +41,8 @@ from flaxchat.loss_eval import evaluate_bpb
 from flaxchat.optim import Schedule, build_optimizer, optimizer_stats
 from flaxchat.report import Report, metrics_logger, plot_training, read_jsonl
 from flaxchat.tokenizer import get_token_bytes, get_tokenizer
-from flaxchat.training import train_step
+from flaxchat.trace import format_summary
+from flaxchat.training import profile_summary, train_step
 
 SAMPLE_PROMPTS = [
     "The capital of France is",
@@ -95,7 +96,7 @@ def build_parser():
     p.add_argument("--resume-from-step", type=int, default=-1, help="continue from this step's checkpoint (-1 = off)")
     p.add_argument("--model-tag", type=str, default=None, help="checkpoint directory name (default d<depth>)")
     p.add_argument("--source", type=str, default=None, help="folder of parquet shards (default $FLAXCHAT_BASE_DIR/base_data)")
-    StepProfiler.add_flag(p, "<checkpoint dir>/profile")
+    StepProfiler.add_flag(p, "<checkpoint dir>/profile, and where their time went to profile/summary.json")
     # mesh
     sharding.add_mesh_flags(p)
     return p
@@ -324,6 +325,11 @@ def main(argv=None):
 
     bar.close()
     profiler.close()
+    if profiler.written and is_main_process():  # where the profiled steps' time went, saved beside the trace
+        summary = profile_summary(profiler, model, optimizer, (xs, ys), mesh)
+        with open(os.path.join(profiler.directory, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=1)
+        print0(format_summary(summary, "the profiled steps: "), file=sys.stderr)
     ckpt.close()
     train_loader.close()
     peak_mem = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20

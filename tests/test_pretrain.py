@@ -157,16 +157,22 @@ def test_a_fresh_run_replaces_an_earlier_runs_checkpoints(tiny_base_dir, capsys)
 
 
 @pytest.mark.slow
-def test_profile_steps_writes_a_trace(tiny_base_dir):
+def test_profile_steps_writes_a_trace_and_where_its_time_went(tiny_base_dir, capsys):
     from scripts.pretrain import main
 
     main(TINY + ["--num-iterations", "4", "--eval-every", "-1", "--profile-steps", "1:3", "--model-tag", "prof"])
-    traces = list((tiny_base_dir / "base_checkpoints" / "prof" / "profile").rglob("perfetto_trace.json.gz"))
+    profile = tiny_base_dir / "base_checkpoints" / "prof" / "profile"
+    traces = list(profile.rglob("perfetto_trace.json.gz"))
     assert len(traces) == 1 and traces[0].stat().st_size > 0
     import gzip
 
     events = json.load(gzip.open(traces[0]))["traceEvents"]
     assert {e.get("args", {}).get("step_num") for e in events if e.get("name") == "step"} >= {"1", "2"}
+    # the summary beside it: two steps, kinds and source lines read off the compiled train step
+    summary = json.loads((profile / "summary.json").read_text())
+    assert summary["steps"] == 2 and summary["by_kind"]["matmul"]["ms"] > 0 and 0 < summary["busy"] <= 1
+    assert any(t.get("source", "").startswith("flaxchat/") for t in summary["top"])
+    assert "the profiled steps: " in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("spec", ["3", "5:2", "a:b"])
