@@ -153,18 +153,13 @@ def covered_share(events: list, windows: list[tuple[float, float]]) -> float | N
     total = sum(b - a for a, b in windows)
     if total <= 0:
         return None
-    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events)
-    covered = 0.0
-    for a, b in windows:
-        end = a  # covered up to here within this window
-        for s, t in spans:
-            if s >= b:
-                break
-            s, t = max(s, end), min(t, b)
-            if t > s:
-                covered += t - s
-                end = t
-    return covered / total
+    union = []  # the events' time as disjoint spans, in order
+    for s, t in sorted((e["ts"], e["ts"] + e["dur"]) for e in events):
+        if union and s <= union[-1][1]:
+            union[-1][1] = max(union[-1][1], t)
+        else:
+            union.append([s, t])
+    return sum(max(0.0, min(t, b) - max(s, a)) for a, b in windows for s, t in union) / total
 
 
 def format_summary(summary: dict, title: str = "") -> str:

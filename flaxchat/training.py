@@ -86,8 +86,8 @@ def compile_train_step(config, mesh, batch_size: int, grad_accum: int = 1, dtype
 
 def profile_summary(profiler, model, optimizer, batch, mesh) -> dict | None:
     """Where a StepProfiler's steps of train_step spent their time (flaxchat.trace's summary), each op's kind and
-    source line read off the compiled step: the same program, compiled again from the same arguments (a persistent
-    compilation cache answers at once). batch: (xs, ys) as train_step takes them. None if no trace was written."""
+    source line read off the compiled step: the same program, compiled again from the same arguments (at once where
+    the persistent compilation cache is on, as on accelerators). batch: (xs, ys) as train_step takes them. None if no trace was written."""
     from flaxchat.hlo import op_kinds, op_sources
     from flaxchat.trace import summarize_trace
 
