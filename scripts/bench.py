@@ -16,6 +16,10 @@ Speculative sampling, a trained model and a trained draft (plain vs speculative,
     python -m scripts.bench --what generate --checkpoint sft:d12 --draft-model d4 --max-new-tokens 128 -t 0
 Data loader (needs a tokenizer and parquet shards in $FLAXCHAT_BASE_DIR):
     python -m scripts.bench --what data --device-batch-size 8 --max-seq-len 512
+How much of a step its matrix products are (each of the step's products timed alone, one device; the JSON adds
+"products", stderr the slowest with their source lines):
+    python -m scripts.bench --what train --depth 4 --head-dim 64 --window-pattern SL --max-seq-len 256 \
+        --device-batch-size 16 --vocab-size 4096 --products
 The CPU suite (the shapes compared with nanochat; one JSON line per shape; the "real" row needs a tokenizer and
 shards in $FLAXCHAT_BASE_DIR):
     python -m scripts.bench --what train --suite cpu
@@ -34,6 +38,7 @@ On a GPU or TPU add --expect-backend gpu|tpu so a silent fall-back to the CPU st
 
 import argparse
 import json
+import math
 import os
 import platform
 import re
@@ -47,6 +52,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.extend import source_info_util
+from jax.extend.core import ClosedJaxpr, Jaxpr
 
 from flaxchat import sharding
 from flaxchat.common import (MachineLoad, StepProfiler, compute_dtype, get_base_dir, huge_pages_active,
@@ -89,6 +96,9 @@ def build_parser():
     StepProfiler.add_flag(p, "--profile-dir (train; the JSON adds where their time went: ms by kind of op and the "
                              "slowest ops, and nanochat's beside them with --nanochat)")
     p.add_argument("--profile-dir", type=str, default=None, help="where the trace goes (default $FLAXCHAT_BASE_DIR/profile/bench)")
+    p.add_argument("--products", action="store_true",
+                   help="train, one device: also time every matrix product of the step alone, one after another "
+                        "(the JSON adds \"products\": their time beside the step's, and the slowest)")
     add_kernel_flags(p)
     sharding.add_mesh_flags(p)
     return p
@@ -215,6 +225,7 @@ def bench_train(args, mesh) -> dict:
     if loader is not None:
         loader.close()
     where = profile_summary(profiler, model, optimizer, last["batch"], mesh) if args.profile_steps else None
+    census = product_census(model, optimizer, last["batch"], mesh) if args.products else None
     if where is not None:
         print(format_summary(where, "flaxchat's profiled steps: "), file=sys.stderr)
     times = [t for r in rounds for t in r.pop("times")]
@@ -241,7 +252,110 @@ def bench_train(args, mesh) -> dict:
         out["rounds"] = rounds
     if where is not None:
         out["profile"] = where
+    if census is not None:
+        out["products"] = {**census, "share_of_step": census["alone_s"] / step_s}
+        print(format_census(out["products"], step_s), file=sys.stderr)
     return out
+
+
+def _source(eqn) -> str:
+    """Where a jaxpr equation came from, as flaxchat.hlo names a compiled op: "flaxchat/gpt.py:165 multiply
+    (transpose(jvp())/...)"."""
+    where = source_info_util.summarize(eqn.source_info)
+    m = re.match(r"(.*):(\d+):\d+ \((.*)\)$", where)
+    where = f"{'/'.join(m.group(1).split('/')[-2:])}:{m.group(2)} {m.group(3)}" if m else where
+    stack = str(eqn.source_info.name_stack)
+    return f"{where} ({stack})" if stack else where
+
+
+def _spec(lhs_ndim: int, rhs_ndim: int, dimension_numbers) -> str:
+    """A dot_general's dimension numbers as an einsum spec: ((1,), (0,)), ((), ()) on 2-d operands -> "ab,bc->ac"."""
+    (lc, rc), (lb, rb) = dimension_numbers
+    partner = dict(zip((*lb, *lc), (*rb, *rc)))
+    letters = iter("abcdefghijklmnopqrstuvwxyz")
+    lhs, rhs = [next(letters) for _ in range(lhs_ndim)], [None] * rhs_ndim
+    for i, j in partner.items():
+        rhs[j] = lhs[i]
+    rhs = [x or next(letters) for x in rhs]
+    out = [lhs[i] for i in lb] + [x for i, x in enumerate(lhs) if i not in partner]
+    out += [x for j, x in enumerate(rhs) if j not in (*rb, *rc)]
+    return f"{''.join(lhs)},{''.join(rhs)}->{''.join(out)}"
+
+
+def _products(jaxpr, times: int = 1):
+    """(equation, executions per call) for every dot_general in jaxpr and the jaxprs inside it (a scan's body
+    runs `length` times; lax.map and the accumulation loop are scans)."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            yield eqn, times
+        inner = times * (eqn.params["length"] if eqn.primitive.name == "scan" else 1)
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else (value,):
+                if isinstance(sub, (Jaxpr, ClosedJaxpr)):
+                    yield from _products(getattr(sub, "jaxpr", sub), inner)
+
+
+def _time_product(lhs, rhs, params, repeats: int, rng) -> tuple[float, int]:
+    """(median seconds, FLOPs) of one dot_general of these operand types and params, compiled and run alone."""
+    a, b = (jnp.asarray(rng.standard_normal(x.shape), x.dtype) for x in (lhs, rhs))
+    product = jax.jit(lambda a, b: jax.lax.dot_general(a, b, params["dimension_numbers"],
+                                                      preferred_element_type=params["preferred_element_type"]))
+    out = product(a, b).block_until_ready()
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        product(a, b).block_until_ready()
+        samples.append(time.perf_counter() - t0)
+    contracted = math.prod(lhs.shape[i] for i in params["dimension_numbers"][0][0])
+    return statistics.median(samples), 2 * math.prod(out.shape) * contracted
+
+
+def product_census(model, optimizer, batch, mesh, repeats: int = 5) -> dict:
+    """Every matrix product of the train step (its dot_generals: forward, backward, loss, optimizer), each
+    timed alone as XLA compiles it on its own: the median of `repeats` runs, times how often the step runs it.
+
+    Their sum is how long the step's products take one after another at the rates XLA's kernels reach on
+    those shapes in isolation; beside the step's time it says how much of the step the products are (the rest:
+    elementwise passes, copies, reductions, overlap). One device: on a mesh the partitioner's products and Muon's
+    shared-out stacks are not the jaxpr's."""
+    from flaxchat.training import train_step
+
+    graphdef, state = nnx.split((model, optimizer))
+
+    def step(state, xs, ys):
+        return train_step(*nnx.merge(graphdef, state), xs, ys)
+
+    with jax.set_mesh(mesh):
+        jaxpr = jax.make_jaxpr(step)(state, *batch).jaxpr
+    timed, groups = {}, {}
+    rng = np.random.default_rng(0)
+    for eqn, n in _products(jaxpr):
+        lhs, rhs = (v.aval for v in eqn.invars)
+        key = (lhs.shape, lhs.dtype, rhs.shape, rhs.dtype, eqn.params["dimension_numbers"],
+               eqn.params["preferred_element_type"])
+        if key not in timed:
+            timed[key] = _time_product(lhs, rhs, eqn.params, repeats, rng)
+        spec = _spec(lhs.ndim, rhs.ndim, key[4])
+        group = groups.setdefault((_source(eqn), spec, lhs.shape, rhs.shape), [0, 0.0, 0])
+        group[0] += n
+        group[1] += n * timed[key][0]
+        group[2] += n * timed[key][1]
+    alone = sum(g[1] for g in groups.values())
+    flops = sum(g[2] for g in groups.values())
+    top = sorted(groups.items(), key=lambda kv: -kv[1][1])[:12]
+    return {"calls": sum(g[0] for g in groups.values()), "distinct": len(timed), "gflop": flops / 1e9,
+            "alone_s": alone, "flops_per_s": flops / alone,
+            "top": [{"source": src, "spec": spec, "lhs": list(a), "rhs": list(b), "calls": n, "ms": 1e3 * s,
+                     "gflops": f / s / 1e9} for (src, spec, a, b), (n, s, f) in top]}
+
+
+def format_census(census: dict, step_s: float) -> str:
+    lines = [f"the step's {census['calls']} products ({census['distinct']} distinct shapes), each timed alone: "
+             f"{1e3 * census['alone_s']:.1f} ms of the {1e3 * step_s:.1f} ms step "
+             f"({100 * census['alone_s'] / step_s:.0f}%), {census['flops_per_s'] / 1e9:.0f} GFLOP/s"]
+    lines += [f"  {p['ms']:9.2f} ms  {p['gflops']:6.0f} GFLOP/s  x{p['calls']:<4} {p['spec']} {tuple(p['lhs'])} "
+              f"{tuple(p['rhs'])} <- {p['source']}" for p in census["top"]]
+    return "\n".join(lines)
 
 
 def bench_comms(args, mesh) -> dict:
@@ -349,6 +463,9 @@ def main(argv=None):
         if not os.path.isfile(os.path.join(os.path.expanduser(args.nanochat), "nanochat", "gpt.py")):
             parser.error(f"--nanochat {args.nanochat}: not a nanochat checkout (no nanochat/gpt.py in it)")
     mesh = sharding.mesh_from_args(parser, args)
+    if args.products and (args.what not in ("train", "all") or mesh.size > 1):
+        parser.error("--products times one device's products of the training step: --what train on one device "
+                     "(on a mesh, XLA's partitioner and Muon's shared-out stacks decide what each device multiplies)")
     if args.suite:
         return run_suite(args, mesh)
     runs = {"train": bench_train, "comms": bench_comms, "generate": bench_generate, "data": bench_data}

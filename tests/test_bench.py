@@ -141,3 +141,50 @@ def test_nanochat_on_a_gpu_needs_one(nanochat_checkout):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and r.stdout == ""
     assert r.stderr.strip().splitlines()[-1].startswith("error: --device cuda, but this PyTorch (")
+
+
+def test_product_census_counts_every_product_the_compiled_step_runs():
+    """--products: every dot_general of the train step, scan bodies times their trip count (the fused loss's
+    chunks, two accumulation micro-steps), each timed alone. Its FLOPs are the products XLA compiles (read off the
+    compiled step's HLO), and the report names the model's and optimizer's source lines."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from flaxchat import sharding
+    from flaxchat.gpt import GPT, GPTConfig
+    from flaxchat.hlo import program_stats
+    from flaxchat.optim import build_optimizer
+    from flaxchat.training import train_step
+    from scripts.bench import format_census, product_census
+
+    mesh = sharding.make_mesh(data=1, devices=jax.devices()[:1])
+    config = GPTConfig(sequence_len=64, vocab_size=512, n_layer=2, n_head=2, n_kv_head=2, n_embd=64,
+                       window_pattern="SL")
+    with jax.set_mesh(mesh):
+        model = GPT(config, rngs=nnx.Rngs(0))
+        optimizer = build_optimizer(model, verbose=False)
+    rows = jax.device_put(np.random.default_rng(0).integers(0, 512, (2, 64), dtype=np.int32),
+                          sharding.batch_sharding(mesh))
+    batch = ((rows, rows), (rows, rows))  # two micro-steps
+    census = product_census(model, optimizer, batch, mesh, repeats=1)
+    with jax.set_mesh(mesh):
+        compiled = program_stats(train_step.lower(model, optimizer, *batch).compile().as_text())["matmul_flops"]
+    assert census["gflop"] * 1e9 == pytest.approx(compiled, rel=0.05)
+    assert census["calls"] >= census["distinct"] > 10 and census["alone_s"] > 0
+    sources = " ".join(p["source"] for p in census["top"])
+    assert "gpt.py" in sources or "fused_loss.py" in sources or "optim.py" in sources
+    lines = format_census({**census, "share_of_step": 0.5}, 2 * census["alone_s"]).splitlines()
+    assert lines[0].startswith(f"the step's {census['calls']} products") and "(50%)" in lines[0]
+    assert len(lines) == 1 + len(census["top"])
+
+
+def test_products_spec_and_cli_errors(capsys):
+    from scripts.bench import _spec
+
+    assert _spec(2, 2, (((1,), (0,)), ((), ()))) == "ab,bc->ac"
+    assert _spec(3, 3, (((0, 1), (0, 1)), ((), ()))) == "abc,abd->cd"  # a weight gradient: rows contracted
+    assert _spec(4, 4, (((3,), (3,)), ((0, 1), (0, 1)))) == "abcd,abed->abce"  # attention scores
+    with pytest.raises(SystemExit):
+        main(TINY + ["--what", "train", "--products", "--fsdp", "2"])
+    assert "--products times one device's products" in capsys.readouterr().err
