@@ -259,8 +259,8 @@ def bench_train(args, mesh) -> dict:
 
 
 def _source(eqn) -> str:
-    """Where a jaxpr equation came from, as flaxchat.hlo names a compiled op: "flaxchat/gpt.py:165 multiply
-    (transpose(jvp())/...)"."""
+    """Where a jaxpr equation came from, as flaxchat.hlo names a compiled op's source: "flaxchat/gpt.py:165
+    Linear.multiply (transpose(jvp()))" (file, line, function, then the transformations it was made under)."""
     where = source_info_util.summarize(eqn.source_info)
     m = re.match(r"(.*):(\d+):\d+ \((.*)\)$", where)
     where = f"{'/'.join(m.group(1).split('/')[-2:])}:{m.group(2)} {m.group(3)}" if m else where
