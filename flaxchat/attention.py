@@ -69,22 +69,26 @@ def _window_softmax(s, start, stop, lo, window, dtype):
 
 def _attend_block(q, k, v, window, start, stop, heads_major=False):
     """Queries [start, stop) over the keys they can see, [max(0, start - window), stop); GQA by grouping.
-    heads_major: q, k and v come as (B, H, T, D) (no GQA, fp32), the output too; else (B, T, H, D)."""
+    q, k, v: (B, T, H, D), or one row's (T, H, D); the output likewise. heads_major: they come as (B, H, T, D) or
+    (H, T, D) (no GQA, fp32), the output too."""
     lo = max(0, start - window)
+    b = "b" if q.ndim == 4 else ""  # a batch of rows, or one row without a row axis
     if heads_major:
-        s = einsum("bktd,bksd->bkts", q[:, :, start:stop], k[:, :, lo:stop], jnp.float32) * q.shape[-1] ** -0.5
-        return einsum("bkts,bksd->bktd", _window_softmax(s, start, stop, lo, window, q.dtype), v[:, :, lo:stop])
-    B, _, H, D = q.shape
-    Hkv = k.shape[2]
+        s = einsum(f"{b}ktd,{b}ksd->{b}kts", q[..., start:stop, :], k[..., lo:stop, :], jnp.float32)
+        p = _window_softmax(s * q.shape[-1] ** -0.5, start, stop, lo, window, q.dtype)
+        return einsum(f"{b}kts,{b}ksd->{b}ktd", p, v[..., lo:stop, :])
+    *rows, _, H, D = q.shape
+    Hkv = k.shape[-2]
     # without GQA the group axis is left out in fp32: XLA:CPU's fused reductions over (..., 1, t, s) scores run
     # several times slower than over (..., t, s) ones (the softmax backward's row sums: ~8x at nanochat's small
     # shapes); its bf16 -> fp32 products take only the grouped form
     flat = H == Hkv and not widened_products(q, k)
-    qb = q[:, start:stop] if flat else q[:, start:stop].reshape(B, stop - start, Hkv, H // Hkv, D)
+    qb = q[..., start:stop, :, :]
+    qb = qb if flat else qb.reshape(*rows, stop - start, Hkv, H // Hkv, D)
     g = "" if flat else "g"
-    s = einsum(f"btk{g}d,bskd->bk{g}ts", qb, k[:, lo:stop], jnp.float32) * D**-0.5
+    s = einsum(f"{b}tk{g}d,{b}skd->{b}k{g}ts", qb, k[..., lo:stop, :, :], jnp.float32) * D**-0.5
     p = _window_softmax(s, start, stop, lo, window, q.dtype)
-    return einsum(f"bk{g}ts,bskd->btk{g}d", p, v[:, lo:stop]).reshape(B, stop - start, H, D)
+    return einsum(f"{b}k{g}ts,{b}skd->{b}tk{g}d", p, v[..., lo:stop, :, :]).reshape(*rows, stop - start, H, D)
 
 
 def chunked_attention(q, k, v, window):
@@ -95,14 +99,14 @@ def chunked_attention(q, k, v, window):
     """
     B, T, H, D = q.shape
     block = _query_block(T, D)
-    # a window shorter than T runs heads-major: q, k and v transposed once per layer instead of every block's key
-    # and value slices once per block (window 128 at T=256, forward and backward of a layer on two cores: 26 -> 21
-    # ms); with the full causal window the slices start at 0 and the per-block form measured as fast or faster
-    heads_major = window < T and H == k.shape[2] and not widened_products(q, k)
+    # heads-major without GQA in fp32: q, k and v transposed once per layer instead of every block's key and value
+    # slices once per block (window 128 at T=256, forward and backward of a layer on two cores: 26 -> 21 ms; d6's
+    # full-window layers, one row a chunk: the whole step +8%; the small shape's full-window layers: no change)
+    heads_major = H == k.shape[2] and not widened_products(q, k)
 
     def rows(q, k, v):
         blocks = [_attend_block(q, k, v, window, a, min(T, a + block), heads_major) for a in range(0, T, block)]
-        return jnp.concatenate(blocks, axis=2 if heads_major else 1)
+        return jnp.concatenate(blocks, axis=-2 if heads_major else -3)
 
     def local(q, k, v):
         b, h = q.shape[0], q.shape[2]
@@ -111,7 +115,9 @@ def chunked_attention(q, k, v, window):
             n -= 1
         if heads_major:
             q, k, v = (x.transpose(0, 2, 1, 3) for x in (q, k, v))
-        split = lambda x: x.reshape(b // n, n, *x.shape[1:])
+        # one row a chunk goes without a row axis: XLA:CPU's fused reductions over a size-1 axis run several times
+        # slower (d6's layers, one 512-token row a chunk: attention forward and backward 1,047 -> 672 ms a layer)
+        split = (lambda x: x) if n == 1 else (lambda x: x.reshape(b // n, n, *x.shape[1:]))
         out = jax.lax.map(jax.checkpoint(lambda a: rows(*a)), (split(q), split(k), split(v)))
         out = out.reshape(q.shape)  # q as attended: heads-major or not
         return out.transpose(0, 2, 1, 3) if heads_major else out
