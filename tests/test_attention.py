@@ -56,11 +56,11 @@ def test_xla_attention_equals_reference(window):
 
 
 # 64 KB of scores: one row a chunk (the blocks then have no row axis); 256 KB: two rows a chunk
-@pytest.mark.parametrize("score_bytes", [2**16, 2**18], ids=["one-row-chunks", "two-row-chunks"])
+@pytest.mark.parametrize(("window", "T", "score_bytes"), [
+    *((w, t, 2**16) for w in (16, 40, 128, 1000) for t in (128, 100)),  # 100: the last query block is short
+    (40, 100, 2**18), (1000, 100, 2**18)])
 @pytest.mark.parametrize("Hkv", [2, 4])  # 4: no GQA, heads-major, the scores without a group axis
-@pytest.mark.parametrize("T", [128, 100])  # 100: the last query block is short
-@pytest.mark.parametrize("window", [16, 40, 128, 1000])
-def test_chunked_attention_equals_reference_forward_and_backward(window, T, Hkv, score_bytes, monkeypatch):
+def test_chunked_attention_equals_reference_forward_and_backward(window, T, score_bytes, Hkv, monkeypatch):
     """The CPU path: chunks of rows, query blocks over the keys they see, recomputed in the backward pass."""
     monkeypatch.setattr(attn, "CHUNK_SCORE_BYTES", score_bytes)  # several chunks of rows even at this size
     q, k, v = qkv_example(B=4, T=T, Hkv=Hkv)
