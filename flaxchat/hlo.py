@@ -220,6 +220,11 @@ def op_kinds(hlo_text: str) -> dict[str, str]:
     return kinds
 
 
+def source_line(path: str, line: int, function: str) -> str:
+    """How op sources are named: "flaxchat/fused_loss.py:124 step" (the file's folder and name, line, function)."""
+    return f"{'/'.join(path.split('/')[-2:])}:{line} {function}"
+
+
 def _stack_frames(hlo_text: str) -> dict[int, str]:
     """{stack_frame_id: "flaxchat/fused_loss.py:124 step"}: the innermost user frame of each of the module's stack
     frames (its FileNames / FunctionNames / FileLocations / StackFrames tables)."""
@@ -240,7 +245,7 @@ def _stack_frames(hlo_text: str) -> dict[int, str]:
             location = tables["FileLocations"][field(entry, "file_location_id")]
             path = unquote(tables["FileNames"][field(location, "file_name_id")])
             function = unquote(tables["FunctionNames"][field(location, "function_name_id")])
-            frames[frame_id] = f"{'/'.join(path.split('/')[-2:])}:{field(location, 'line')} {function}"
+            frames[frame_id] = source_line(path, field(location, "line"), function)
         except (AttributeError, KeyError):  # a table this XLA prints differently: no source for that frame
             continue
     return frames

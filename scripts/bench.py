@@ -60,6 +60,7 @@ from flaxchat.common import (MachineLoad, StepProfiler, compute_dtype, get_base_
                              malloc_library, parse_args, peak_flops_per_device, quiet_library_logs, without_huge_pages)
 from flaxchat.config import GPTConfig, add_model_flags, config_from_flags
 from flaxchat.gpt import GPT, add_kernel_flags
+from flaxchat.hlo import source_line
 from flaxchat.quantize import add_quantize_flag, quantize_for_generation, weight_bytes
 from flaxchat.speculative import add_draft_flags, measure_speculative
 
@@ -259,11 +260,11 @@ def bench_train(args, mesh) -> dict:
 
 
 def _source(eqn) -> str:
-    """Where a jaxpr equation came from, as flaxchat.hlo names a compiled op's source: "flaxchat/gpt.py:165
+    """Where a jaxpr equation came from, named as hlo.source_line names a compiled op's: "flaxchat/gpt.py:165
     Linear.multiply (transpose(jvp()))" (file, line, function, then the transformations it was made under)."""
     where = source_info_util.summarize(eqn.source_info)
     m = re.match(r"(.*):(\d+):\d+ \((.*)\)$", where)
-    where = f"{'/'.join(m.group(1).split('/')[-2:])}:{m.group(2)} {m.group(3)}" if m else where
+    where = source_line(*m.groups()) if m else where
     stack = str(eqn.source_info.name_stack)
     return f"{where} ({stack})" if stack else where
 
