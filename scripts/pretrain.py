@@ -336,8 +336,9 @@ def main(argv=None):
     stats = jax.local_devices()[0].memory_stats() or {}
     if "peak_bytes_in_use" in stats:
         peak_mem = stats["peak_bytes_in_use"] / 2**30
+    best = loop["min_val_bpb"] if math.isfinite(loop["min_val_bpb"]) else None  # None: --eval-every -1
     print0(f"peak memory: {peak_mem:.2f} GiB | training time: {loop['total_training_time'] / 60:.2f} min | "
-           f"min val bpb: {loop['min_val_bpb']:.4f} | checkpoints: {out_dir}")
+           f"min val bpb: {'not evaluated' if best is None else f'{best:.4f}'} | checkpoints: {out_dir}")
     rows = read_jsonl(metrics_path) if is_main_process() else []
     timed = [r for r in rows if "tok_per_s" in r][2:]  # steady state: skip the compiling steps
     Report().log("pretrain", {
@@ -346,7 +347,7 @@ def main(argv=None):
         "iterations": num_iterations, "total batch (tokens)": plan.total_batch_size,
         "tokens trained": num_iterations * plan.total_batch_size, "devices": jax.device_count(),
         "final train loss": rows and next((r["smooth_loss"] for r in reversed(rows) if "smooth_loss" in r), None),
-        "min val bpb": loop["min_val_bpb"], "training time (min)": loop["total_training_time"] / 60,
+        "min val bpb": best, "training time (min)": loop["total_training_time"] / 60,
         "tokens/s (median)": float(np.median([r["tok_per_s"] for r in timed])) if timed else None,
         "MFU % (median)": float(np.median([r["mfu"] for r in timed])) if timed else None,
         "peak memory (GiB)": peak_mem,
