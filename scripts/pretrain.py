@@ -347,7 +347,7 @@ def main(argv=None):
         "iterations": num_iterations, "total batch (tokens)": plan.total_batch_size,
         "tokens trained": num_iterations * plan.total_batch_size, "devices": jax.device_count(),
         "final train loss": rows and next((r["smooth_loss"] for r in reversed(rows) if "smooth_loss" in r), None),
-        "min val bpb": best, "training time (min)": loop["total_training_time"] / 60,
+        "min val bpb": "not evaluated" if best is None else best, "training time (min)": loop["total_training_time"] / 60,
         "tokens/s (median)": float(np.median([r["tok_per_s"] for r in timed])) if timed else None,
         "MFU % (median)": float(np.median([r["mfu"] for r in timed])) if timed else None,
         "peak memory (GiB)": peak_mem,

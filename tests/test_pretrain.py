@@ -154,6 +154,7 @@ def test_a_fresh_run_replaces_an_earlier_runs_checkpoints(tiny_base_dir, capsys)
     out_text = capsys.readouterr().out
     assert "replacing the checkpoints of an earlier run" in out_text
     assert "min val bpb: not evaluated" in out_text  # --eval-every -1: no val bpb, not "inf"
+    assert "| min val bpb | not evaluated |" in (tiny_base_dir / "report" / "pretrain.md").read_text()
     assert Checkpointer(out, async_save=False).all_steps() == [2]
     assert sorted(losses(metrics(tiny_base_dir, "again"))) == [1, 2]
 
