@@ -26,6 +26,9 @@ import os
 import re
 import statistics
 
+# XLA's flag that turns its GPU command buffers off, so that a trace shows their kernels (common.StepProfiler.prepare)
+COMMAND_BUFFERS_OFF = "--xla_gpu_enable_command_buffer="
+
 KINDS = ("matmul", "attention", "collective", "layout", "reduction", "elementwise", "control", "other")
 
 # Name rules, first match wins (lower-cased op or kernel name). Attention before matmul: flash kernels say gemm too.
@@ -61,7 +64,9 @@ def summarize_ops(op_times: dict, steps: int, step_ms: float | None, kinds: dict
     """{op: total ms over the profiled steps} -> the summary: per-step ms by kind and the `top` ops (with the JAX
     operation each came from, where `sources` names it: hlo.op_sources)."""
     steps = max(steps, 1)
-    kind = lambda op: (kinds or {}).get(op) or kind_of_name(op)
+    # an XLA command buffer (a CUDA graph of many kernels of every kind) is one op in a trace: kind "other"
+    graph = lambda op: op.startswith("command_buffer")
+    kind = lambda op: "other" if graph(op) else (kinds or {}).get(op) or kind_of_name(op)
     total = sum(op_times.values()) / steps
     by_kind = collections.Counter()
     for op, ms in op_times.items():
@@ -74,6 +79,8 @@ def summarize_ops(op_times: dict, steps: int, step_ms: float | None, kinds: dict
         "top": [{"op": op, "kind": kind(op), "ms": ms / steps, "share": share(ms / steps),
                  **({"calls": counts[op] / steps} if counts else {}),
                  **({"source": sources[op]} if sources and op in sources else {})} for op, ms in ranked],
+        **({"in_command_buffers_ms": hidden} if (hidden := sum(ms for op, ms in op_times.items() if graph(op)) / steps)
+           else {}),
     }
 
 
@@ -171,6 +178,9 @@ def format_summary(summary: dict, title: str = "") -> str:
     lines.append("  " + ", ".join(f"{k} {v['ms']:.1f} ms ({v['share']}%)" for k, v in summary["by_kind"].items()))
     lines += [f"  {t['ms']:9.2f} ms {t['share']:5.1f}%  {t['kind']:<11} {t['op']}"
               + (f"  <- {t['source']}" if t.get("source") else "") for t in summary["top"]]
+    if summary.get("in_command_buffers_ms"):
+        lines.append(f"  {summary['in_command_buffers_ms']:.1f} ms a step ran in XLA command buffers, whose kernels a "
+                     f"trace hides: profile with XLA_FLAGS={COMMAND_BUFFERS_OFF} (--profile-steps sets it)")
     return "\n".join(lines)
 
 

@@ -440,6 +440,7 @@ def main(argv=None):
     quiet_library_logs()
     parser = build_parser()
     args = parse_args(parser, argv)
+    StepProfiler.prepare(args.profile_steps)  # before JAX starts its backend
     try:
         make_config(args)
     except ValueError as e:

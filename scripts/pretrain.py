@@ -131,6 +131,7 @@ def main(argv=None):
     quiet_library_logs()
     parser = build_parser()
     args = parse_args(parser, argv)
+    StepProfiler.prepare(args.profile_steps)  # before JAX starts its backend
     check_args(parser, args)
     user_config = vars(args).copy()
 

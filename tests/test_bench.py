@@ -1,6 +1,7 @@
 """scripts.bench: JSON out, the training benchmark on the flags' mesh, the comms reader, backend checks."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -88,6 +89,7 @@ def test_nanochat_is_timed_before_us_each_round_on_the_same_shape(capsys, monkey
     """Each round times nanochat first; --profile-steps adds where both steps' time goes (flaxchat's profiled steps
     summed by op and kind, kinds read off the compiled step; nanochat's under torch.profiler, summed the same way)."""
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=4:glibc.malloc.hugetlb=1")
+    monkeypatch.setenv("XLA_FLAGS", os.environ["XLA_FLAGS"])  # --profile-steps adds a GPU flag (restored after)
     out = run(capsys, TINY + ["--what", "train", "--device-batch-size", "2", "--grad-accum", "2", "--steps", "2",
                               "--warmup", "0", "--rounds", "2", "--nanochat", str(nanochat_checkout),
                               "--profile-steps", "2:4", "--profile-dir", str(tmp_path / "prof")])

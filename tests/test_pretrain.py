@@ -160,8 +160,10 @@ def test_a_fresh_run_replaces_an_earlier_runs_checkpoints(tiny_base_dir, capsys)
 
 
 @pytest.mark.slow
-def test_profile_steps_writes_a_trace_and_where_its_time_went(tiny_base_dir, capsys):
+def test_profile_steps_writes_a_trace_and_where_its_time_went(tiny_base_dir, capsys, monkeypatch):
     from scripts.pretrain import main
+
+    monkeypatch.setenv("XLA_FLAGS", os.environ["XLA_FLAGS"])  # --profile-steps adds a GPU flag (restored after)
 
     main(TINY + ["--num-iterations", "4", "--eval-every", "-1", "--profile-steps", "1:3", "--model-tag", "prof"])
     profile = tiny_base_dir / "base_checkpoints" / "prof" / "profile"

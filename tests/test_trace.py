@@ -1,6 +1,7 @@
 """flaxchat.trace and hlo.op_kinds: a profiler trace summed by op and kind of work, per profiled step."""
 
 import gzip
+import os
 import json
 import re
 
@@ -205,3 +206,51 @@ def test_the_command_line_prints_a_trace_folders_summary(tmp_path, capsys):
     main([str(tmp_path), "--module", "", "--json"])
     every_module = json.loads(capsys.readouterr().out)
     assert every_module["by_kind"]["layout"]["ms"] == pytest.approx(0.5) and every_module["busy"] == 1.0
+
+
+def test_command_buffers_count_as_other_and_the_summary_says_their_kernels_are_hidden():
+    # XLA's GPU command buffers: one op each in a trace, holding kernels of every kind
+    s = summarize_ops({"command_buffer_371": 50.0, "custom-call.68": 30.0}, steps=2, step_ms=45.0,
+                      kinds={"command_buffer_371": "reduction", "custom-call.68": "matmul"})
+    assert s["by_kind"] == {"matmul": {"ms": 15.0, "share": 37.5}, "other": {"ms": 25.0, "share": 62.5}}
+    assert s["in_command_buffers_ms"] == 25.0
+    assert "25.0 ms a step ran in XLA command buffers" in format_summary(s)
+    assert "in_command_buffers_ms" not in summarize_ops({"custom-call.68": 30.0}, steps=2, step_ms=45.0)
+
+
+@pytest.mark.parametrize("script, args", [("bench", ["--what", "train"]), ("pretrain", [])])
+def test_profiling_scripts_turn_command_buffers_off_before_jax_starts(script, args):
+    """--profile-steps adds XLA's flag to XLA_FLAGS while JAX's backend has not started (so XLA reads it)."""
+    import subprocess
+    import sys
+
+    code = f"""
+import os, sys
+from jax._src import xla_bridge
+from flaxchat.common import StepProfiler
+prepare = StepProfiler.prepare
+def checked(steps):
+    changed = prepare(steps)
+    print(changed, xla_bridge.backends_are_initialized(), os.environ["XLA_FLAGS"])
+    sys.exit(0)
+StepProfiler.prepare = staticmethod(checked)
+from scripts.{script} import main
+main({args!r} + ["--profile-steps", "5:8"])
+"""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=root, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["True", "False", "--xla_force_host_platform_device_count=1",
+                                  "--xla_gpu_enable_command_buffer="]
+
+
+def test_prepare_keeps_a_command_buffer_flag_already_set(monkeypatch):
+    from flaxchat.common import StepProfiler
+
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_command_buffer=FUSION")
+    assert not StepProfiler.prepare((5, 8))
+    assert os.environ["XLA_FLAGS"] == "--xla_gpu_enable_command_buffer=FUSION"
+    monkeypatch.delenv("XLA_FLAGS")
+    assert not StepProfiler.prepare(None) and "XLA_FLAGS" not in os.environ  # nothing to profile: unchanged
+    assert StepProfiler.prepare((5, 8)) and os.environ["XLA_FLAGS"] == "--xla_gpu_enable_command_buffer="
