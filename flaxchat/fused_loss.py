@@ -20,14 +20,15 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from flaxchat import sharding
-from flaxchat.common import split_in_two
+from flaxchat.common import einsum, split_in_two
 
 SOFTCAP = 15.0  # nanochat's logit soft-cap: SOFTCAP * tanh(logits / SOFTCAP), in (-15, 15)
 
-# Most fp32 logits bytes per chunk: on an accelerator thousands of rows per chunk keep the matmuls large (the
-# chunks' logits are transient, a few of them live at once). A CPU takes at most LOSS_CHUNK_ROWS_CPU rows a chunk:
-# at small vocabularies a chunk's logits then stay in the last-level cache for the soft-cap, softmax and gradient
-# passes, while the products stay large enough for full-rate kernels (measured best at vocab 4096 and 32768 alike)
+# Most logits bytes per chunk (counted as fp32): on an accelerator thousands of rows per chunk keep the matmuls
+# large (the chunks' logits are transient, a few of them live at once). A CPU takes at most LOSS_CHUNK_ROWS_CPU
+# rows a chunk: at small vocabularies a chunk's logits then stay in the last-level cache for the soft-cap, softmax
+# and gradient passes, while the products stay large enough for full-rate kernels (measured best at vocab 4096 and
+# 32768 alike)
 LOSS_CHUNK_BYTES = {"cpu": 64 * 2**20, "accelerator": 512 * 2**20}
 LOSS_CHUNK_ROWS_CPU = 512
 
@@ -39,8 +40,12 @@ def _chunk_rows(n_rows, vocab_size):
 
 
 def softcapped_logits(x, w, vocab_size):
-    """x (n, C) against lm_head w (Vp, C) -> soft-capped fp32 logits (n, vocab_size); padded vocab rows dropped."""
-    logits = jnp.einsum("nc,vc->nv", x, w.astype(x.dtype), preferred_element_type=jnp.float32)
+    """x (n, C) against lm_head w (Vp, C) -> soft-capped fp32 logits (n, vocab_size); padded vocab rows dropped.
+
+    The product comes out in the compute dtype, as nanochat's lm_head does: a bf16 run rounds its logits to bf16
+    before the fp32 soft-cap (the same numbers as nanochat's), and on a GPU the largest tensor of the step is
+    written and read back at half the bytes."""
+    logits = einsum("nc,vc->nv", x, w.astype(x.dtype)).astype(jnp.float32)
     logits = logits[:, :vocab_size]
     return SOFTCAP * jnp.tanh(logits / SOFTCAP)
 

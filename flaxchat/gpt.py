@@ -486,8 +486,10 @@ class GPT(nnx.Module):
 
     def _head(self, x):
         """x (N, C) -> soft-capped fp32 logits (N, vocab), through the lm_head module so a quantized head
-        (flaxchat.quantize) applies its own matmul; the same numbers as softcapped_logits for a float head."""
-        logits = self.lm_head(x, out_dtype=jnp.float32)[:, : self.config.vocab_size]
+        (flaxchat.quantize) applies its own matmul; the same numbers as softcapped_logits for a float head (the
+        product rounded to the compute dtype, then soft-capped in fp32)."""
+        logits = self.lm_head(x, out_dtype=jnp.float32)[:, : self.config.vocab_size].astype(self.dtype)
+        logits = logits.astype(jnp.float32)
         return SOFTCAP * jnp.tanh(logits / SOFTCAP)
 
     # --- accounting (nanochat's definitions) ---------------------------------

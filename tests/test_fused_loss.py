@@ -43,3 +43,33 @@ def test_chunked_loss_gradients_equal_autodiff(monkeypatch, chunk_rows, users_co
     results = re.findall(r"= f32\[(\d+),(\d+)\]\{1,0\} (?:dot|fusion)\([^\n]*dot_general", program)  # products' shapes
     assert ((str(C), str(Vp)) in results) == (chunk_rows % 2 == 0)
     assert ((str(Vp), str(C)) in results) == (chunk_rows % 2 == 1)
+
+
+def test_bf16_logits_are_rounded_to_bf16_before_the_fp32_softcap_as_nanochats_head():
+    """nanochat's lm_head returns bf16 logits in a bf16 run (then .float() and the soft-cap): so do the training
+    loss's and the generation head's."""
+    from flaxchat.config import GPTConfig
+    from flaxchat.gpt import GPT
+    from flax import nnx
+
+    kx, kw = jax.random.split(jax.random.key(0))
+    x = jax.random.normal(kx, (8, 64)).astype(jnp.bfloat16)
+    w = jax.random.normal(kw, (128, 64)) * 0.5
+    z = fl.softcapped_logits(x, w, 100)
+    product = jnp.einsum("nc,vc->nv", x.astype(jnp.float32), w.astype(jnp.bfloat16).astype(jnp.float32))[:, :100]
+    rounded = product.astype(jnp.bfloat16).astype(jnp.float32)
+    assert z.dtype == jnp.float32 and z.shape == (8, 100)
+    ref = fl.SOFTCAP * jnp.tanh(rounded / fl.SOFTCAP)
+    # the same bf16 values (a sum's last bit may round the other way: one bf16 step at most, in rare places)
+    assert np.mean(np.asarray(z) == np.asarray(ref)) > 0.98
+    np.testing.assert_allclose(z, ref, atol=0.07)
+    unrounded = fl.SOFTCAP * jnp.tanh(product / fl.SOFTCAP)
+    assert np.mean(np.asarray(z) == np.asarray(unrounded)) < 0.1  # fp32 logits would differ almost everywhere
+
+    cfg = GPTConfig(sequence_len=16, vocab_size=64, n_layer=2, n_head=2, n_kv_head=2, n_embd=64)
+    model = GPT(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
+    idx = jax.random.randint(jax.random.key(1), (2, 8), 0, 64)
+    logits, _ = model.forward_cached(idx, model.init_cache(2, 16))
+    np.testing.assert_allclose(logits, model(idx), atol=0.07)  # generation's head rounds the same way
+    pre = fl.SOFTCAP * jnp.arctanh(np.asarray(logits, np.float64) / fl.SOFTCAP)
+    assert np.mean(np.abs(pre - pre.astype(jnp.bfloat16).astype(np.float64)) < 1e-4) > 0.98
