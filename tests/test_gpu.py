@@ -140,7 +140,10 @@ def check_cached_decode(fused, prefill=64, total=224, B=2, seed=0):
     assert np.asarray(cache.pos).tolist() == [total] * B and cache.k[0].dtype == jnp.bfloat16
     err, full_err = rel_err(cached, want), rel_err(full, want)
     assert err <= max(2.0 * full_err, 1e-2), f"cached bf16 rel. error {err:.2e} vs full bf16 forward {full_err:.2e}"
-    agree = float(np.mean(cached.argmax(-1) == full.argmax(-1)))
+    # the cached forward's top token is a top token of the full forward: bf16 logits (as nanochat's) tie often, and
+    # argmax takes the first of tied tokens, which summation-order noise before the rounding may reorder
+    picked = np.take_along_axis(full, cached.argmax(-1)[..., None], axis=-1)[..., 0]
+    agree = float(np.mean(picked == full.max(-1)))
     assert agree >= 0.95, f"cached and full bf16 forwards pick the same top token at only {agree:.1%} of positions"
     return err, full_err, agree
 
