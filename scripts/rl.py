@@ -292,6 +292,7 @@ def main(argv=None):
     pad = tokenizer.encode_special("<|assistant_end|>")  # any token: padding is never a target
     sampling = dict(max_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k or None)
     bar = progress_bar(total=num_steps, desc="rl", disable=not is_main_process(), dynamic_ncols=True)
+    optimizer_step = nnx.cached_partial(rl_step, model, optimizer)  # skips NNX's walk over both at each call
     say = bar.write if is_main_process() else (lambda _: None)
     rows_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, ("data", "fsdp"), None))
     adv_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, ("data", "fsdp")))
@@ -328,7 +329,7 @@ def main(argv=None):
         lrm = 1.0 - step / num_steps  # nanochat: linear ramp to zero
         lr_var[...] = jnp.asarray(args.init_lr_frac * lrm, lr_var.dtype)
         with jax.set_mesh(mesh):
-            loss = float(rl_step(model, optimizer, inputs, targets, adv))
+            loss = float(optimizer_step(inputs, targets, adv))
         dt = time.perf_counter() - t0
         row = {"step": step + 1, "reward": float(np.mean(rewards)), "loss": loss, "lrm": lrm, "dt": dt,
                "rollout_s": t_rollout, "sequence_length": float(np.mean([len(s) for s in sequences]))}
