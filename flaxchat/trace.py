@@ -73,14 +73,14 @@ def summarize_ops(op_times: dict, steps: int, step_ms: float | None, kinds: dict
         by_kind[kind(op)] += ms / steps
     share = lambda ms: round(100 * ms / total, 1) if total else 0.0
     ranked = sorted(op_times.items(), key=lambda kv: -kv[1])[:top]
+    hidden = sum(ms for op, ms in op_times.items() if graph(op)) / steps
     return {
         "steps": steps, "step_ms": step_ms, "op_ms_per_step": total,
         "by_kind": {k: {"ms": by_kind[k], "share": share(by_kind[k])} for k in KINDS if by_kind[k]},
         "top": [{"op": op, "kind": kind(op), "ms": ms / steps, "share": share(ms / steps),
                  **({"calls": counts[op] / steps} if counts else {}),
                  **({"source": sources[op]} if sources and op in sources else {})} for op, ms in ranked],
-        **({"in_command_buffers_ms": hidden} if (hidden := sum(ms for op, ms in op_times.items() if graph(op)) / steps)
-           else {}),
+        **({"in_command_buffers_ms": hidden} if hidden else {}),
     }
 
 
