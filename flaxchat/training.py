@@ -9,6 +9,8 @@ need them and reduce-scatters their gradients.
 
 from __future__ import annotations
 
+import time
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -82,6 +84,43 @@ def compile_train_step(config, mesh, batch_size: int, grad_accum: int = 1, dtype
     x = jax.ShapeDtypeStruct((batch_size, config.sequence_len), jnp.int32, sharding=sharding.batch_sharding(mesh))
     with jax.set_mesh(mesh):
         return train_step.lower(model, optimizer, (x,) * grad_accum, (x,) * grad_accum).compile()
+
+
+_copy = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))  # one dispatch for a whole tree of small arrays
+
+
+class InFlight:
+    """Keeps one training step in flight: the host fetches and dispatches step k+1 before it waits for step k.
+
+    JAX dispatches asynchronously, so the device starts step k+1 as soon as step k ends, while the host reads
+    step k's loss, logs it and loads the next batches, instead of the device waiting on all of that between
+    steps. `submit(outputs, info, started)` takes a step just dispatched (outputs: a pytree of arrays, copied on
+    the device at once, so the next step may donate the buffers they are, e.g. the optimizer's state; info:
+    anything; started: time.perf_counter() when its host work began) and returns the step before it, finished,
+    or None; `finish()` returns the step in flight (None if none), e.g. before an
+    evaluation or a checkpoint. A finished step is (outputs on the host as numpy, info, seconds): from when the
+    step began (its host work, or the end of the step before, whichever was later) to when its outputs were
+    ready, i.e. at steady state the time between the ends of two steps.
+    """
+
+    def __init__(self):
+        self.pending, self.last_end = None, 0.0
+
+    def submit(self, outputs, info, started: float):
+        outputs = _copy(outputs)  # queued behind the step, before any later step can donate them
+        done = self.finish()
+        self.pending = (outputs, info, started)
+        return done
+
+    def finish(self):
+        if self.pending is None:
+            return None
+        outputs, info, started = self.pending
+        self.pending = None
+        outputs = jax.device_get(outputs)  # waits for the step
+        end = time.perf_counter()
+        seconds, self.last_end = end - max(started, self.last_end), end
+        return outputs, info, seconds
 
 
 def profile_summary(profiler, model, optimizer, batch, mesh) -> dict | None:

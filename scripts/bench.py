@@ -73,7 +73,8 @@ def build_parser():
     p.add_argument("--vocab-size", type=int, default=32768, help="vocabulary size (random tokens)")
     p.add_argument("--device-batch-size", type=int, default=8, help="training sequences per device")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-steps per training step")
-    p.add_argument("--steps", type=int, default=10, help="timed training steps (median reported)")
+    p.add_argument("--steps", type=int, default=10, help="timed training steps (median reported); as pretrain runs them, the next step is dispatched "
+                        "before this one's loss is read, so a step's time is the time between the ends of two steps")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps after compilation")
     p.add_argument("--rounds", type=int, default=1,
                    help="train: time --steps steps this many times (with --nanochat: nanochat, then flaxchat, each "
@@ -168,7 +169,7 @@ def bench_train(args, mesh) -> dict:
     so every pair of numbers comes from the same minutes of a machine whose speed may drift."""
     from flaxchat.optim import build_optimizer
     from flaxchat.trace import format_summary
-    from flaxchat.training import profile_summary, train_step
+    from flaxchat.training import InFlight, profile_summary, train_step
 
     dp = mesh.shape["data"] * mesh.shape["fsdp"]
     B, T, A = args.device_batch_size * dp, args.max_seq_len, args.grad_accum
@@ -196,28 +197,39 @@ def bench_train(args, mesh) -> dict:
     profiler = StepProfiler(args.profile_steps, args.profile_dir or os.path.join(get_base_dir(), "profile", "bench"))
 
     optimizer_step = nnx.cached_partial(train_step, model, optimizer)  # as pretrain calls it
-    steps, last = iter(range(10**9)), {}
+    steps, last, in_flight = iter(range(10**9)), {}, InFlight()
 
     def step():
-        with profiler.step(next(steps)):  # real data: reading the next batches is part of the step, as in pretrain
+        """Read the batches and dispatch a step, with the step before it in flight, as pretrain runs them; returns
+        the steps that finished meanwhile (InFlight's (loss, step, seconds)). A profiled step runs alone."""
+        i = next(steps)
+        profiled = profiler.start <= i < profiler.stop
+        finished = [in_flight.finish()] if profiled else []
+        started = time.perf_counter()
+        with profiler.step(i):  # real data: reading the next batches is part of the step, as in pretrain
             xs, ys = last["batch"] = take()
             with jax.set_mesh(mesh):
-                return float(optimizer_step(xs, ys))  # float() waits
+                finished.append(in_flight.submit(optimizer_step(xs, ys), i, started))
+            if profiled:
+                finished.append(in_flight.finish())
+        return [done for done in finished if done is not None]
 
     t0 = time.perf_counter()
     step()
+    in_flight.finish()
     first_step_s = time.perf_counter() - t0  # tracing + compilation + one step
     for _ in range(args.warmup):
         step()
+    in_flight.finish()
     tokens, rounds = B * T * A, []
     for r in range(args.rounds):
         if args.nanochat and r > 0:
             theirs.append(time_nanochat(args, config, B))
         times, load = [], MachineLoad()
         for _ in range(args.steps):
-            t0 = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - t0)
+            times += [seconds for _, _, seconds in step()]
+        final = in_flight.finish()  # None where the last step was profiled: it ran alone
+        times += [final[2]] if final else []
         rounds.append({"tok_per_s": tokens / statistics.median(times), "step_s": statistics.median(times),
                        "machine": load.stop(), "times": times})  # machine: how busy, while they were timed
         if theirs:

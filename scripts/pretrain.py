@@ -42,7 +42,7 @@ from flaxchat.optim import Schedule, build_optimizer, optimizer_stats
 from flaxchat.report import Report, metrics_logger, plot_training, read_jsonl
 from flaxchat.tokenizer import get_token_bytes, get_tokenizer
 from flaxchat.trace import format_summary
-from flaxchat.training import profile_summary, train_step
+from flaxchat.training import InFlight, profile_summary, train_step
 
 SAMPLE_PROMPTS = [
     "The capital of France is",
@@ -277,52 +277,70 @@ def main(argv=None):
     timed_steps = 0
     # the model and optimizer as cached graph nodes: a call skips NNX's walk over both (~15 ms of host time a step)
     optimizer_step = nnx.cached_partial(train_step, model, optimizer)
+    # step k+1 is dispatched before step k's loss is read: the device runs on while the host logs and loads data
+    in_flight = InFlight()
+
+    def record(done):
+        """Log a finished step (InFlight's (outputs, info, seconds)); None: nothing finished."""
+        nonlocal timed_steps
+        if done is None:
+            return
+        (loss, stats), (i, epoch), dt = done
+        loss, lrm = float(loss), float(stats["lr_multiplier"])
+        ema = 0.9
+        loop["smooth_train_loss"] = ema * loop["smooth_train_loss"] + (1 - ema) * loss
+        smooth = loop["smooth_train_loss"] / (1 - ema ** (i + 1))
+        tok_per_s = plan.total_batch_size / dt
+        mfu = 100 * flops_per_token * plan.total_batch_size / dt / (peak * jax.device_count())
+        if i - (resume_step or 0) >= 2:  # the first steps compile; keep them out of the timing
+            loop["total_training_time"] += dt
+            timed_steps += 1
+        log({"step": i + 1, "loss": loss, "smooth_loss": smooth, "lrm": lrm, "dt": dt, "tok_per_s": tok_per_s,
+             "mfu": mfu, "skipped_steps": int(stats["skipped_steps"]), "epoch": epoch})
+        bar.set_postfix(loss=f"{smooth:.4f}", tok_s=f"{tok_per_s:,.0f}", mfu=f"{mfu:.1f}%", lrm=f"{lrm:.2f}", refresh=False)
+        bar.update(1)
+        if not math.isfinite(loss) and is_main_process():
+            bar.write(f"step {i + 1}: non-finite loss; the update was skipped ({int(stats['skipped_steps'])} skipped so far)")
+
     while True:
         last_step = step == num_iterations
-        if args.eval_every > 0 and (last_step or step % args.eval_every == 0):
+        do_eval = args.eval_every > 0 and (last_step or step % args.eval_every == 0)
+        do_core = args.core_metric_every > 0 and (last_step or (step > 0 and step % args.core_metric_every == 0))
+        do_sample = args.sample_every > 0 and (last_step or (step > 0 and step % args.sample_every == 0))
+        do_save = last_step or (step > 0 and step != resume_step and args.save_every > 0 and step % args.save_every == 0)
+        profiled = profiler.start <= step < profiler.stop
+        if last_step or do_eval or do_core or do_sample or do_save or profiled:
+            record(in_flight.finish())  # these read every step's metrics (or want the device to themselves)
+        if do_eval:
             loop["val_bpb"] = evaluate()
             loop["min_val_bpb"] = min(loop["min_val_bpb"], loop["val_bpb"])
             if is_main_process():
                 bar.write(f"step {step:05d} | val bpb {loop['val_bpb']:.4f}")
             log({"step": step, "val_bpb": loop["val_bpb"]})
-        if args.core_metric_every > 0 and (last_step or (step > 0 and step % args.core_metric_every == 0)):
+        if do_core:
             from flaxchat.core_eval import evaluate_core
 
             core = evaluate_core(model, tokenizer, max_per_task=args.core_metric_max_per_task)
             log({"step": step, "core_metric": core["core_metric"]})
-        if args.sample_every > 0 and (last_step or (step > 0 and step % args.sample_every == 0)):
+        if do_sample:
             sample()  # every process: the Engine's programs run on the global parameters
-        if last_step or (step > 0 and step != resume_step and args.save_every > 0 and step % args.save_every == 0):
+        if do_save:
             save(step)
-        if is_main_process() and (last_step or (args.eval_every > 0 and step % args.eval_every == 0)):
+        if is_main_process() and (last_step or do_eval):
             plot_training(read_jsonl(metrics_path), os.path.join(out_dir, "training.png"), title=f"{model_tag} pretraining")
         if last_step:
             break
 
-        t0 = time.perf_counter()
+        started = time.perf_counter()
         with profiler.step(step):  # data loading included: the trace shows the whole step
             xs, ys = zip(*(next(train_loader) for _ in range(grad_accum)))
             with jax.set_mesh(mesh):
-                loss = float(optimizer_step(xs, ys))  # float() waits for the step
-        dt = time.perf_counter() - t0
-
-        stats = optimizer_stats(optimizer)
-        lrm = float(stats["lr_multiplier"])
-        ema = 0.9
-        loop["smooth_train_loss"] = ema * loop["smooth_train_loss"] + (1 - ema) * loss
-        smooth = loop["smooth_train_loss"] / (1 - ema ** (step + 1))
-        tok_per_s = plan.total_batch_size / dt
-        mfu = 100 * flops_per_token * plan.total_batch_size / dt / (peak * jax.device_count())
-        if step - (resume_step or 0) >= 2:  # the first steps compile; keep them out of the timing
-            loop["total_training_time"] += dt
-            timed_steps += 1
-        log({"step": step + 1, "loss": loss, "smooth_loss": smooth, "lrm": lrm, "dt": dt, "tok_per_s": tok_per_s,
-             "mfu": mfu, "skipped_steps": int(stats["skipped_steps"]), "epoch": train_loader.epoch})
-        bar.set_postfix(loss=f"{smooth:.4f}", tok_s=f"{tok_per_s:,.0f}", mfu=f"{mfu:.1f}%", lrm=f"{lrm:.2f}", refresh=False)
-        bar.update(1)
+                loss = optimizer_step(xs, ys)
+            done = in_flight.submit((loss, optimizer_stats(optimizer)), (step, train_loader.epoch), started)
+            if profiled:  # a profiled step runs alone (nothing was in flight): its trace holds its own work
+                done = in_flight.finish()
+        record(done)
         step += 1
-        if not math.isfinite(loss) and is_main_process():
-            bar.write(f"step {step}: non-finite loss; the update was skipped ({int(stats['skipped_steps'])} skipped so far)")
 
     bar.close()
     profiler.close()

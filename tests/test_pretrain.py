@@ -37,6 +37,10 @@ def test_pretrain_smoke_loss_goes_down(tiny_base_dir, capsys):
     rows = metrics(tiny_base_dir, "smoke")
     ls = losses(rows)
     assert sorted(ls) == list(range(1, 11))
+    # steps run one ahead of their logging; an evaluation still comes after the steps before it
+    order = [(r["step"], "val_bpb" in r) for r in rows if "loss" in r or "val_bpb" in r]
+    assert order == ([(0, True)] + [(i, False) for i in range(1, 6)] + [(5, True)]
+                     + [(i, False) for i in range(6, 11)] + [(10, True)]), order
     assert ls[10] < ls[1] - 0.3, ls
     bpbs = [r["val_bpb"] for r in rows if "val_bpb" in r]
     assert len(bpbs) == 3 and bpbs[-1] < bpbs[0]
