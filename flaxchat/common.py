@@ -15,6 +15,11 @@ import jax.numpy as jnp
 import numpy as np
 import tqdm.auto
 import tqdm.std
+from jax.extend import source_info_util
+
+# The traced helpers here (einsum, split_in_two) are not where an op comes from: a compiled program's source lines
+# (hlo.op_sources, a profile's lines) and JAX's filtered tracebacks name the line that called them instead
+source_info_util.register_exclusion(__file__)
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 

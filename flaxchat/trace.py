@@ -59,10 +59,20 @@ def kind_of_name(name: str) -> str:
     return "other"
 
 
+def source_line_of(source: str) -> str:
+    """An op's source (hlo.op_sources) as the line of the program it belongs to, and the pass where it is a
+    gradient's: "flaxchat/gpt.py:165 Linear.multiply (transpose(jvp())/dot_general)" -> "flaxchat/gpt.py:165
+    Linear.multiply, backward"."""
+    where, _, tail = source.partition(" (")
+    return f"{where}, backward" if "transpose(" in tail else where
+
+
 def summarize_ops(op_times: dict, steps: int, step_ms: float | None, kinds: dict | None = None, top: int = 12,
                   counts: dict | None = None, sources: dict | None = None) -> dict:
     """{op: total ms over the profiled steps} -> the summary: per-step ms by kind and the `top` ops (with the JAX
-    operation each came from, where `sources` names it: hlo.op_sources)."""
+    operation each came from, where `sources` names it: hlo.op_sources); with sources also `by_source`, the `top`
+    lines of the program by the time of their ops (forward and backward apart; fused ops count at the line that
+    names the fusion), each with its ms by kind."""
     steps = max(steps, 1)
     # an XLA command buffer (a CUDA graph of many kernels of every kind) is one op in a trace: kind "other"
     graph = lambda op: op.startswith("command_buffer")
@@ -74,6 +84,10 @@ def summarize_ops(op_times: dict, steps: int, step_ms: float | None, kinds: dict
     share = lambda ms: round(100 * ms / total, 1) if total else 0.0
     ranked = sorted(op_times.items(), key=lambda kv: -kv[1])[:top]
     hidden = sum(ms for op, ms in op_times.items() if graph(op)) / steps
+    lines = collections.defaultdict(collections.Counter)  # line -> kind -> ms per step
+    for op, ms in op_times.items() if sources else ():
+        lines[source_line_of(sources[op]) if op in sources else "(no source)"][kind(op)] += ms / steps
+    by_source = sorted(lines.items(), key=lambda kv: -sum(kv[1].values()))[:top]
     return {
         "steps": steps, "step_ms": step_ms, "op_ms_per_step": total,
         "by_kind": {k: {"ms": by_kind[k], "share": share(by_kind[k])} for k in KINDS if by_kind[k]},
@@ -81,6 +95,9 @@ def summarize_ops(op_times: dict, steps: int, step_ms: float | None, kinds: dict
                  **({"calls": counts[op] / steps} if counts else {}),
                  **({"source": sources[op]} if sources and op in sources else {})} for op, ms in ranked],
         **({"in_command_buffers_ms": hidden} if hidden else {}),
+        **({"by_source": [{"source": line, "ms": sum(k.values()), "share": share(sum(k.values())),
+                           "kinds": {name: k[name] for name in KINDS if k[name]}} for line, k in by_source]}
+           if sources else {}),
     }
 
 
@@ -178,6 +195,10 @@ def format_summary(summary: dict, title: str = "") -> str:
     lines.append("  " + ", ".join(f"{k} {v['ms']:.1f} ms ({v['share']}%)" for k, v in summary["by_kind"].items()))
     lines += [f"  {t['ms']:9.2f} ms {t['share']:5.1f}%  {t['kind']:<11} {t['op']}"
               + (f"  <- {t['source']}" if t.get("source") else "") for t in summary["top"]]
+    if summary.get("by_source"):
+        lines.append("  by line of the program:")
+        lines += [f"  {t['ms']:9.2f} ms {t['share']:5.1f}%  {t['source']}  ("
+                  + ", ".join(f"{k} {ms:.2f}" for k, ms in t["kinds"].items()) + ")" for t in summary["by_source"]]
     if summary.get("in_command_buffers_ms"):
         lines.append(f"  {summary['in_command_buffers_ms']:.1f} ms a step ran in XLA command buffers, whose kernels a "
                      f"trace hides: profile with XLA_FLAGS={COMMAND_BUFFERS_OFF} (--profile-steps sets it)")

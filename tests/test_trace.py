@@ -117,7 +117,20 @@ def test_a_real_cpu_trace_of_a_jitted_step(tmp_path):
             for i in (2, 3)}
     assert {t["source"] for t in s["top"] if t["kind"] == "matmul"} & made  # the source line that made it
     assert " <- " in format_summary(s)  # each op with the JAX operation it came from
+    assert {t["source"] for t in s["by_source"]} & {m.split(" (")[0] for m in made}  # and summed by line
+    assert sum(t["ms"] for t in s["by_source"]) <= s["op_ms_per_step"] + 1e-9
     assert sum(v["share"] for v in s["by_kind"].values()) == pytest.approx(100, abs=0.5)
+
+
+def test_a_product_made_through_the_shared_einsum_is_named_by_the_line_that_called_it():
+    from flaxchat.common import einsum
+
+    def f(x, w):
+        return einsum("nc,vc->nv", x, w)
+
+    text = jax.jit(f).lower(jnp.ones((8, 4)), jnp.ones((16, 4))).compile().as_text()
+    named = {v for k, v in op_sources(text).items() if op_kinds(text).get(k) == "matmul"}
+    assert named == {f"tests/test_trace.py:{f.__code__.co_firstlineno + 1} {f.__qualname__} (nc,vc->nv/dot_general)"}
 
 
 def test_a_fused_product_is_named_by_its_product_not_its_epilogue():
@@ -181,6 +194,26 @@ def test_summarize_ops_ranks_ops_and_sums_kinds_per_step():
     assert [(t["op"], t["ms"], t["calls"]) for t in s["top"]] == [("aten::mm", 15.0, 3), ("aten::cat", 10.0, 1)]
     assert list(s["by_kind"]) == ["matmul", "layout", "elementwise"]  # in KINDS order
     assert s["by_kind"]["matmul"] == {"ms": 15.0, "share": 50.0}
+
+
+def test_ops_are_summed_by_the_line_and_pass_that_made_them():
+    ops = {"fusion.1": 4.0, "custom-call.2": 10.0, "custom-call.3": 6.0, "copy.4": 2.0, "while.5": 1.0}
+    sources = {"fusion.1": "flaxchat/gpt.py:165 Linear.multiply (jvp()/tanh)",
+               "custom-call.2": "flaxchat/gpt.py:165 Linear.multiply (jvp()/dot_general)",
+               "custom-call.3": "flaxchat/gpt.py:165 Linear.multiply (transpose(jvp())/dot_general)",
+               "copy.4": "flaxchat/optim.py:99 step (transpose)"}
+    kinds = {"fusion.1": "elementwise", "custom-call.2": "matmul", "custom-call.3": "matmul", "copy.4": "layout",
+             "while.5": "control"}
+    s = summarize_ops(ops, steps=2, step_ms=12.0, kinds=kinds, top=3, sources=sources)
+    assert s["by_source"] == [
+        {"source": "flaxchat/gpt.py:165 Linear.multiply", "ms": 7.0, "share": 60.9,
+         "kinds": {"matmul": 5.0, "elementwise": 2.0}},
+        {"source": "flaxchat/gpt.py:165 Linear.multiply, backward", "ms": 3.0, "share": 26.1, "kinds": {"matmul": 3.0}},
+        {"source": "flaxchat/optim.py:99 step", "ms": 1.0, "share": 8.7, "kinds": {"layout": 1.0}}]  # top 3 of 4
+    assert "(no source)" in [t["source"] for t in summarize_ops(ops, 2, 12.0, kinds, sources=sources)["by_source"]]
+    text = format_summary(s)
+    assert "by line of the program:" in text and "flaxchat/gpt.py:165 Linear.multiply  (matmul 5.00, elementwise 2.00)" in text
+    assert "by_source" not in summarize_ops(ops, 2, 12.0, kinds)  # without sources (nanochat's kernels)
 
 
 def test_a_folder_without_a_trace_says_so(tmp_path):
