@@ -52,7 +52,7 @@ from flaxchat.loss_eval import evaluate_bpb
 from flaxchat.optim import Schedule, build_optimizer
 from flaxchat.report import metrics_logger, plot_training, read_jsonl
 from flaxchat.tokenizer import get_token_bytes, get_tokenizer
-from flaxchat.training import train_step
+from flaxchat.training import InFlight, train_step
 
 # flag -> (fallback, where the base checkpoint keeps it): None means "inherit from the base model"
 INHERITED = {
@@ -596,17 +596,44 @@ def main(argv=None):
     # (~50 ms of host time a step at d12)
     optimizer_step = nnx.cached_partial(train_step, model, optimizer)
     ema, summary = 0.9, {}
+    # as in pretraining, step k+1 is dispatched before step k's loss is read (training.InFlight)
+    in_flight = InFlight()
+
+    def record(done):
+        """Log a finished step (InFlight's (loss, info, seconds)); None: nothing finished."""
+        if done is None:
+            return
+        loss, (step, lrm, progress, epoch), dt = done
+        loss = float(loss)
+        loop["smooth"] = ema * loop["smooth"] + (1 - ema) * loss
+        debiased = loop["smooth"] / (1 - ema ** step)
+        tok_per_s = args.total_batch_size / dt
+        mfu = 100 * flops_per_token * args.total_batch_size / dt / (peak * jax.device_count())
+        if step - (resume_step or 0) > 2:  # the first steps compile
+            loop["train_time"] += dt
+        log({"step": step, "loss": loss, "smooth_loss": debiased, "lrm": lrm, "dt": dt, "tok_per_s": tok_per_s,
+             "mfu": mfu, "epoch": epoch, "progress": progress})
+        if args.num_iterations <= 0 and progress > 0:
+            bar.total = max(step, round(step / progress))  # steps in one epoch, estimated as we go
+        bar.set_postfix(loss=f"{debiased:.4f}", lrm=f"{lrm:.2f}", tok_s=f"{tok_per_s:,.0f}", epoch=epoch, refresh=False)
+        bar.update(1)
+
     while True:
         step, last_step = loop["step"], loop["last_step"]
         again = step == resume_step  # the checkpoint we resumed from already evaluated and saved this step
-        if last_step or (args.eval_every > 0 and step % args.eval_every == 0 and not again):
+        do_eval = last_step or (args.eval_every > 0 and step % args.eval_every == 0 and not again)
+        do_save = last_step or (args.save_every > 0 and step > 0 and step % args.save_every == 0 and not again)
+        do_chatcore = args.chatcore_every > 0 and (last_step or (step > 0 and step % args.chatcore_every == 0 and not again))
+        if do_eval or do_save or do_chatcore:
+            record(in_flight.finish())  # these read every step's loss and the model after it
+        if do_eval:
             loop["val_bpb"] = evaluate_val()
             loop["min_val_bpb"] = min(loop["min_val_bpb"], loop["val_bpb"])
             say(f"step {step:05d} | val bpb {loop['val_bpb']:.4f}")
             log({"step": step, "val_bpb": loop["val_bpb"]})
-        if last_step or (args.save_every > 0 and step > 0 and step % args.save_every == 0 and not again):
+        if do_save:
             save(step)  # before the slower checks, so a failing check never costs the trained model
-        if args.chatcore_every > 0 and (last_step or (step > 0 and step % args.chatcore_every == 0 and not again)):
+        if do_chatcore:
             try:
                 result = run_chatcore(for_sampling(), tokenizer, args, data_source)
             except (FileNotFoundError, ValueError) as e:
@@ -617,7 +644,7 @@ def main(argv=None):
         if last_step:
             break
 
-        t0 = time.perf_counter()
+        started = time.perf_counter()
         xs, ys = zip(*(next(train_loader) for _ in range(grad_accum)))
         # each process reads its own conversations, so each has its own view of the epoch: agree (MAX, as nanochat
         # all-reduces last_step) so all stop at the same step and write the same LR into the replicated optimizer
@@ -628,22 +655,10 @@ def main(argv=None):
             knobs["muon_momentum"] = muon_momentum(step)
         set_hyperparams(optimizer, **knobs)
         with jax.set_mesh(mesh):
-            loss = float(optimizer_step(xs, ys))
-        dt = time.perf_counter() - t0
+            loss = optimizer_step(xs, ys)
         step += 1
         loop.update(step=step, last_step=bool(last_step), progress=float(progress))
-        loop["smooth"] = ema * loop["smooth"] + (1 - ema) * loss
-        debiased = loop["smooth"] / (1 - ema ** step)
-        tok_per_s = args.total_batch_size / dt
-        mfu = 100 * flops_per_token * args.total_batch_size / dt / (peak * jax.device_count())
-        if step - (resume_step or 0) > 2:  # the first steps compile
-            loop["train_time"] += dt
-        log({"step": step, "loss": loss, "smooth_loss": debiased, "lrm": lrm, "dt": dt, "tok_per_s": tok_per_s,
-             "mfu": mfu, "epoch": train_loader.epoch, "progress": progress})
-        if args.num_iterations <= 0 and progress > 0:
-            bar.total = max(step, round(step / progress))  # steps in one epoch, estimated as we go
-        bar.set_postfix(loss=f"{debiased:.4f}", lrm=f"{lrm:.2f}", tok_s=f"{tok_per_s:,.0f}", epoch=train_loader.epoch, refresh=False)
-        bar.update(1)
+        record(in_flight.submit(loss, (step, lrm, float(progress), train_loader.epoch), started))
     bar.close()
 
     if args.reply_check > 0:  # every process samples (the Engine runs on the global model); process 0 prints and logs

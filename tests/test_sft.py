@@ -186,6 +186,9 @@ def test_tiny_sft_run_lowers_val_loss(tiny_base_dir, tiny_base_ckpt):
     bpbs = [r["val_bpb"] for r in rows if "val_bpb" in r]
     assert len(bpbs) == 3 and bpbs[-1] < bpbs[0] - 0.2, bpbs
     assert [r["step"] for r in rows if "loss" in r] == list(range(1, 9))
+    # steps run one ahead of their logging; each evaluation still comes after the steps before it
+    assert [(r["step"], "val_bpb" in r) for r in rows if "loss" in r or "val_bpb" in r] == (
+        [(0, True)] + [(i, False) for i in range(1, 5)] + [(4, True)] + [(i, False) for i in range(5, 9)] + [(8, True)])
     assert 0.0 <= result["reply_end_rate"] <= 1.0 and (out / "8").is_dir() and (out / "training.png").exists()
     model, _, meta = load_model("sft", "d2")
     assert meta["step"] == 8 and meta["mixture"] == "offline" and meta["base"] == {"phase": "base", "model_tag": "d2", "step": 1}
