@@ -97,10 +97,10 @@ class InFlight:
     steps. `submit(outputs, info, started)` takes a step just dispatched (outputs: a pytree of arrays, copied on
     the device at once, so the next step may donate the buffers they are, e.g. the optimizer's state; info:
     anything; started: time.perf_counter() when its host work began) and returns the step before it, finished,
-    or None; `finish()` returns the step in flight (None if none), e.g. before an
-    evaluation or a checkpoint. A finished step is (outputs on the host as numpy, info, seconds): from when the
-    step began (its host work, or the end of the step before, whichever was later) to when its outputs were
-    ready, i.e. at steady state the time between the ends of two steps.
+    or None; `finish()` returns the step in flight (None if none), e.g. before an evaluation or a checkpoint. A
+    finished step is (outputs on the host as numpy, info, seconds): from when the step began (its host work, or
+    the end of the step before, whichever was later) to when its outputs were ready, i.e. at steady state the
+    time between the ends of two steps.
     """
 
     def __init__(self):

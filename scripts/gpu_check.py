@@ -306,7 +306,8 @@ def generate_row(r) -> list[str]:
 
 
 def profile_lines(steps) -> list[str]:
-    """`--profile`: per training shape, each program's step time by kind of op, then its slowest ops."""
+    """`--profile`: per training shape, each program's step time by kind of op, its slowest ops, then flaxchat's
+    lines by the time of their ops."""
     from flaxchat.trace import KINDS
 
     lines = []
@@ -334,6 +335,10 @@ def profile_lines(steps) -> list[str]:
                 lines += ["", f"{who}'s slowest ops (ms a step, kind, op):", ""]
                 lines += [f"- {t['ms']:.2f} ms ({t['share']}%) {t['kind']}: `{t['op'][:120]}`"
                           + (f" from `{t['source']}`" if t.get("source") else "") for t in p["top"][:8]]
+        if ours.get("by_source"):
+            lines += ["", "flaxchat's lines of the program by the time of their ops (ms a step, by kind):", ""]
+            lines += [f"- {t['ms']:.2f} ms ({t['share']}%) `{t['source']}`: "
+                      + ", ".join(f"{k} {ms:.2f}" for k, ms in t["kinds"].items()) for t in ours["by_source"]]
     if lines:
         lines = ["", "## Where the time goes", "", "`--profile`: a few timed steps under the profilers (jax.profiler, "
                  "and torch.profiler for nanochat), self time of every op by kind (`flaxchat.trace`); on a GPU "

@@ -274,7 +274,6 @@ def main(argv=None):
 
     bar = progress_bar(total=num_iterations, initial=step, desc="pretrain", disable=not is_main_process(), dynamic_ncols=True)
     profiler = StepProfiler(args.profile_steps, os.path.join(out_dir, "profile"))
-    timed_steps = 0
     # the model and optimizer as cached graph nodes: a call skips NNX's walk over both (~15 ms of host time a step)
     optimizer_step = nnx.cached_partial(train_step, model, optimizer)
     # step k+1 is dispatched before step k's loss is read: the device runs on while the host logs and loads data
@@ -282,7 +281,6 @@ def main(argv=None):
 
     def record(done):
         """Log a finished step (InFlight's (outputs, info, seconds)); None: nothing finished."""
-        nonlocal timed_steps
         if done is None:
             return
         (loss, stats), (i, epoch), dt = done
@@ -294,7 +292,6 @@ def main(argv=None):
         mfu = 100 * flops_per_token * plan.total_batch_size / dt / (peak * jax.device_count())
         if i - (resume_step or 0) >= 2:  # the first steps compile; keep them out of the timing
             loop["total_training_time"] += dt
-            timed_steps += 1
         log({"step": i + 1, "loss": loss, "smooth_loss": smooth, "lrm": lrm, "dt": dt, "tok_per_s": tok_per_s,
              "mfu": mfu, "skipped_steps": int(stats["skipped_steps"]), "epoch": epoch})
         bar.set_postfix(loss=f"{smooth:.4f}", tok_s=f"{tok_per_s:,.0f}", mfu=f"{mfu:.1f}%", lrm=f"{lrm:.2f}", refresh=False)

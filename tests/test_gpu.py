@@ -235,6 +235,7 @@ def test_gpu_check_cpu_smoke(tmp_path, request):
                     "## Generation", "## Serving"):
         assert heading in summary
     assert "| matmul | " in summary and "flaxchat's slowest ops" in summary
+    assert "flaxchat's lines of the program by the time of their ops" in summary and "`flaxchat/gpt.py:" in summary
     assert ("nanochat's slowest ops" in summary) == nanochat
     assert f"{report['train'][0]['result']['tok_per_s']:,.0f}" in summary
     if nanochat:
