@@ -426,6 +426,8 @@ class MachineLoad:
         load = MachineLoad(); ...timed work...; load.stop()  # {"load_avg_1m", "steal_pct", "busy_pct"}
     """
 
+    NOISY_STEAL_PCT = 5.0  # above this share of CPU time stolen by other guests, a stretch's timings do not compare
+
     def __init__(self):
         self.load_avg_1m = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
         self.start = self.cpu_times()
@@ -444,6 +446,12 @@ class MachineLoad:
             if line.startswith("cpu "):
                 return [int(x) for x in line.split()[1:]]
         return None
+
+    @classmethod
+    def noisy(cls, record: dict | None) -> bool:
+        """Whether a stop() record's stretch ran while the VM's host was busy with other guests (steal above
+        NOISY_STEAL_PCT): on the 2-core VMs this project measures on, such a round ran up to a third slower."""
+        return bool(record) and (record.get("steal_pct") or 0.0) > cls.NOISY_STEAL_PCT
 
     def stop(self, end: list[int] | None = None) -> dict:
         end = self.cpu_times() if end is None else end

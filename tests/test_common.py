@@ -139,9 +139,12 @@ def test_machine_load_reads_steal_and_busy_shares_from_proc_stat():
     # 300 ticks of user, 100 of system, 500 idle and 100 stolen by other guests on the host
     out = load.stop(common.MachineLoad.cpu_times(_STAT.format(1300, 200, 5500, 100)))
     assert out["steal_pct"] == pytest.approx(10.0) and out["busy_pct"] == pytest.approx(40.0)
+    assert common.MachineLoad.noisy(out)  # over 5% stolen: timings from that stretch do not compare
+    assert not common.MachineLoad.noisy({**out, "steal_pct": 4.9}) and not common.MachineLoad.noisy(None)
     assert common.MachineLoad.cpu_times("no cpu line here") is None
     load.start = None  # no /proc/stat (macOS): the shares are unknown, not zero
     assert load.stop()["steal_pct"] is None and load.stop()["busy_pct"] is None
+    assert not common.MachineLoad.noisy(load.stop())  # unknown is not noisy
     if sys.platform.startswith("linux"):
         assert isinstance(common.MachineLoad().load_avg_1m, float) and common.MachineLoad.cpu_times() is not None
 
