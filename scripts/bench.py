@@ -73,7 +73,8 @@ def build_parser():
     p.add_argument("--vocab-size", type=int, default=32768, help="vocabulary size (random tokens)")
     p.add_argument("--device-batch-size", type=int, default=8, help="training sequences per device")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-steps per training step")
-    p.add_argument("--steps", type=int, default=10, help="timed training steps (median reported); as pretrain runs them, the next step is dispatched "
+    p.add_argument("--steps", type=int, default=10,
+                   help="timed training steps (median reported); as pretrain runs them, the next step is dispatched "
                         "before this one's loss is read, so a step's time is the time between the ends of two steps")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps after compilation")
     p.add_argument("--rounds", type=int, default=1,
@@ -240,9 +241,9 @@ def bench_train(args, mesh) -> dict:
                   if record and MachineLoad.noisy(record["machine"])]
         if stolen:  # the VM's host was busy: the round's numbers say more about the neighbours than the programs
             rounds[-1]["noisy"] = True
-            print(f"warning: round {r + 1}: other guests of this VM's host took over {MachineLoad.NOISY_STEAL_PCT:g}% of "
-                  f"the CPU time while {' and '.join(stolen)} ran (steal); the results leave this round out unless "
-                  "every round is so", file=sys.stderr)
+            print(f"warning: round {r + 1}: other guests of this VM's host took over "
+                  f"{MachineLoad.NOISY_STEAL_PCT:g}% of the CPU time while {' and '.join(stolen)} ran (steal); the "
+                  "results leave this round out unless every round is so", file=sys.stderr)
     profiler.close()
     if loader is not None:
         loader.close()

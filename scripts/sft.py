@@ -603,18 +603,18 @@ def main(argv=None):
         """Log a finished step (InFlight's (loss, info, seconds)); None: nothing finished."""
         if done is None:
             return
-        loss, (step, lrm, progress, epoch), dt = done
+        loss, (n, lrm, progress, epoch), dt = done  # n: steps done, this one included
         loss = float(loss)
         loop["smooth"] = ema * loop["smooth"] + (1 - ema) * loss
-        debiased = loop["smooth"] / (1 - ema ** step)
+        debiased = loop["smooth"] / (1 - ema ** n)
         tok_per_s = args.total_batch_size / dt
         mfu = 100 * flops_per_token * args.total_batch_size / dt / (peak * jax.device_count())
-        if step - (resume_step or 0) > 2:  # the first steps compile
+        if n - (resume_step or 0) > 2:  # the first steps compile
             loop["train_time"] += dt
-        log({"step": step, "loss": loss, "smooth_loss": debiased, "lrm": lrm, "dt": dt, "tok_per_s": tok_per_s,
+        log({"step": n, "loss": loss, "smooth_loss": debiased, "lrm": lrm, "dt": dt, "tok_per_s": tok_per_s,
              "mfu": mfu, "epoch": epoch, "progress": progress})
         if args.num_iterations <= 0 and progress > 0:
-            bar.total = max(step, round(step / progress))  # steps in one epoch, estimated as we go
+            bar.total = max(n, round(n / progress))  # steps in one epoch, estimated as we go
         bar.set_postfix(loss=f"{debiased:.4f}", lrm=f"{lrm:.2f}", tok_s=f"{tok_per_s:,.0f}", epoch=epoch, refresh=False)
         bar.update(1)
 
