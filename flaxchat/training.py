@@ -90,27 +90,34 @@ _copy = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))  # one dispatch for a
 
 
 class InFlight:
-    """Keeps one training step in flight: the host fetches and dispatches step k+1 before it waits for step k.
+    """Runs training steps one at a time (depth 0, the default) or keeps one in flight (depth 1): the host then
+    fetches and dispatches step k+1 before it waits for step k.
 
-    JAX dispatches asynchronously, so the device starts step k+1 as soon as step k ends, while the host reads
-    step k's loss, logs it and loads the next batches, instead of the device waiting on all of that between
-    steps. `submit(outputs, info, started)` takes a step just dispatched (outputs: a pytree of arrays, copied on
-    the device at once, so the next step may donate the buffers they are, e.g. the optimizer's state; info:
-    anything; started: time.perf_counter() when its host work began) and returns the step before it, finished,
-    or None; `finish()` returns the step in flight (None if none), e.g. before an evaluation or a checkpoint. A
-    finished step is (outputs on the host as numpy, info, seconds): from when the step began (its host work, or
-    the end of the step before, whichever was later) to when its outputs were ready, i.e. at steady state the
-    time between the ends of two steps.
+    JAX dispatches asynchronously, so with depth 1 the device can start step k+1 as soon as step k ends while
+    the host reads step k's loss, logs it and loads the next batches. Measured, it gained nothing: on a 2-core
+    CPU the host's work shares the cores with XLA's threads, and on one H200 (d12, in one process, alternating
+    blocks of steps) steps in flight took 130.8 ms against 126.5 ms one at a time. So pretraining and SFT wait
+    for each step; `bench --in-flight` times depth 1 on new hardware.
+
+    `submit(outputs, info, started)` takes a step just dispatched (outputs: a pytree of arrays, copied on the
+    device at once, so a later step may donate the buffers they are, e.g. the optimizer's state; info: anything;
+    started: time.perf_counter() when its host work began) and returns a finished step or None: at depth 0 the
+    step itself, at depth 1 the step before it. `finish()` returns the step still in flight (None if none), e.g.
+    before an evaluation or a checkpoint. A finished step is (outputs on the host as numpy, info, seconds): from
+    when the step began (its host work, or the end of the step before, whichever was later) to when its outputs
+    were ready; at depth 1 and steady state, the time between the ends of two steps.
     """
 
-    def __init__(self):
-        self.pending, self.last_end = None, 0.0
+    def __init__(self, depth: int = 0):
+        if depth not in (0, 1):
+            raise ValueError(f"InFlight depth is 0 (one step at a time) or 1 (one step in flight), got {depth}")
+        self.depth, self.pending, self.last_end = depth, None, 0.0
 
     def submit(self, outputs, info, started: float):
         outputs = _copy(outputs)  # queued behind the step, before any later step can donate them
         done = self.finish()
         self.pending = (outputs, info, started)
-        return done
+        return self.finish() if self.depth == 0 else done
 
     def finish(self):
         if self.pending is None:

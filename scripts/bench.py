@@ -74,8 +74,12 @@ def build_parser():
     p.add_argument("--device-batch-size", type=int, default=8, help="training sequences per device")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-steps per training step")
     p.add_argument("--steps", type=int, default=10,
-                   help="timed training steps (median reported); as pretrain runs them, the next step is dispatched "
-                        "before this one's loss is read, so a step's time is the time between the ends of two steps")
+                   help="timed training steps (median reported), each waited for before the next is dispatched, as "
+                        "pretrain runs them; a step's time runs from reading its batches to its loss being ready")
+    p.add_argument("--in-flight", action="store_true",
+                   help="train: keep one step in flight instead (the next is dispatched before this one's loss is "
+                        "read; a step's time is then the time between the ends of two steps). Measured slower on "
+                        "an H200 and no faster on a CPU, so pretrain does not; this times it on other hardware")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps after compilation")
     p.add_argument("--rounds", type=int, default=1,
                    help="train: time --steps steps this many times (with --nanochat: nanochat, then flaxchat, each "
@@ -200,11 +204,11 @@ def bench_train(args, mesh) -> dict:
     profiler = StepProfiler(args.profile_steps, args.profile_dir or os.path.join(get_base_dir(), "profile", "bench"))
 
     optimizer_step = nnx.cached_partial(train_step, model, optimizer)  # as pretrain calls it
-    steps, last, in_flight = iter(range(10**9)), {}, InFlight()
+    steps, last, in_flight = iter(range(10**9)), {}, InFlight(1 if args.in_flight else 0)
 
     def step():
-        """Read the batches and dispatch a step, with the step before it in flight, as pretrain runs them; returns
-        the steps that finished meanwhile (InFlight's (loss, step, seconds)). A profiled step runs alone."""
+        """Read the batches and dispatch a step (with --in-flight, while the step before it runs); returns the steps
+        that finished meanwhile (InFlight's (loss, step, seconds)). A profiled step runs alone."""
         i = next(steps)
         profiled = profiler.start <= i < profiler.stop
         finished = [in_flight.finish()] if profiled else []
@@ -231,7 +235,7 @@ def bench_train(args, mesh) -> dict:
         times, load = [], MachineLoad()
         for _ in range(args.steps):
             times += [seconds for _, _, seconds in step()]
-        final = in_flight.finish()  # None where the last step was profiled: it ran alone
+        final = in_flight.finish()  # the step still in flight (--in-flight, unless it was profiled: it ran alone)
         times += [final[2]] if final else []
         rounds.append({"tok_per_s": tokens / statistics.median(times), "step_s": statistics.median(times),
                        "machine": load.stop(), "times": times})  # machine: how busy, while they were timed
@@ -266,7 +270,7 @@ def bench_train(args, mesh) -> dict:
         "peak_mem_gb": peak_mem_gb(), "tokens_per_step": tokens, "flops_per_token": model.estimate_flops(),
         "num_params": model.num_scaling_params()["total"], "attention": model.attention, "remat": model.remat,
         "data": "grain loader" if loader is not None else "random tokens", "grad_accum": A,
-        "machine": rounds[0]["machine"],  # quiet: a start load of ~0-1 and steal ~0 (see common.MachineLoad)
+        "in_flight": bool(args.in_flight), "machine": rounds[0]["machine"],  # quiet: a start load of ~0-1 and steal ~0 (see common.MachineLoad)
     }
     if theirs:  # over several rounds: nanochat's median tok/s and the median of the rounds' ratios
         median = statistics.median(r["nanochat"]["tok_per_s"] for r in quiet)
@@ -499,7 +503,7 @@ def main(argv=None):
         return run_suite(args, mesh)
     runs = {"train": bench_train, "comms": bench_comms, "generate": bench_generate, "data": bench_data}
     chosen = ["train", "generate", "data"] if args.what == "all" else [args.what]
-    env = {**environment(args, mesh), "config": make_config(args).to_dict()}
+    env = environment(args, mesh)
     results = {}
     for name in chosen:
         try:
@@ -508,6 +512,7 @@ def main(argv=None):
             if args.what != "all":
                 sys.exit(f"error: {e}")
             results[name] = {"what": name, "skipped": str(e)}
+    env["config"] = make_config(args).to_dict()  # after the runs: --real-data takes the tokenizer's vocabulary
     out = results[chosen[0]] if len(chosen) == 1 else results
     print(json.dumps({**env, **out} if len(chosen) == 1 else {**env, "results": out}, indent=2))
 

@@ -276,7 +276,7 @@ def main(argv=None):
     profiler = StepProfiler(args.profile_steps, os.path.join(out_dir, "profile"))
     # the model and optimizer as cached graph nodes: a call skips NNX's walk over both (~15 ms of host time a step)
     optimizer_step = nnx.cached_partial(train_step, model, optimizer)
-    # step k+1 is dispatched before step k's loss is read: the device runs on while the host logs and loads data
+    # each step is waited for before the next is dispatched (training.InFlight: keeping one in flight measured slower)
     in_flight = InFlight()
 
     def record(done):
@@ -335,7 +335,7 @@ def main(argv=None):
                 loss = optimizer_step(xs, ys)
             done = in_flight.submit((loss, optimizer_stats(optimizer)), (step, train_loader.epoch), started)
             if profiled:  # a profiled step runs alone (nothing was in flight): its trace holds its own work
-                done = in_flight.finish()
+                done = done or in_flight.finish()
         record(done)
         step += 1
 

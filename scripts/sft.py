@@ -596,7 +596,7 @@ def main(argv=None):
     # (~50 ms of host time a step at d12)
     optimizer_step = nnx.cached_partial(train_step, model, optimizer)
     ema, summary = 0.9, {}
-    # as in pretraining, step k+1 is dispatched before step k's loss is read (training.InFlight)
+    # as in pretraining, each step is waited for before the next is dispatched (training.InFlight)
     in_flight = InFlight()
 
     def record(done):

@@ -26,7 +26,7 @@ def test_train_runs_on_the_mesh_the_flags_build(capsys):
     assert out["mesh"] == {"data": 4, "fsdp": 2, "tensor": 1}
     assert out["tokens_per_step"] == 8 * 64  # one row per device
     assert out["tok_per_s"] > 0 and 0 < out["mfu"] < 100 and out["compile_s"] >= 0
-    assert out["attention"] == "chunked" and out["remat"] == "none"
+    assert out["attention"] == "chunked" and out["remat"] == "none" and out["in_flight"] is False
     assert out["allocator"] in ("system", *MALLOC_LIBRARIES) and isinstance(out["huge_pages"], bool)
 
 
@@ -60,6 +60,12 @@ def test_suite_prints_one_line_per_shape_and_reads_real_batches(capsys, monkeypa
     assert rows[1]["data"] == "grain loader" and rows[1]["grad_accum"] == 2
     assert rows[1]["config"]["vocab_size"] == 512  # the tiny corpus's tokenizer
     assert all(r["tok_per_s"] > 0 for r in rows)
+
+
+def test_in_flight_times_every_step_with_the_next_dispatched_first(capsys):
+    out = run(capsys, TINY + ["--what", "train", "--device-batch-size", "1", "--steps", "3",
+                              "--warmup", "0", "--in-flight"])
+    assert out["in_flight"] is True and out["tok_per_s"] > 0 and out["step_s_min"] <= out["step_s"]
 
 
 def test_generate_times_speculative_sampling_between_checkpoints(capsys, tiny_base_dir):

@@ -1,6 +1,7 @@
 import time
 
 import jax
+import pytest
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -16,9 +17,11 @@ def _model_and_optimizer():
     return model, build_optimizer(model, schedule=Schedule(6, 2, 0.5, 0.0), verbose=False)
 
 
-def test_steps_kept_in_flight_log_what_steps_run_one_at_a_time_log():
-    """The pipelined loop's losses and optimizer stats (read after the next step donated the optimizer's
-    buffers) and its final parameters equal those of steps run and read one at a time."""
+@pytest.mark.parametrize("depth", [0, 1])
+def test_in_flight_loop_logs_what_steps_run_one_at_a_time_log(depth):
+    """InFlight's losses and optimizer stats (at depth 1 read after the next step donated the optimizer's
+    buffers) and its final parameters equal those of steps run and read one at a time; at depth 0 submit hands
+    back the step itself, at depth 1 the step before it."""
     rng = np.random.default_rng(0)
     batches = [((jnp.asarray(rng.integers(0, 128, (2, 32), dtype=np.int32)),),
                 (jnp.asarray(rng.integers(0, 128, (2, 32), dtype=np.int32)),)) for _ in range(6)]
@@ -31,15 +34,17 @@ def test_steps_kept_in_flight_log_what_steps_run_one_at_a_time_log():
 
     model2, optimizer2 = _model_and_optimizer()
     step = nnx.cached_partial(train_step, model2, optimizer2)
-    in_flight, got = InFlight(), []
+    in_flight, got = InFlight(depth), []
     assert in_flight.finish() is None
     for i, (xs, ys) in enumerate(batches):
         started = time.perf_counter()
         done = in_flight.submit((step(xs, ys), optimizer_stats(optimizer2)), i, started)
-        assert (done is None) == (i == 0)
+        assert (done is None) == (depth == 1 and i == 0)
+        assert done is None or done[1] == i - depth
         if done is not None:
             got.append(done)
-    got.append(in_flight.finish())
+    if depth == 1:
+        got.append(in_flight.finish())
     assert in_flight.finish() is None
 
     assert [info for _, info, _ in got] == list(range(6))
@@ -50,3 +55,8 @@ def test_steps_kept_in_flight_log_what_steps_run_one_at_a_time_log():
     assert len({s["lr_multiplier"] for _, s in expected}) > 1  # the schedule moved: the stats are per step
     for a, b in zip(jax.tree.leaves(nnx.state(model, nnx.Param)), jax.tree.leaves(nnx.state(model2, nnx.Param))):
         np.testing.assert_array_equal(a, b)
+
+
+def test_in_flight_depth_is_zero_or_one():
+    with pytest.raises(ValueError, match="depth is 0"):
+        InFlight(2)
