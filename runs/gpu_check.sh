@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One command that checks flaxchat on a GPU machine whose JAX (with CUDA) is already installed, with no network:
 # install flaxchat around that JAX, confirm JAX is on the GPU, run the GPU tests, benchmark training (d12 and d20
-# with sliding windows, d12 with global attention), generation (batch 1, 32) and serving, and write one report
-# (report.json + summary.md).
+# with sliding windows, d12 with global attention; d12 with 2 accumulation steps on random tokens and on real
+# batches from the data loader), generation (batch 1, 32) and serving, and write one report (report.json +
+# summary.md).
 #
 #   # 1. on a machine with network, once: the wheels of flaxchat's pure-Python dependencies (not JAX, not CUDA)
 #   bash runs/gpu_check.sh --fetch-wheels wheels/      # same OS and Python as the GPU machine, or add after --:
@@ -96,6 +97,9 @@ if [ "$MODE" = gpu ]; then
     # all-global (L) attention is the fair comparison where nanochat's Flash Attention 3 cannot load
     TRAIN=("12 SSSL 32 16 8" "20 SSSL 32 16 8" "12 L 32 16 8")
     BENCH_STEPS=(--steps 10 --warmup 2) PROFILE_STEPS=5:8    # three of the ten timed steps (step 0 compiles)
+    # the real pipeline (4b): depth, rows, tokenizer vocabulary (synthetic stories hold ~4k tokens' worth of merges),
+    # stories per shard; 30 timed steps, three late ones profiled, since a real run's steps can slow as it goes
+    REAL=(12 32 4096 20000) REAL_STEPS=(--steps 30 --warmup 2) REAL_PROFILE_STEPS=27:30
     GEN_DEPTH=20 GEN_T=2048 GEN_BATCHES=(1 32) GEN_LEN=(--prompt-len 16 --max-new-tokens 256)
     GPU_TESTS=()  # every test marked gpu, wherever it lives
     SERVE=(--depth 20 --seq-len 2048 --slots 32 --load-test 1,32 --load-tokens 256 --load-repeats 3)
@@ -107,6 +111,7 @@ else
     BACKEND=cpu DTYPE=float32 T=64 VOCAB=512
     TRAIN=("2 SSSL 2")  # one tiny model: the smoke is about the sequence, the GPU run about d12 and d20
     BENCH_STEPS=(--steps 2 --warmup 1) PROFILE_STEPS=2:4
+    REAL=(2 2 512 1000) REAL_STEPS=(--steps 2 --warmup 1) REAL_PROFILE_STEPS=2:4
     GEN_DEPTH=2 GEN_T=128 GEN_BATCHES=(1 4) GEN_LEN=(--prompt-len 8 --max-new-tokens 16)
     GPU_TESTS=(tests/test_gpu.py)  # collecting only the file that holds them: the smoke is about the sequence
     SERVE=(--depth 2 --seq-len 128 --slots 4 --load-test 1,4 --load-tokens 16 --load-repeats 1)
@@ -189,6 +194,28 @@ for spec in "${TRAIN[@]}"; do
         echo "out of memory at --device-batch-size $b" >> "$OUT/$name.note"
     done
 done
+
+# --- 4b. the real pipeline against random tokens of the same shape: every-layer-global d12 (d2 with --cpu), 2
+# accumulation steps, batches from the Grain loader over synthetic stories with a tokenizer trained on them. Random
+# tokens leave out the loader, the text's token statistics and a model that learns; what the real row loses to the
+# random one is what a real run pays for them. No nanochat here: its bench step takes random tokens only.
+read -r REAL_DEPTH REAL_ROWS REAL_VOCAB REAL_DOCS <<< "${REAL[*]}"
+REAL_BASE=$OUT/real_base
+if step real_data python -m flaxchat.dataset --source synthetic-stories --num-shards 2 --docs-per-shard "$REAL_DOCS" \
+        --out-dir "$REAL_BASE/base_data" --overwrite \
+    && step real_tokenizer env FLAXCHAT_BASE_DIR="$REAL_BASE" python -m scripts.tok_train --vocab-size "$REAL_VOCAB"; then
+    vocab=$(FLAXCHAT_BASE_DIR="$REAL_BASE" python -c "from flaxchat.tokenizer import get_tokenizer as g; print(g().get_vocab_size())")
+    for data in random real; do
+        name=train_d${REAL_DEPTH}_${data}_data
+        flags=(--vocab-size "$vocab") profile=()
+        [ "$data" = real ] && flags=(--real-data)
+        [ "$PROFILE" = yes ] && profile=(--profile-steps "$REAL_PROFILE_STEPS" --profile-dir "$OUT/profile/$name")
+        (export FLAXCHAT_BASE_DIR=$REAL_BASE
+         step "$name" python -m scripts.bench --what train --depth "$REAL_DEPTH" --max-seq-len "$T" --window-pattern L \
+             --dtype "$DTYPE" --device-batch-size "$REAL_ROWS" --grad-accum 2 "${flags[@]}" "${REAL_STEPS[@]}" \
+             --expect-backend "$BACKEND" ${profile[@]+"${profile[@]}"}) || true
+    done
+fi
 
 # --- 5. generation: KV-cache engine at batch 1 and many rows ----------------------------------------------------
 for b in "${GEN_BATCHES[@]}"; do

@@ -202,8 +202,9 @@ def cmd_tokenizer(args):
 # Report: every step's output in one JSON and one markdown table
 
 
-def read_step(out, name) -> dict:
-    """A step's record: its command, exit status, parsed stdout (bench: one JSON; chat_web: JSON lines)."""
+def read_step(out, name, json_out: bool = True) -> dict:
+    """A step's record: its command, exit status, parsed stdout (bench: one JSON; chat_web: JSON lines; a step
+    without JSON out, json_out=False: the last line of its stdout)."""
     step = {"name": name, "ok": False, "command": None, "result": None}
     for key, ext in (("command", "cmd"), ("note", "note")):
         path = os.path.join(out, f"{name}.{ext}")
@@ -214,7 +215,9 @@ def read_step(out, name) -> dict:
     text = open(out_path, encoding="utf-8").read() if os.path.exists(out_path) else ""
     step["rc"] = rc
     try:
-        if name == "serve":
+        if not json_out:
+            step["result"] = text.strip().splitlines()[-1] if text.strip() else ""
+        elif name == "serve":
             lines = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
             runs = [x["run"] for x in lines if "run" in x]
             final = next((x for x in reversed(lines) if "median_tok_per_s" in x), None)
@@ -285,7 +288,10 @@ def table(steps, columns, row) -> list[str]:
 
 def train_row(r, nanochat=False) -> list[str]:
     c, n = r["config"], r["num_params"]
-    row = [f"d{c['n_layer']} {c.get('window_pattern', '')} ({n / 1e6:,.{0 if n >= 1e8 else 1}f}M params, {r['dtype']})",
+    data = ", " + r["data"] if r.get("data", "random tokens") != "random tokens" else ""
+    accum = f", {r['grad_accum']} accumulation steps" if r.get("grad_accum", 1) > 1 else ""
+    row = [f"d{c['n_layer']} {c.get('window_pattern', '')} ({n / 1e6:,.{0 if n >= 1e8 else 1}f}M params, "
+           f"{r['dtype']}{accum}{data})",
            f"{r['tokens_per_step'] // c['sequence_len']} x {c['sequence_len']}", fmt(r["tok_per_s"]),
            fmt(r["mfu"], ".1f"), fmt(r["compile_s"], ".1f"), fmt(r["peak_mem_gb"], ".1f"),
            r["attention"] + ("" if r["remat"] == "none" else f", remat {r['remat']}"),
@@ -366,9 +372,11 @@ def summary_markdown(report) -> str:
               f"{t['errors']} errors, {t['skipped']} skipped ({fmt(t['seconds'], '.1f')} s)"]
     if t["skipped_because"]:
         lines += [""] + [f"- skipped {s}" for s in t["skipped_because"][:8]]
-    lines += ["", "## Training", "", "Random tokens, the real optimizer; median step after warm-up "
-              "(`python -m scripts.bench --what train`). MFU is against the peak named in the last column; compile s is "
-              "the first step's tracing and compilation (a warm $JAX_COMPILATION_CACHE_DIR cuts it).", ""]
+    lines += ["", "## Training", "", "Random tokens unless the model says grain loader (batches of tokenized synthetic "
+              "stories from the data loader, with a vocabulary trained on them; the random-token row beside it has the "
+              "same shape), the real optimizer; median step after warm-up (`python -m scripts.bench --what train`). MFU "
+              "is against the peak named in the last column; compile s is the first step's tracing and compilation (a "
+              "warm $JAX_COMPILATION_CACHE_DIR cuts it).", ""]
     columns = ["model", "rows x seq", "tok/s", "MFU %", "compile s", "peak mem GiB", "attention", "peak FLOP/s (source)"]
     nanochat = any(s["ok"] and "nanochat" in s["result"] for s in report["train"])
     if nanochat:
@@ -401,10 +409,13 @@ def cmd_report(args):
     env_path = os.path.join(out, "env.json")
     env = json.load(open(env_path)) if os.path.exists(env_path) else {}
     serve = read_step(out, "serve")
+    # the real pipeline's data and tokenizer: a failure there leaves its training rows out, so it fails the report
+    prepared = [read_step(out, n, json_out=False) for n in ("real_data", "real_tokenizer")
+                if os.path.exists(os.path.join(out, f"{n}.cmd"))]
     report = {"created": datetime.datetime.now().isoformat(timespec="seconds"), "mode": args.mode,
-              "out": os.path.abspath(out), "env": env, "tests": read_tests(out, args.mode),
+              "out": os.path.abspath(out), "env": env, "tests": read_tests(out, args.mode), "prepared": prepared,
               "train": _steps(out, "train"), "generate": _steps(out, "generate"), "serve": serve}
-    steps = [report["tests"], *report["train"], *report["generate"], serve]
+    steps = [report["tests"], *prepared, *report["train"], *report["generate"], serve]
     report["failed"] = [s["name"] for s in steps if not s["ok"]]
     report["ok"] = not report["failed"] and bool(report["train"]) and bool(report["generate"])
     with open(os.path.join(out, "report.json"), "w") as f:

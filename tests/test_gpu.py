@@ -213,17 +213,25 @@ def test_gpu_check_cpu_smoke(tmp_path, request):
     tests = report["tests"]
     assert tests["ok"] and tests["failed"] == 0 and tests["errors"] == 0
     assert tests["skipped"] >= 4 and tests["passed"] == 0  # the GPU tests above, each skipped with its reason
-    assert [t["name"] for t in report["train"]] == ["train_d2"]
+    assert [t["name"] for t in report["train"]] == ["train_d2", "train_d2_random_data", "train_d2_real_data"]
+    assert [p["name"] for p in report["prepared"]] == ["real_data", "real_tokenizer"]
+    assert all(p["ok"] for p in report["prepared"])
     for t in report["train"]:
         res = t["result"]
         assert t["ok"] and res["what"] == "train" and res["backend"] == "cpu"
         assert res["tok_per_s"] > 0 and 0 < res["mfu"] < 100 and res["compile_s"] >= 0 and res["peak_mem_gb"] > 0
         assert t["command"].startswith("python -m scripts.bench --what train")
         assert res["profile"]["steps"] == 2 and res["profile"]["by_kind"]["matmul"]["ms"] > 0
-        assert "--window-pattern SSSL" in t["command"] and "--profile-steps 2:4" in t["command"]
-        if nanochat:
-            assert res["nanochat"]["tok_per_s"] > 0 and res["vs_nanochat"] > 0
-            assert res["nanochat"]["profile"]["steps"] == 2
+        assert "--profile-steps 2:4" in t["command"]
+    first, random_data, real_data = (t["result"] for t in report["train"])
+    assert "--window-pattern SSSL" in report["train"][0]["command"]
+    if nanochat:
+        assert first["nanochat"]["tok_per_s"] > 0 and first["vs_nanochat"] > 0
+        assert first["nanochat"]["profile"]["steps"] == 2
+    # the real pipeline's pair: the same model and accumulation, the loader's batches against random tokens
+    assert random_data["data"] == "random tokens" and real_data["data"] == "grain loader"
+    assert random_data["grad_accum"] == real_data["grad_accum"] == 2 and random_data["config"] == real_data["config"]
+    assert "nanochat" not in real_data
     assert [g["result"]["batch_size"] for g in report["generate"]] == [1, 4]
     for g in report["generate"]:
         assert g["ok"] and g["result"]["tok_per_s"] > 0 and g["result"]["ttft_s"] > 0
@@ -232,8 +240,9 @@ def test_gpu_check_cpu_smoke(tmp_path, request):
     assert all(v > 0 for v in serve["result"]["median_tok_per_s"].values())
     summary = (out / "summary.md").read_text()
     for heading in ("## Environment", "## Tests", "## Training", "## Where the time goes", "### train_d2: ",
-                    "## Generation", "## Serving"):
+                    "### train_d2_real_data: ", "## Generation", "## Serving"):
         assert heading in summary
+    assert "2 accumulation steps, grain loader)" in summary and "2 accumulation steps)" in summary
     assert "| matmul | " in summary and "flaxchat's slowest ops" in summary
     assert "flaxchat's lines of the program by the time of their ops" in summary and "`flaxchat/gpt.py:" in summary
     assert ("nanochat's slowest ops" in summary) == nanochat
