@@ -304,6 +304,16 @@ def train_row(r, nanochat=False) -> list[str]:
     return row
 
 
+def drift_lines(steps, n=5) -> list[str]:
+    """Each training row's first and last timed steps (medians of n): whether its steps slow down as it runs."""
+    rows = [(s["name"], s["result"]["times_s"]) for s in steps if s["ok"] and len(s["result"].get("times_s", [])) >= 2 * n]
+    if not rows:
+        return []
+    med = lambda xs: sorted(xs)[len(xs) // 2]
+    return ["", f"Step time over the run (ms, median of the first and of the last {n} timed steps):", ""] + [
+        f"- {name}: {1e3 * med(t[:n]):,.1f} -> {1e3 * med(t[-n:]):,.1f}" for name, t in rows]
+
+
 def generate_row(r) -> list[str]:
     c = r["config"]
     return [f"d{c['n_layer']} ({r['dtype']}, context {c['sequence_len']})", str(r["batch_size"]),
@@ -384,6 +394,7 @@ def summary_markdown(report) -> str:
                   "process of its own (`--nanochat DIR`); vs nanochat is flaxchat's tok/s over nanochat's.", ""]
         columns += ["nanochat tok/s", "nanochat compile s", "vs nanochat"]
     lines += table(report["train"], columns, lambda r: train_row(r, nanochat))
+    lines += drift_lines(report["train"])
     lines += profile_lines(report["train"])
     lines += ["", "## Generation", "", "KV-cache engine, random prompts, every row makes every token "
               "(`python -m scripts.bench --what generate`).", ""]

@@ -66,6 +66,7 @@ def test_in_flight_times_every_step_with_the_next_dispatched_first(capsys):
     out = run(capsys, TINY + ["--what", "train", "--device-batch-size", "1", "--steps", "3",
                               "--warmup", "0", "--in-flight"])
     assert out["in_flight"] is True and out["tok_per_s"] > 0 and out["step_s_min"] <= out["step_s"]
+    assert len(out["times_s"]) == 3 and min(out["times_s"]) == out["step_s_min"]  # every timed step, in order
 
 
 def test_generate_times_speculative_sampling_between_checkpoints(capsys, tiny_base_dir):

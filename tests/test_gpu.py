@@ -250,3 +250,14 @@ def test_gpu_check_cpu_smoke(tmp_path, request):
     if nanochat:
         assert "| vs nanochat |" in summary and f"| {report['train'][0]['result']['vs_nanochat']:.2f}x |" in summary
     print(f"gpu_check.sh --cpu: {seconds:.1f} s")
+
+
+def test_summary_shows_whether_a_rows_steps_slow_down():
+    from scripts.gpu_check import drift_lines
+
+    slowing = {"name": "train_d12_real_data", "ok": True, "result": {"times_s": [0.35] * 5 + [0.5] * 10 + [0.69] * 5}}
+    short = {"name": "train_d2", "ok": True, "result": {"times_s": [0.1, 0.1]}}  # too few steps to say
+    failed = {"name": "train_d20", "ok": False, "result": None}
+    lines = drift_lines([slowing, short, failed])
+    assert lines[-1] == "- train_d12_real_data: 350.0 -> 690.0" and len([x for x in lines if x.startswith("- ")]) == 1
+    assert drift_lines([short, failed]) == []
