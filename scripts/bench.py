@@ -270,8 +270,9 @@ def bench_train(args, mesh) -> dict:
         "peak_mem_gb": peak_mem_gb(), "tokens_per_step": tokens, "flops_per_token": model.estimate_flops(),
         "num_params": model.num_scaling_params()["total"], "attention": model.attention, "remat": model.remat,
         "data": "grain loader" if loader is not None else "random tokens", "grad_accum": A,
-        "in_flight": bool(args.in_flight), "machine": rounds[0]["machine"],
-        "times_s": times,  # every timed step in order: a run whose steps slow down as it goes shows it here  # quiet: a start load of ~0-1 and steal ~0 (see common.MachineLoad)
+        "in_flight": bool(args.in_flight),
+        "machine": rounds[0]["machine"],  # quiet: a start load of ~0-1 and steal ~0 (see common.MachineLoad)
+        "times_s": times,  # every timed step in order: a run whose steps slow down as it goes shows it here
     }
     if theirs:  # over several rounds: nanochat's median tok/s and the median of the rounds' ratios
         median = statistics.median(r["nanochat"]["tok_per_s"] for r in quiet)
