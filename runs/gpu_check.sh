@@ -197,18 +197,25 @@ done
 
 # --- 4b. the real pipeline against random tokens of the same shape: every-layer-global d12 (d2 with --cpu), 2
 # accumulation steps, batches from the Grain loader over synthetic stories with a tokenizer trained on them. Random
-# tokens leave out the loader, the text's token statistics and a model that learns; what the real row loses to the
-# random one is what a real run pays for them. No nanochat here: its bench step takes random tokens only.
+# tokens leave out the loader, the host-to-device copies, the text's token statistics and a model that learns; what
+# the real row loses to the random one is what a real run pays for them, and the two rows between split it. No
+# nanochat here: its bench step takes random tokens only.
 read -r REAL_DEPTH REAL_ROWS REAL_VOCAB REAL_DOCS <<< "${REAL[*]}"
 REAL_BASE=$OUT/real_base
 if step real_data python -m flaxchat.dataset --source synthetic-stories --num-shards 2 --docs-per-shard "$REAL_DOCS" \
         --out-dir "$REAL_BASE/base_data" --overwrite \
     && step real_tokenizer env FLAXCHAT_BASE_DIR="$REAL_BASE" python -m scripts.tok_train --vocab-size "$REAL_VOCAB"; then
     vocab=$(FLAXCHAT_BASE_DIR="$REAL_BASE" python -c "from flaxchat.tokenizer import get_tokenizer as g; print(g().get_vocab_size())")
-    for data in random real; do
-        name=train_d${REAL_DEPTH}_${data}_data
-        flags=(--vocab-size "$vocab") profile=()
-        [ "$data" = real ] && flags=(--real-data)
+    # random tokens (two batches on the device), random tokens placed afresh every step, the loader's first two steps
+    # cycled (its text, no loader), the loader every step: which of them slows a step down says why
+    for data in random random_fresh real_cycled real; do
+        name=train_d${REAL_DEPTH}_${data}_data profile=()
+        case $data in
+            random) flags=(--vocab-size "$vocab") ;;
+            random_fresh) flags=(--vocab-size "$vocab" --fresh-batches) ;;
+            real_cycled) flags=(--real-data --cycle-batches 2) ;;
+            real) flags=(--real-data) ;;
+        esac
         [ "$PROFILE" = yes ] && profile=(--profile-steps "$REAL_PROFILE_STEPS" --profile-dir "$OUT/profile/$name")
         (export FLAXCHAT_BASE_DIR=$REAL_BASE
          step "$name" python -m scripts.bench --what train --depth "$REAL_DEPTH" --max-seq-len "$T" --window-pattern L \

@@ -100,6 +100,12 @@ def build_parser():
                    help="train: run every shape of a suite (CPU_SUITE), one JSON line each; other flags still apply")
     p.add_argument("--real-data", action="store_true",
                    help="train: batches from the Grain loader over $FLAXCHAT_BASE_DIR's tokenizer and shards")
+    p.add_argument("--cycle-batches", type=int, default=0, metavar="N",
+                   help="train, with --real-data: read N steps' batches from the loader once, then cycle through them "
+                        "(the loader's text without the loader in the step; 0 = a new batch from the loader every step)")
+    p.add_argument("--fresh-batches", action="store_true",
+                   help="train, random tokens: new host arrays placed on the devices every step, as the loader's "
+                        "batches arrive (by default two batches stay on the devices and alternate)")
     p.add_argument("--nanochat", metavar="DIR", default=None,
                    help="train: also time nanochat's step (the checkout at DIR, with PyTorch) on the same shape, first")
     StepProfiler.add_flag(p, "--profile-dir (train; the JSON adds where their time went: ms by kind of op and the "
@@ -186,20 +192,30 @@ def bench_train(args, mesh) -> dict:
         tokenizer = get_tokenizer()
         args.vocab_size = tokenizer.get_vocab_size()
     theirs = [time_nanochat(args, make_config(args), B)] if args.nanochat else []  # before the loader's threads start
-    loader, counter = None, iter(range(10**9))
+    loader, counter, data = None, iter(range(10**9)), "random tokens"
     if args.real_data:
         take, loader = real_batches(args, mesh, tokenizer)
+        data = "grain loader"
+        if args.cycle_batches:  # the loader's text, read once: no loader threads or host-to-device copies per step
+            cycled = [take() for _ in range(args.cycle_batches)]
+            loader.close()
+            loader, take = None, lambda: cycled[next(counter) % len(cycled)]
+            data = f"grain loader's first {len(cycled)} steps, cycled"
     config = make_config(args)
     model = sharding.create_sharded(lambda: GPT(config, rngs=nnx.Rngs(0), dtype=compute_dtype(args.dtype),
                                                 attention=args.attention, remat=args.remat), mesh)
     with jax.set_mesh(mesh):
         optimizer = build_optimizer(model, verbose=False)
-    if loader is None:
+    if not args.real_data:
         rng = np.random.default_rng(0)
         put = lambda a: jax.device_put(a, sharding.batch_sharding(mesh))
-        batches = [tuple(put(rng.integers(0, config.vocab_size, (B, T), dtype=np.int32)) for _ in range(A))
-                   for _ in range(2)]
-        take = lambda: (batches[next(counter) % 2],) * 2  # random tokens as inputs and targets
+        draw = lambda: tuple(put(rng.integers(0, config.vocab_size, (B, T), dtype=np.int32)) for _ in range(A))
+        if args.fresh_batches:
+            take = lambda: (draw(),) * 2  # random tokens as inputs and targets, new arrays every step
+            data = "random tokens, new arrays every step"
+        else:
+            batches = [draw() for _ in range(2)]
+            take = lambda: (batches[next(counter) % 2],) * 2
 
     profiler = StepProfiler(args.profile_steps, args.profile_dir or os.path.join(get_base_dir(), "profile", "bench"))
 
@@ -269,7 +285,7 @@ def bench_train(args, mesh) -> dict:
         "compile_s": max(first_step_s - step_s, 0.0), "first_step_s": first_step_s,
         "peak_mem_gb": peak_mem_gb(), "tokens_per_step": tokens, "flops_per_token": model.estimate_flops(),
         "num_params": model.num_scaling_params()["total"], "attention": model.attention, "remat": model.remat,
-        "data": "grain loader" if loader is not None else "random tokens", "grad_accum": A,
+        "data": data, "grad_accum": A,
         "in_flight": bool(args.in_flight),
         "machine": rounds[0]["machine"],  # quiet: a start load of ~0-1 and steal ~0 (see common.MachineLoad)
         "times_s": times,  # every timed step in order: a run whose steps slow down as it goes shows it here
@@ -482,6 +498,10 @@ def main(argv=None):
         parser.error("--draft-model needs --checkpoint: a draft proposes tokens for a trained model")
     if args.rounds < 1 or args.steps < 1:
         parser.error("--rounds and --steps must be at least 1")
+    if args.cycle_batches < 0 or (args.cycle_batches and not args.real_data):
+        parser.error("--cycle-batches N (N >= 1) cycles the loader's batches: use it with --real-data")
+    if args.fresh_batches and args.real_data:
+        parser.error("--fresh-batches draws random tokens; --real-data's batches are new every step already")
     if args.nanochat:
         if args.what not in ("train", "all"):
             parser.error("--nanochat times nanochat's training step: use it with --what train")

@@ -62,6 +62,27 @@ def test_suite_prints_one_line_per_shape_and_reads_real_batches(capsys, monkeypa
     assert all(r["tok_per_s"] > 0 for r in rows)
 
 
+@pytest.mark.slow
+def test_batches_placed_afresh_or_cycled_from_the_loader(capsys, tiny_base_dir):
+    tiny = TINY[:-2] + ["--what", "train", "--device-batch-size", "1", "--grad-accum", "2", "--steps", "3", "--warmup", "0"]
+    fresh = run(capsys, tiny + ["--fresh-batches"])
+    cycled = run(capsys, tiny + ["--real-data", "--cycle-batches", "2"])
+    assert fresh["data"] == "random tokens, new arrays every step" and fresh["config"]["vocab_size"] == 32768
+    assert cycled["data"] == "grain loader's first 2 steps, cycled" and cycled["config"]["vocab_size"] == 512
+    assert all(r["tok_per_s"] > 0 and len(r["times_s"]) == 3 for r in (fresh, cycled))
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--cycle-batches", "2"], "use it with --real-data"),
+    (["--real-data", "--cycle-batches", "-1"], "use it with --real-data"),
+    (["--real-data", "--fresh-batches"], "--fresh-batches draws random tokens"),
+])
+def test_batch_flags_that_do_not_go_together_are_one_line(capsys, flags, message):
+    with pytest.raises(SystemExit):
+        main(TINY + ["--what", "train"] + flags)
+    assert message in capsys.readouterr().err
+
+
 def test_in_flight_times_every_step_with_the_next_dispatched_first(capsys):
     out = run(capsys, TINY + ["--what", "train", "--device-batch-size", "1", "--steps", "3",
                               "--warmup", "0", "--in-flight"])

@@ -213,7 +213,8 @@ def test_gpu_check_cpu_smoke(tmp_path, request):
     tests = report["tests"]
     assert tests["ok"] and tests["failed"] == 0 and tests["errors"] == 0
     assert tests["skipped"] >= 4 and tests["passed"] == 0  # the GPU tests above, each skipped with its reason
-    assert [t["name"] for t in report["train"]] == ["train_d2", "train_d2_random_data", "train_d2_real_data"]
+    assert [t["name"] for t in report["train"]] == ["train_d2", "train_d2_random_data", "train_d2_random_fresh_data",
+                                                   "train_d2_real_cycled_data", "train_d2_real_data"]
     assert [p["name"] for p in report["prepared"]] == ["real_data", "real_tokenizer"]
     assert all(p["ok"] for p in report["prepared"])
     for t in report["train"]:
@@ -223,15 +224,17 @@ def test_gpu_check_cpu_smoke(tmp_path, request):
         assert t["command"].startswith("python -m scripts.bench --what train")
         assert res["profile"]["steps"] == 2 and res["profile"]["by_kind"]["matmul"]["ms"] > 0
         assert "--profile-steps 2:4" in t["command"]
-    first, random_data, real_data = (t["result"] for t in report["train"])
+    first, random_data, fresh, cycled, real_data = (t["result"] for t in report["train"])
     assert "--window-pattern SSSL" in report["train"][0]["command"]
     if nanochat:
         assert first["nanochat"]["tok_per_s"] > 0 and first["vs_nanochat"] > 0
         assert first["nanochat"]["profile"]["steps"] == 2
     # the real pipeline's pair: the same model and accumulation, the loader's batches against random tokens
     assert random_data["data"] == "random tokens" and real_data["data"] == "grain loader"
-    assert random_data["grad_accum"] == real_data["grad_accum"] == 2 and random_data["config"] == real_data["config"]
-    assert "nanochat" not in real_data
+    assert fresh["data"] == "random tokens, new arrays every step"
+    assert cycled["data"] == "grain loader's first 2 steps, cycled"
+    for r in (fresh, cycled, real_data):
+        assert r["grad_accum"] == 2 and r["config"] == random_data["config"] and "nanochat" not in r
     assert [g["result"]["batch_size"] for g in report["generate"]] == [1, 4]
     for g in report["generate"]:
         assert g["ok"] and g["result"]["tok_per_s"] > 0 and g["result"]["ttft_s"] > 0
@@ -243,6 +246,7 @@ def test_gpu_check_cpu_smoke(tmp_path, request):
                     "### train_d2_real_data: ", "## Generation", "## Serving"):
         assert heading in summary
     assert "2 accumulation steps, grain loader)" in summary and "2 accumulation steps)" in summary
+    assert "2 accumulation steps, random tokens, new arrays every step)" in summary
     assert "| matmul | " in summary and "flaxchat's slowest ops" in summary
     assert "flaxchat's lines of the program by the time of their ops" in summary and "`flaxchat/gpt.py:" in summary
     assert ("nanochat's slowest ops" in summary) == nanochat
