@@ -30,6 +30,9 @@ Options:
   --out DIR            output folder (default: $FLAXCHAT_BASE_DIR/gpu_check/<date-time>)
   --wheels DIR         local wheel folder to install missing dependencies from (pip --no-index --find-links);
                        also $FLAXCHAT_WHEELS. Not needed when flaxchat and its dependencies are installed.
+  --only SECTIONS      run only these of tests,train,real,generate,serve (comma-separated; default all): e.g.
+                       --only real for the real-pipeline rows alone, to fit a short lease; the report checks
+                       only what ran
   --profile            profile three timed steps of each training shape (and nanochat's, with --nanochat): the
                        summary adds where each step's time goes (ms by kind of op, the slowest ops); traces in
                        OUT/profile/
@@ -48,6 +51,7 @@ EOF
 }
 
 MODE=gpu OUT="" WHEELS=${FLAXCHAT_WHEELS:-} FETCH="" PIP_EXTRA=() NANOCHAT=() INSTALL=yes PROFILE=no
+ALL_SECTIONS=tests,train,real,generate,serve ONLY=$ALL_SECTIONS
 while [ $# -gt 0 ]; do
     case $1 in
         --out) OUT=$2; shift 2 ;;
@@ -56,12 +60,22 @@ while [ $# -gt 0 ]; do
         --nanochat) NANOCHAT=(--nanochat "$2"); shift 2 ;;
         --no-install) INSTALL=no; shift ;;
         --profile) PROFILE=yes; shift ;;
+        --only) ONLY=$2; shift 2 ;;
         --fetch-wheels) FETCH=$2; shift 2 ;;
         --) shift; PIP_EXTRA=("$@"); break ;;
         -h|--help) usage; exit 0 ;;
         *) echo "gpu_check: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
 done
+
+[ -n "${ONLY//,/}" ] || { echo "gpu_check: --only needs at least one of $ALL_SECTIONS" >&2; exit 2; }
+for section in ${ONLY//,/ }; do
+    case ",$ALL_SECTIONS," in
+        *",$section,"*) ;;
+        *) echo "gpu_check: --only $ONLY: unknown section $section (choose from $ALL_SECTIONS)" >&2; exit 2 ;;
+    esac
+done
+wanted() { case ",$ONLY," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
 
 # --- 0. (networked machine) fetch the wheels -----------------------------------------------------------------
 if [ -n "$FETCH" ]; then
@@ -175,10 +189,13 @@ print(f"   {e['backend']}: {e['device_count']} x {e['device_kind']}, jax {e['jax
 EOF
 
 # --- 3. GPU tests (on the CPU they are collected and skipped, each saying why) ----------------------------------
-step tests python -m pytest ${GPU_TESTS[@]+"${GPU_TESTS[@]}"} -m gpu -p no:cacheprovider -rs --junitxml="$OUT/tests.xml" || true
+if wanted tests; then
+    step tests python -m pytest ${GPU_TESTS[@]+"${GPU_TESTS[@]}"} -m gpu -p no:cacheprovider -rs --junitxml="$OUT/tests.xml" || true
+fi
 
 # --- 4. training throughput: tok/s, MFU vs the datasheet bf16 peak, compile time, peak memory --------------------
-for spec in "${TRAIN[@]}"; do
+wanted train || TRAIN=()
+for spec in ${TRAIN[@]+"${TRAIN[@]}"}; do
     read -r depth pattern batches <<< "$spec"
     name=train_d$depth$([ "$pattern" = SSSL ] || echo "_$pattern")
     profile=()
@@ -202,7 +219,7 @@ done
 # nanochat here: its bench step takes random tokens only.
 read -r REAL_DEPTH REAL_ROWS REAL_VOCAB REAL_DOCS <<< "${REAL[*]}"
 REAL_BASE=$OUT/real_base
-if step real_data python -m flaxchat.dataset --source synthetic-stories --num-shards 2 --docs-per-shard "$REAL_DOCS" \
+if wanted real && step real_data python -m flaxchat.dataset --source synthetic-stories --num-shards 2 --docs-per-shard "$REAL_DOCS" \
         --out-dir "$REAL_BASE/base_data" --overwrite \
     && step real_tokenizer env FLAXCHAT_BASE_DIR="$REAL_BASE" python -m scripts.tok_train --vocab-size "$REAL_VOCAB"; then
     vocab=$(FLAXCHAT_BASE_DIR="$REAL_BASE" python -c "from flaxchat.tokenizer import get_tokenizer as g; print(g().get_vocab_size())")
@@ -225,7 +242,8 @@ if step real_data python -m flaxchat.dataset --source synthetic-stories --num-sh
 fi
 
 # --- 5. generation: KV-cache engine at batch 1 and many rows ----------------------------------------------------
-for b in "${GEN_BATCHES[@]}"; do
+wanted generate || GEN_BATCHES=()
+for b in ${GEN_BATCHES[@]+"${GEN_BATCHES[@]}"}; do
     step "generate_b$b" python -m scripts.bench --what generate --depth "$GEN_DEPTH" --max-seq-len "$GEN_T" \
         --vocab-size "$VOCAB" --dtype "$DTYPE" --batch-size "$b" "${GEN_LEN[@]}" --expect-backend "$BACKEND" || true
 done
@@ -234,7 +252,7 @@ done
 SERVE_BASE=$OUT/serve_base
 mkdir -p "$SERVE_BASE" "$JAX_COMPILATION_CACHE_DIR"
 ln -sfn "$JAX_COMPILATION_CACHE_DIR" "$SERVE_BASE/jax_cache"   # chat_web keeps compiled programs in its base dir
-if step tokenizer python -m scripts.gpu_check tokenizer --vocab-size "$VOCAB" --base-dir "$SERVE_BASE"; then
+if wanted serve && step tokenizer python -m scripts.gpu_check tokenizer --vocab-size "$VOCAB" --base-dir "$SERVE_BASE"; then
     step serve env FLAXCHAT_BASE_DIR="$SERVE_BASE" FLAXCHAT_DTYPE="$DTYPE" \
         python -m scripts.chat_web --random-init "${SERVE[@]}" || true
 fi
@@ -242,4 +260,4 @@ fi
 # --- 7. one report --------------------------------------------------------------------------------------------
 echo "== report: $OUT/report.json, $OUT/summary.md"
 echo
-python -m scripts.gpu_check report "$OUT" --mode "$MODE"
+python -m scripts.gpu_check report "$OUT" --mode "$MODE" --sections "$ONLY"

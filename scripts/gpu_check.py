@@ -378,10 +378,13 @@ def summary_markdown(report) -> str:
         lines.append(f"| JAX memory limit | {env['device_memory_gb']} GiB (XLA_PYTHON_CLIENT_MEM_FRACTION="
                      f"{env.get('env', {}).get('XLA_PYTHON_CLIENT_MEM_FRACTION')}) |")
     t = report["tests"]
-    lines += ["", "## Tests", "", f"`{t.get('command', 'pytest -m gpu')}`: {t['passed']} passed, {t['failed']} failed, "
-              f"{t['errors']} errors, {t['skipped']} skipped ({fmt(t['seconds'], '.1f')} s)"]
-    if t["skipped_because"]:
-        lines += [""] + [f"- skipped {s}" for s in t["skipped_because"][:8]]
+    if t.get("not_run"):
+        lines += ["", "## Tests", "", "not run (`--only`)"]
+    else:
+        lines += ["", "## Tests", "", f"`{t.get('command', 'pytest -m gpu')}`: {t['passed']} passed, {t['failed']} "
+                  f"failed, {t['errors']} errors, {t['skipped']} skipped ({fmt(t['seconds'], '.1f')} s)"]
+        if t["skipped_because"]:
+            lines += [""] + [f"- skipped {s}" for s in t["skipped_because"][:8]]
     lines += ["", "## Training", "", "Random tokens unless the model says grain loader (batches of tokenized synthetic "
               "stories from the data loader, with a vocabulary trained on them; the random-token row beside it has the "
               "same shape), the real optimizer; median step after warm-up (`python -m scripts.bench --what train`). MFU "
@@ -398,12 +401,17 @@ def summary_markdown(report) -> str:
     lines += profile_lines(report["train"])
     lines += ["", "## Generation", "", "KV-cache engine, random prompts, every row makes every token "
               "(`python -m scripts.bench --what generate`).", ""]
-    lines += table(report["generate"], ["model", "batch", "prompt + new", "decode tok/s", "time to first token ms",
-                                        "prefill tok/s", "compile s", "peak mem GiB"], generate_row)
+    if report["generate"] or "generate" in report.get("sections", SECTIONS):
+        lines += table(report["generate"], ["model", "batch", "prompt + new", "decode tok/s", "time to first token ms",
+                                            "prefill tok/s", "compile s", "peak mem GiB"], generate_row)
+    else:
+        lines.append("not run (`--only`)")
     s = report["serve"]
     lines += ["", "## Serving", "", "`python -m scripts.chat_web --random-init --load-test ...`: concurrent WebSocket "
               "clients against the in-process server (continuous batching), median over rounds.", ""]
-    if s["ok"]:
+    if s.get("not_run"):
+        lines.append("not run (`--only`)")
+    elif s["ok"]:
         r = s["result"]
         lines += [f"Model {r['model']}, {r['slots']} slots, {r['tokens_per_client']} tokens per client.", "",
                   "| clients | tok/s (all clients) | vs 1 client | median time to first token s |", "| --- | --- | --- | --- |"]
@@ -415,20 +423,31 @@ def summary_markdown(report) -> str:
     return "\n".join(lines) + "\n"
 
 
+SECTIONS = ("tests", "train", "real", "generate", "serve")
+
+
 def cmd_report(args):
-    out = args.out
+    out, sections = args.out, set(args.sections.split(","))
+    unknown = sections - set(SECTIONS)
+    if unknown:
+        sys.exit(f"error: --sections: unknown {', '.join(sorted(unknown))} (choose from {', '.join(SECTIONS)})")
     env_path = os.path.join(out, "env.json")
     env = json.load(open(env_path)) if os.path.exists(env_path) else {}
-    serve = read_step(out, "serve")
+    not_run = lambda name: {"name": name, "ok": True, "not_run": True}  # left out by --only
+    serve = read_step(out, "serve") if "serve" in sections else not_run("serve")
+    tests = read_tests(out, args.mode) if "tests" in sections else not_run("tests")
     # the real pipeline's data and tokenizer: a failure there leaves its training rows out, so it fails the report
     prepared = [read_step(out, n, json_out=False) for n in ("real_data", "real_tokenizer")
                 if os.path.exists(os.path.join(out, f"{n}.cmd"))]
     report = {"created": datetime.datetime.now().isoformat(timespec="seconds"), "mode": args.mode,
-              "out": os.path.abspath(out), "env": env, "tests": read_tests(out, args.mode), "prepared": prepared,
-              "train": _steps(out, "train"), "generate": _steps(out, "generate"), "serve": serve}
-    steps = [report["tests"], *prepared, *report["train"], *report["generate"], serve]
+              "out": os.path.abspath(out), "sections": [s for s in SECTIONS if s in sections], "env": env,
+              "tests": tests, "prepared": prepared, "train": _steps(out, "train"), "generate": _steps(out, "generate"),
+              "serve": serve}
+    steps = [tests, *prepared, *report["train"], *report["generate"], serve]
     report["failed"] = [s["name"] for s in steps if not s["ok"]]
-    report["ok"] = not report["failed"] and bool(report["train"]) and bool(report["generate"])
+    # every section asked for has its rows (the real pipeline's are training rows too)
+    report["ok"] = (not report["failed"] and (bool(report["train"]) or not sections & {"train", "real"})
+                    and (bool(report["generate"]) or "generate" not in sections))
     with open(os.path.join(out, "report.json"), "w") as f:
         json.dump(report, f, indent=2)
     md = summary_markdown(report)
@@ -520,6 +539,8 @@ def build_parser():
     r = sub.add_parser("report", help="collect a gpu_check output folder into report.json and summary.md")
     r.add_argument("out")
     r.add_argument("--mode", choices=["gpu", "cpu"], default="gpu")
+    r.add_argument("--sections", default=",".join(SECTIONS),
+                   help="the sections gpu_check.sh ran (its --only), comma-separated; the others are not checked")
     lk = sub.add_parser("lock", help="rewrite requirements/<flavour>.txt (needs PyPI)")
     lk.add_argument("flavour", choices=["cuda12", "cuda13"])
     return p

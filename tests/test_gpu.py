@@ -183,7 +183,7 @@ def run_check(*args, env=None, timeout=300):
 def test_gpu_check_help():
     r = run_check("--help")
     assert r.returncode == 0, r.stderr
-    for flag in ("--cpu", "--out", "--wheels", "--fetch-wheels", "--nanochat", "--no-install"):
+    for flag in ("--cpu", "--out", "--wheels", "--fetch-wheels", "--nanochat", "--no-install", "--only", "--profile"):
         assert flag in r.stdout
 
 
@@ -254,6 +254,26 @@ def test_gpu_check_cpu_smoke(tmp_path, request):
     if nanochat:
         assert "| vs nanochat |" in summary and f"| {report['train'][0]['result']['vs_nanochat']:.2f}x |" in summary
     print(f"gpu_check.sh --cpu: {seconds:.1f} s")
+
+
+@pytest.mark.slow
+def test_gpu_check_only_runs_the_sections_asked_for(tmp_path):
+    out = tmp_path / "out"
+    r = run_check("--cpu", "--out", str(out), "--only", "real")
+    assert r.returncode == 0, f"{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    report = json.loads((out / "report.json").read_text())
+    assert report["ok"] is True and report["sections"] == ["real"]
+    assert [t["name"] for t in report["train"]] == ["train_d2_random_data", "train_d2_random_fresh_data",
+                                                   "train_d2_real_cycled_data", "train_d2_real_data"]
+    assert report["tests"]["not_run"] and report["serve"]["not_run"] and report["generate"] == []
+    summary = (out / "summary.md").read_text()
+    assert summary.count("not run (`--only`)") == 3  # tests, generation, serving
+    assert not (out / "tests.xml").exists() and not list(out.glob("generate_*"))
+
+
+def test_gpu_check_only_names_its_sections():
+    r = run_check("--cpu", "--only", "real,speed")
+    assert r.returncode == 2 and "unknown section speed" in r.stderr
 
 
 def test_summary_shows_whether_a_rows_steps_slow_down():
