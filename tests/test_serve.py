@@ -166,10 +166,12 @@ def test_stop_ends_the_reply_and_keeps_it(url, scheduler, monkeypatch):
     assert after["type"] == "done" and after["usage"]["prompt_tokens"] > done["usage"]["prompt_tokens"]
 
 
-def test_one_reply_at_a_time(url):
+def test_one_reply_at_a_time(url, scheduler, monkeypatch):
+    slow_decoding(monkeypatch, scheduler)  # the stop must arrive while the first reply is still running
     async def go():
         async with chat(url) as ws:
-            await ws.send(json.dumps({"type": "message", "content": "a long one", "max_tokens": 100}))
+            # seeded as in test_stop_ends_the_reply_and_keeps_it: this reply runs all 100 tokens unless stopped
+            await ws.send(json.dumps({"type": "message", "content": "Tell me everything", "max_tokens": 100, "seed": 3}))
             await ws.send(json.dumps({"type": "message", "content": "another"}))
             events = []
             while not any(e["type"] == "error" for e in events):
