@@ -99,8 +99,8 @@ class InFlight:
     blocks of steps) steps in flight took 130.8 ms against 126.5 ms one at a time. So pretraining and SFT wait
     for each step; `bench --in-flight` times depth 1 on new hardware.
 
-    `submit(outputs, info, started)` takes a step just dispatched (outputs: a pytree of arrays, copied on the
-    device at once, so a later step may donate the buffers they are, e.g. the optimizer's state; info: anything;
+    `submit(outputs, info, started)` takes a step just dispatched (outputs: a pytree of arrays; at depth 1 copied on
+    the device at once, so a later step may donate the buffers they are, e.g. the optimizer's state; info: anything;
     started: time.perf_counter() when its host work began) and returns a finished step or None: at depth 0 the
     step itself, at depth 1 the step before it. `finish()` returns the step still in flight (None if none), e.g.
     before an evaluation or a checkpoint. A finished step is (outputs on the host as numpy, info, seconds): from
@@ -114,10 +114,13 @@ class InFlight:
         self.depth, self.pending, self.last_end = depth, None, 0.0
 
     def submit(self, outputs, info, started: float):
+        if self.depth == 0:  # read before any later step runs: nothing to copy
+            self.pending = (outputs, info, started)
+            return self.finish()
         outputs = _copy(outputs)  # queued behind the step, before any later step can donate them
         done = self.finish()
         self.pending = (outputs, info, started)
-        return self.finish() if self.depth == 0 else done
+        return done
 
     def finish(self):
         if self.pending is None:

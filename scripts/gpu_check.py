@@ -22,6 +22,7 @@ import json
 import os
 import platform
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -309,7 +310,7 @@ def drift_lines(steps, n=5) -> list[str]:
     rows = [(s["name"], s["result"]["times_s"]) for s in steps if s["ok"] and len(s["result"].get("times_s", [])) >= 2 * n]
     if not rows:
         return []
-    med = lambda xs: sorted(xs)[len(xs) // 2]
+    med = statistics.median
     return ["", f"Step time over the run (ms, median of the first and of the last {n} timed steps):", ""] + [
         f"- {name}: {1e3 * med(t[:n]):,.1f} -> {1e3 * med(t[-n:]):,.1f}" for name, t in rows]
 

@@ -624,8 +624,6 @@ def main(argv=None):
         do_eval = last_step or (args.eval_every > 0 and step % args.eval_every == 0 and not again)
         do_save = last_step or (args.save_every > 0 and step > 0 and step % args.save_every == 0 and not again)
         do_chatcore = args.chatcore_every > 0 and (last_step or (step > 0 and step % args.chatcore_every == 0 and not again))
-        if do_eval or do_save or do_chatcore:
-            record(in_flight.finish())  # these read every step's loss and the model after it
         if do_eval:
             loop["val_bpb"] = evaluate_val()
             loop["min_val_bpb"] = min(loop["min_val_bpb"], loop["val_bpb"])
