@@ -228,7 +228,11 @@ class Embedding(nnx.Module):
         # the table's FSDP shards are gathered before the lookup (its vocab split stays): a lookup into a table
         # split along its width crashes XLA's partitioner inside the data-parallel shard_map of the train step
         table = sharding.constrain(self.weight[...], ("vocab", None))
-        return jnp.take(table, idx, axis=0).astype(dtype)
+        # Looked up in fp32 (the convert fuses into the gather): the lookup's gradient is a scatter-add over the
+        # batch's tokens, and into a bf16 table it rounds to bf16 after every add. A token seen 5,000 times then
+        # got about 256 times its gradient, and on a GPU each add became a compare-and-swap loop that contends
+        # with the token's other copies. Summed in fp32 and rounded once, as torch's embedding backward does.
+        return jnp.take(table.astype(jnp.float32), idx, axis=0).astype(dtype)
 
 
 

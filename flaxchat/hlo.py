@@ -220,6 +220,21 @@ def op_kinds(hlo_text: str) -> dict[str, str]:
     return kinds
 
 
+def scatter_combiners(hlo_text: str) -> list[tuple[str, tuple[str, ...]]]:
+    """(element type, the opcodes of its combining computation) of every scatter in an HLO module. A scatter-add
+    whose combiner is a lone `add` of a type the device adds atomically (fp32) runs as atomic adds on a GPU; any
+    other combiner (an add rounded through bf16 is add, convert, convert) becomes a compare-and-swap loop."""
+    comps, _ = _parse(hlo_text)
+    found = []
+    for instructions in comps.values():
+        for _, shape, opcode, rest in instructions:
+            combiner = re.search(r"to_apply=%([\w.\-]+)", rest)
+            if opcode == "scatter" and combiner:
+                ops = tuple(o for _, _, o, _ in comps.get(combiner.group(1), []) if o != "parameter")
+                found.append((_ARRAY.search(shape).group(1), ops))
+    return found
+
+
 def source_line(path: str, line: int, function: str) -> str:
     """How op sources are named: "flaxchat/fused_loss.py:124 step" (the file's folder and name, line, function)."""
     return f"{'/'.join(path.split('/')[-2:])}:{line} {function}"

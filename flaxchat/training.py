@@ -66,10 +66,12 @@ def train_step(model, optimizer, xs, ys):
     return loss
 
 
-def compile_train_step(config, mesh, batch_size: int, grad_accum: int = 1, dtype=None, **model_kwargs):
+def compile_train_step(config, mesh, batch_size: int, grad_accum: int = 1, dtype=None, compiler_options=None,
+                       **model_kwargs):
     """The train step for a GPT of `config` compiled on `mesh` from abstract arrays (nothing is allocated).
 
-    batch_size is global (rows per micro-step); model_kwargs go to GPT (attention, remat). For reading the program XLA makes at any scale on any
+    batch_size is global (rows per micro-step); compiler_options go to XLA (`.compile(compiler_options)`);
+    model_kwargs go to GPT (attention, remat). For reading the program XLA makes at any scale on any
     machine: `.as_text()` (see `sharding.collective_stats`), `.cost_analysis()`, `.memory_analysis()`.
     """
     from flaxchat.checkpoint import abstract_state
@@ -83,7 +85,7 @@ def compile_train_step(config, mesh, batch_size: int, grad_accum: int = 1, dtype
     nnx.update(optimizer, abstract_state(optimizer, mesh))
     x = jax.ShapeDtypeStruct((batch_size, config.sequence_len), jnp.int32, sharding=sharding.batch_sharding(mesh))
     with jax.set_mesh(mesh):
-        return train_step.lower(model, optimizer, (x,) * grad_accum, (x,) * grad_accum).compile()
+        return train_step.lower(model, optimizer, (x,) * grad_accum, (x,) * grad_accum).compile(compiler_options)
 
 
 _copy = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))  # one dispatch for a whole tree of small arrays

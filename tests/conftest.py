@@ -137,7 +137,7 @@ def xla_flags():
     return _flags_with
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def users_codegen():
     """compiler_options for `.lower(...).compile(compiler_options=...)` that compile one program's fusions as users'
     programs are compiled (XLA:CPU's fusion emitters; see the top of this file), for tests that read them."""

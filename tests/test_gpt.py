@@ -384,18 +384,49 @@ def test_a_few_rows_are_multiplied_one_row_at_a_time_on_a_cpu():
             assert dots == (rows if 1 < rows <= split and row_products() else 1), (mode, rows)
 
 
-def test_a_bfloat16_train_step_multiplies_bfloat16_on_a_cpu():
-    """Every sizeable product with a weight in a bf16 model's compiled CPU train step (forward, backward, fused
-    loss, Muon) takes bf16 operands: XLA:CPU runs a product its bf16 kernels do not take (a bf16 result, a weight
-    gradient over the rows, a stacked Gram matrix) in fp32, at half the rate. Attention's products stay fp32 with
-    the fp32 activations (common.activation_dtype), as do the smear and value-embedding gates' tiny ones."""
-    from flaxchat.hlo import dot_types
+def test_a_bfloat16_embedding_sums_its_gradient_in_float32():
+    """A token that fills a batch gets the whole sum of its gradients, rounded to bf16 once (as torch's embedding
+    backward): a scatter-add into the bf16 table rounded after every add and stalled at 256."""
+    from flaxchat.gpt import Embedding
+
+    table = Embedding(8, 4, init=lambda key, shape: jnp.zeros(shape), axes=("vocab", "embed"), rngs=nnx.Rngs(0),
+                      dtype=jnp.bfloat16)
+    idx = jnp.asarray([0] * 5000 + [3] * 7, jnp.int32)
+    grad = nnx.grad(lambda m: m(idx, jnp.bfloat16).astype(jnp.float32).sum())(table)["weight"][...]
+    assert grad.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(grad, np.float32)[[0, 3, 1]],
+                                  [[float(jnp.bfloat16(5000))] * 4, [7.0] * 4, [0.0] * 4])
+
+
+@pytest.fixture(scope="module")
+def bf16_train_program(users_codegen):
     from flaxchat.training import compile_train_step
 
     B, T, H, D = 8, 64, 2, 64
     config = GPTConfig(sequence_len=T, vocab_size=512, n_layer=2, n_head=H, n_kv_head=H, n_embd=H * D)
     mesh = sharding.make_mesh(devices=jax.devices()[:1])
-    program = compile_train_step(config, mesh, B, dtype=jnp.bfloat16).as_text()
+    return config, B, compile_train_step(config, mesh, B, dtype=jnp.bfloat16, compiler_options=users_codegen).as_text()
+
+
+def test_a_bfloat16_train_step_adds_embedding_gradients_in_float32(bf16_train_program):
+    """The compiled step's scatter-adds (wte's and the value embeddings' gradients) are lone fp32 adds, which a GPU
+    runs as atomic adds; an add rounded through bf16 is a compare-and-swap loop there, slow where tokens repeat."""
+    from flaxchat.hlo import scatter_combiners
+
+    *_, program = bf16_train_program
+    combiners = scatter_combiners(program)
+    assert len(combiners) >= 2 and set(combiners) == {("f32", ("add",))}
+
+
+def test_a_bfloat16_train_step_multiplies_bfloat16_on_a_cpu(bf16_train_program):
+    """Every sizeable product with a weight in a bf16 model's compiled CPU train step (forward, backward, fused
+    loss, Muon) takes bf16 operands: XLA:CPU runs a product its bf16 kernels do not take (a bf16 result, a weight
+    gradient over the rows, a stacked Gram matrix) in fp32, at half the rate. Attention's products stay fp32 with
+    the fp32 activations (common.activation_dtype), as do the smear and value-embedding gates' tiny ones."""
+    from flaxchat.hlo import dot_types
+
+    config, B, program = bf16_train_program
+    H, T, D = config.n_head, config.sequence_len, config.head_dim
     dots = dot_types(program)
     assert sum(lhs == rhs == "bf16" for lhs, rhs, _ in dots) >= 20
     wide = [flops for lhs, rhs, flops in dots if (lhs, rhs) != ("bf16", "bf16") and flops > 10**5]
