@@ -139,11 +139,14 @@ def profile_summary(profiler, model, optimizer, batch, mesh) -> dict | None:
     """Where a StepProfiler's steps of train_step spent their time (flaxchat.trace's summary), each op's kind and
     source line read off the compiled step: the same program, compiled again from the same arguments (at once where
     the persistent compilation cache is on, as on accelerators). batch: (xs, ys) as train_step takes them. None if no trace was written."""
-    from flaxchat.hlo import op_kinds, op_sources
+    from flaxchat.hlo import op_kinds, op_sources, scatter_combiners
     from flaxchat.trace import summarize_trace
 
     if not profiler.written:
         return None
     with jax.set_mesh(mesh):
         hlo = train_step.lower(model, optimizer, *batch).compile().as_text()
-    return summarize_trace(profiler.directory, kinds=op_kinds(hlo), module="train_step", sources=op_sources(hlo))
+    summary = summarize_trace(profiler.directory, kinds=op_kinds(hlo), module="train_step", sources=op_sources(hlo))
+    # the embeddings' gradients: "f32 add" where the device adds atomically (hlo.scatter_combiners)
+    summary["scatters"] = [f"{dtype} {' '.join(ops)}" for dtype, ops in scatter_combiners(hlo)]
+    return summary

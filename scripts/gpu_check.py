@@ -352,6 +352,8 @@ def profile_lines(steps) -> list[str]:
                 lines += ["", f"{who}'s slowest ops (ms a step, kind, op):", ""]
                 lines += [f"- {t['ms']:.2f} ms ({t['share']}%) {t['kind']}: `{t['op'][:120]}`"
                           + (f" from `{t['source']}`" if t.get("source") else "") for t in p["top"][:8]]
+        if ours.get("scatters") is not None:  # how the compiled step adds up its embeddings' gradients
+            lines += ["", f"flaxchat's scatters (element type, combiner): {', '.join(ours['scatters']) or 'none'}"]
         if ours.get("by_source"):
             lines += ["", "flaxchat's lines of the program by the time of their ops (ms a step, by kind):", ""]
             lines += [f"- {t['ms']:.2f} ms ({t['share']}%) `{t['source']}`: "

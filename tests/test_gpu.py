@@ -223,6 +223,7 @@ def test_gpu_check_cpu_smoke(tmp_path, request):
         assert res["tok_per_s"] > 0 and 0 < res["mfu"] < 100 and res["compile_s"] >= 0 and res["peak_mem_gb"] > 0
         assert t["command"].startswith("python -m scripts.bench --what train")
         assert res["profile"]["steps"] == 2 and res["profile"]["by_kind"]["matmul"]["ms"] > 0
+        assert isinstance(res["profile"]["scatters"], list)  # their combiners (test_gpt reads them in users' codegen)
         assert "--profile-steps 2:4" in t["command"]
     first, random_data, fresh, cycled, real_data = (t["result"] for t in report["train"])
     assert "--window-pattern SSSL" in report["train"][0]["command"]
@@ -248,6 +249,7 @@ def test_gpu_check_cpu_smoke(tmp_path, request):
     assert "2 accumulation steps, grain loader)" in summary and "2 accumulation steps)" in summary
     assert "2 accumulation steps, random tokens, new arrays every step)" in summary
     assert "| matmul | " in summary and "flaxchat's slowest ops" in summary
+    assert "flaxchat's scatters (element type, combiner): " in summary
     assert "flaxchat's lines of the program by the time of their ops" in summary and "`flaxchat/gpt.py:" in summary
     assert ("nanochat's slowest ops" in summary) == nanochat
     assert f"{report['train'][0]['result']['tok_per_s']:,.0f}" in summary
