@@ -230,9 +230,9 @@ class Embedding(nnx.Module):
         table = sharding.constrain(self.weight[...], ("vocab", None))
         # Looked up in fp32 (the convert fuses into the gather): the lookup's gradient is a scatter-add over the
         # batch's tokens, and into a bf16 table it rounds to bf16 after every add. A token seen 5,000 times then
-        # got about 256 times its gradient, and a GPU may run such an add as a compare-and-swap loop that contends
-        # with the token's other copies. Summed in fp32 (atomic adds) and rounded once, as torch's embedding
-        # backward does.
+        # got about 256 times its gradient, and on a GPU a bf16 scatter-add whose indices repeat that often is
+        # far slower than a fp32 one (XLA issue 26371). Summed in fp32 (the GPU's atomic add: see
+        # sharding.native_gpu_atomics) and rounded once, as torch's embedding backward does.
         return jnp.take(table.astype(jnp.float32), idx, axis=0).astype(dtype)
 
 

@@ -222,8 +222,8 @@ def op_kinds(hlo_text: str) -> dict[str, str]:
 
 def scatter_combiners(hlo_text: str) -> list[tuple[str, tuple[str, ...]]]:
     """(element type, the opcodes of its combining computation) of every scatter in an HLO module. A scatter-add
-    whose combiner is a lone `add` of a type the device adds atomically (fp32) runs as atomic adds on a GPU; any
-    other combiner (an add rounded through bf16 is add, convert, convert) becomes a compare-and-swap loop."""
+    whose combiner is a lone fp32 `add` can run as a GPU's atomic add instruction (sharding.native_gpu_atomics);
+    other combiners (a bf16 add as a CPU compiles it: add, convert, convert) become compare-and-swap loops."""
     comps, _ = _parse(hlo_text)
     found = []
     for instructions in comps.values():

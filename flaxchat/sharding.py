@@ -30,6 +30,67 @@ LOGICAL_RULES = (
 )
 
 
+# LLVM's NVPTX backend (in jaxlib 0.10.2 and later) lowers a fp32 atomic add to a compare-and-swap loop unless the
+# kernel flushes denormals, because `atom.add.f32` on global memory flushes them; XLA's kernels keep denormals. A
+# scatter-add whose indices repeat (an embedding's gradient: a common token thousands of times a batch) then
+# retries each add while the token's other copies change the sum, far slower than the native atomic (jax issue
+# 38806). This LLVM option restores the native atomic, whose only difference is a denormal sum flushed to zero (as
+# torch's atomicAdd, and XLA before 0.10.2).
+FTZ_ATOMICS = "-nvptx-allow-ftz-atomics"
+
+
+def _cuda_plugin_library() -> str | None:
+    """The shared library of JAX's CUDA plugin (jax[cuda13] or jax[cuda12]), or None if neither is installed."""
+    import glob
+    import importlib.util
+
+    for name in ("jax_plugins.xla_cuda13", "jax_plugins.xla_cuda12"):
+        try:
+            spec = importlib.util.find_spec(name)
+        except ImportError:
+            continue
+        for folder in (spec.submodule_search_locations or []) if spec else []:
+            found = sorted(glob.glob(os.path.join(folder, "*.so")))
+            if found:
+                return found[0]
+    return None
+
+
+def _knows_option(library: str, option: str) -> bool:
+    """Whether the compiler in `library` registers the LLVM option (its name is a C string in the binary): XLA
+    passes unknown options to LLVM, which stops the process."""
+    import mmap
+
+    with open(library, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        return data.find(option.lstrip("-").encode() + b"\0") >= 0
+
+
+def native_gpu_atomics(env=None) -> bool:
+    """Before JAX starts its backend: ask XLA's CUDA compiler for native fp32 atomic adds (FTZ_ATOMICS above), by
+    adding the option to --xla_backend_extra_options in XLA_FLAGS. Only with a CUDA plugin whose compiler knows it
+    and a JAX_PLATFORMS that allows CUDA; not if XLA_FLAGS already names the option or sets --xla_gpu_ftz, or with
+    FLAXCHAT_NATIVE_GPU_ATOMICS=0. Returns whether XLA_FLAGS changed."""
+    env = os.environ if env is None else env
+    flags = env.get("XLA_FLAGS", "")
+    if env.get("FLAXCHAT_NATIVE_GPU_ATOMICS", "1") == "0" or FTZ_ATOMICS.lstrip("-") in flags or "--xla_gpu_ftz" in flags:
+        return False
+    platforms = [p.strip() for p in env.get("JAX_PLATFORMS", "").split(",") if p.strip()]
+    if platforms and not {"cuda", "gpu"} & set(platforms):
+        return False
+    library = _cuda_plugin_library()
+    if library is None or not _knows_option(library, FTZ_ATOMICS):
+        return False
+    words = flags.split()
+    for i, word in enumerate(words):
+        if word.startswith("--xla_backend_extra_options="):
+            words[i] = f"{word},{FTZ_ATOMICS}" if not word.endswith("=") else word + FTZ_ATOMICS
+            break
+    else:
+        words.append(f"--xla_backend_extra_options={FTZ_ATOMICS}")
+    env["XLA_FLAGS"] = " ".join(words)
+    return True
+
+
 def init_distributed() -> None:
     """Join a multi-process job when launched as one (coordinator env vars, SLURM, TPU pod); else no-op.
 
@@ -86,9 +147,11 @@ def check_backend(expected: str | None) -> None:
 
 def mesh_from_args(parser, args) -> jax.sharding.Mesh:
     """Join the other processes (if any), then the mesh the flags ask for; a shape that does not fit is a CLI error.
-    Also turns on the persistent compilation cache on accelerators (common.enable_compilation_cache)."""
+    Also turns on the persistent compilation cache on accelerators (common.enable_compilation_cache) and, first,
+    native fp32 atomic adds on CUDA GPUs (native_gpu_atomics)."""
     from flaxchat.common import enable_compilation_cache
 
+    native_gpu_atomics()  # before anything below starts JAX's backend
     init_distributed()
     enable_compilation_cache()
     try:

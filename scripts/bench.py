@@ -470,7 +470,8 @@ def bench_data(args, mesh) -> dict:
 def environment(args, mesh) -> dict:
     return {"device": jax.devices()[0].device_kind, "backend": jax.default_backend(), "num_devices": jax.device_count(),
             "mesh": dict(mesh.shape), "dtype": jnp.dtype(compute_dtype(args.dtype)).name, "jax": jax.__version__,
-            "python": platform.python_version(), "huge_pages": huge_pages_active(), "allocator": malloc_library()}
+            "python": platform.python_version(), "huge_pages": huge_pages_active(), "allocator": malloc_library(),
+            "xla_flags": os.environ.get("XLA_FLAGS", "")}  # as the run's backend read them (sharding.native_gpu_atomics)
 
 
 def run_suite(args, mesh) -> None:
@@ -490,6 +491,7 @@ def main(argv=None):
     parser = build_parser()
     args = parse_args(parser, argv)
     StepProfiler.prepare(args.profile_steps)  # before JAX starts its backend
+    sharding.native_gpu_atomics()  # likewise (mesh_from_args would, but --nanochat starts the backend before it)
     try:
         make_config(args)
     except ValueError as e:

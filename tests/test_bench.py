@@ -28,6 +28,7 @@ def test_train_runs_on_the_mesh_the_flags_build(capsys):
     assert out["tok_per_s"] > 0 and 0 < out["mfu"] < 100 and out["compile_s"] >= 0
     assert out["attention"] == "chunked" and out["remat"] == "none" and out["in_flight"] is False
     assert out["allocator"] in ("system", *MALLOC_LIBRARIES) and isinstance(out["huge_pages"], bool)
+    assert out["xla_flags"] == os.environ.get("XLA_FLAGS", "")  # no CUDA plugin here: left as they were
 
 
 @pytest.mark.eight_devices

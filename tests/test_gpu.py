@@ -9,6 +9,7 @@ bf16 arithmetic alone makes, so the tolerances hold for any seed rather than for
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -169,6 +170,84 @@ def test_bf16_cudnn_train_steps_track_fp32():
 @on_gpu
 def test_cached_decode_equals_full_forward_bf16():
     check_cached_decode("cudnn")
+
+
+@pytest.mark.gpu
+@on_gpu
+def test_a_scatter_add_with_repeated_indices_compiles_to_native_fp32_atomics(tmp_path):
+    """An embedding's gradient (a fp32 scatter-add whose indices repeat) as the training scripts compile it, with
+    sharding.native_gpu_atomics: the kernel's PTX adds with the atomic instruction, no compare-and-swap loop."""
+    code = ("from flaxchat.sharding import native_gpu_atomics; native_gpu_atomics(); import jax, jax.numpy as jnp; "
+            "f = jax.jit(lambda t, i, u: t.at[i].add(u)); "
+            "f(jnp.zeros((399, 128)), jnp.zeros(40960, jnp.int32), jnp.ones((40960, 128))).block_until_ready()")
+    env = {**os.environ, "JAX_PLATFORMS": "cuda", "XLA_FLAGS": f"--xla_dump_to={tmp_path}"}
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ptx = "\n".join(p.read_text() for p in tmp_path.glob("*.ptx") if "lambda" in p.name)
+    assert ptx, sorted(p.name for p in tmp_path.iterdir())[:20]
+    native = r"\b(atom|red)\.[a-z0-9.]*(add\.f32|f32\.add)"  # scalar, or Hopper's vector form (v4.f32.add)
+    assert re.search(native, ptx) and not re.search(r"\batom\.[a-z.]*cas\.b32", ptx)
+
+
+# -----------------------------------------------------------------------------
+# Everywhere: the CUDA compiler option, on a stand-in plugin
+
+
+def stand_in_plugin(root, knows_the_option=True):
+    """A folder laid out as JAX's CUDA plugin (jax_plugins/xla_cuda12/*.so) whose library names an LLVM option."""
+    library = root / "jax_plugins" / "xla_cuda12" / "xla_cuda_plugin.so"
+    library.parent.mkdir(parents=True)
+    (library.parent / "__init__.py").write_text("")
+    option = b"nvptx-allow-ftz-atomics" if knows_the_option else b"nvptx-short-ptr"
+    library.write_bytes(b"\x7fELF" + b"\0" * 64 + option + b"\0" + b"\0" * 64)
+    return library
+
+
+def test_native_gpu_atomics_adds_the_llvm_option_where_the_cuda_compiler_knows_it(tmp_path, monkeypatch):
+    from flaxchat import sharding
+
+    library = stand_in_plugin(tmp_path / "knows")
+    monkeypatch.setattr(sharding, "_cuda_plugin_library", lambda: str(library))
+    env = {"XLA_FLAGS": "--xla_gpu_enable_command_buffer="}
+    assert sharding.native_gpu_atomics(env)
+    assert env["XLA_FLAGS"] == "--xla_gpu_enable_command_buffer= --xla_backend_extra_options=-nvptx-allow-ftz-atomics"
+    assert not sharding.native_gpu_atomics(env)  # named once
+    env = {"XLA_FLAGS": "--xla_backend_extra_options=xla_gpu_a=1", "JAX_PLATFORMS": "cuda,cpu"}
+    assert sharding.native_gpu_atomics(env)
+    assert env["XLA_FLAGS"] == "--xla_backend_extra_options=xla_gpu_a=1,-nvptx-allow-ftz-atomics"
+    # not on a CPU or TPU run, not where the user opted out or chose the denormal mode themselves
+    for env in ({"JAX_PLATFORMS": "cpu"}, {"JAX_PLATFORMS": "tpu"}, {"FLAXCHAT_NATIVE_GPU_ATOMICS": "0"},
+                {"XLA_FLAGS": "--xla_gpu_ftz=false"}):
+        before = dict(env)
+        assert not sharding.native_gpu_atomics(env) and env == before
+    # a compiler without the option would stop the process on it; no CUDA plugin, nothing to do
+    unknown = stand_in_plugin(tmp_path / "unknown", knows_the_option=False)
+    monkeypatch.setattr(sharding, "_cuda_plugin_library", lambda: str(unknown))
+    env = {}
+    assert not sharding.native_gpu_atomics(env) and env == {}
+    monkeypatch.setattr(sharding, "_cuda_plugin_library", lambda: None)
+    assert not sharding.native_gpu_atomics(env) and env == {}
+
+
+def test_a_cpu_run_compiles_with_the_option_too():
+    """With a CUDA plugin installed and no GPU, JAX falls back to the CPU, whose compiler then reads the same
+    XLA_FLAGS: its LLVM knows the option (an unknown one stops the process), and programs compile as before."""
+    from flaxchat import sharding
+
+    code = ("import jax, jax.numpy as jnp; "
+            "print(jax.jit(lambda t, i, u: t.at[i].add(u))(jnp.zeros(3), jnp.zeros(5, jnp.int32), jnp.ones(5))[0])")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_backend_extra_options={sharding.FTZ_ATOMICS}"}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.split() == ["5.0"], r.stderr[-2000:]
+
+
+def test_the_cuda_plugin_library_is_found_where_jax_loads_plugins_from(tmp_path, monkeypatch):
+    from flaxchat import sharding
+
+    library = stand_in_plugin(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert sharding._cuda_plugin_library() == str(library)
+    assert sharding._knows_option(str(library), sharding.FTZ_ATOMICS)
 
 
 # -----------------------------------------------------------------------------
