@@ -72,7 +72,8 @@ def native_gpu_atomics(env=None) -> bool:
     FLAXCHAT_NATIVE_GPU_ATOMICS=0. Returns whether XLA_FLAGS changed."""
     env = os.environ if env is None else env
     flags = env.get("XLA_FLAGS", "")
-    if env.get("FLAXCHAT_NATIVE_GPU_ATOMICS", "1") == "0" or FTZ_ATOMICS.lstrip("-") in flags or "--xla_gpu_ftz" in flags:
+    opted_out = env.get("FLAXCHAT_NATIVE_GPU_ATOMICS", "1") == "0"
+    if opted_out or FTZ_ATOMICS.lstrip("-") in flags or "--xla_gpu_ftz" in flags:
         return False
     platforms = [p.strip() for p in env.get("JAX_PLATFORMS", "").split(",") if p.strip()]
     if platforms and not {"cuda", "gpu"} & set(platforms):

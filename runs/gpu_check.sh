@@ -224,17 +224,20 @@ if wanted real && step real_data python -m flaxchat.dataset --source synthetic-s
     && step real_tokenizer env FLAXCHAT_BASE_DIR="$REAL_BASE" python -m scripts.tok_train --vocab-size "$REAL_VOCAB"; then
     vocab=$(FLAXCHAT_BASE_DIR="$REAL_BASE" python -c "from flaxchat.tokenizer import get_tokenizer as g; print(g().get_vocab_size())")
     # random tokens (two batches on the device), random tokens placed afresh every step, the loader's first two steps
-    # cycled (its text, no loader), the loader every step: which of them slows a step down says why
-    for data in random random_fresh real_cycled real; do
-        name=train_d${REAL_DEPTH}_${data}_data profile=()
+    # cycled (its text, no loader), the loader every step: which of them slows a step down says why. Last, the loader
+    # with the fp32 atomic adds as this JAX's LLVM compiles them unasked (FLAXCHAT_NATIVE_GPU_ATOMICS=0: compare-and-
+    # swap loops from jaxlib 0.10.2 on), against which the embeddings' gradients, frequent tokens repeated, serialise
+    for data in random random_fresh real_cycled real real_llvm_atomics; do
+        name=train_d${REAL_DEPTH}_${data}_data profile=() native=1
         case $data in
             random) flags=(--vocab-size "$vocab") ;;
             random_fresh) flags=(--vocab-size "$vocab" --fresh-batches) ;;
             real_cycled) flags=(--real-data --cycle-batches 2) ;;
             real) flags=(--real-data) ;;
+            real_llvm_atomics) flags=(--real-data) native=0 ;;
         esac
         [ "$PROFILE" = yes ] && profile=(--profile-steps "$REAL_PROFILE_STEPS" --profile-dir "$OUT/profile/$name")
-        (export FLAXCHAT_BASE_DIR=$REAL_BASE
+        (export FLAXCHAT_BASE_DIR=$REAL_BASE FLAXCHAT_NATIVE_GPU_ATOMICS=$native
          step "$name" python -m scripts.bench --what train --depth "$REAL_DEPTH" --max-seq-len "$T" --window-pattern L \
              --dtype "$DTYPE" --device-batch-size "$REAL_ROWS" --grad-accum 2 "${flags[@]}" "${REAL_STEPS[@]}" \
              --expect-backend "$BACKEND" ${profile[@]+"${profile[@]}"}) || true

@@ -293,7 +293,8 @@ def test_gpu_check_cpu_smoke(tmp_path, request):
     assert tests["ok"] and tests["failed"] == 0 and tests["errors"] == 0
     assert tests["skipped"] >= 4 and tests["passed"] == 0  # the GPU tests above, each skipped with its reason
     assert [t["name"] for t in report["train"]] == ["train_d2", "train_d2_random_data", "train_d2_random_fresh_data",
-                                                   "train_d2_real_cycled_data", "train_d2_real_data"]
+                                                   "train_d2_real_cycled_data", "train_d2_real_data",
+                                                   "train_d2_real_llvm_atomics_data"]
     assert [p["name"] for p in report["prepared"]] == ["real_data", "real_tokenizer"]
     assert all(p["ok"] for p in report["prepared"])
     for t in report["train"]:
@@ -304,7 +305,7 @@ def test_gpu_check_cpu_smoke(tmp_path, request):
         assert res["profile"]["steps"] == 2 and res["profile"]["by_kind"]["matmul"]["ms"] > 0
         assert isinstance(res["profile"]["scatters"], list)  # their combiners (test_gpt reads them in users' codegen)
         assert "--profile-steps 2:4" in t["command"]
-    first, random_data, fresh, cycled, real_data = (t["result"] for t in report["train"])
+    first, random_data, fresh, cycled, real_data, real_llvm_atomics = (t["result"] for t in report["train"])
     assert "--window-pattern SSSL" in report["train"][0]["command"]
     if nanochat:
         assert first["nanochat"]["tok_per_s"] > 0 and first["vs_nanochat"] > 0
@@ -313,7 +314,8 @@ def test_gpu_check_cpu_smoke(tmp_path, request):
     assert random_data["data"] == "random tokens" and real_data["data"] == "grain loader"
     assert fresh["data"] == "random tokens, new arrays every step"
     assert cycled["data"] == "grain loader's first 2 steps, cycled"
-    for r in (fresh, cycled, real_data):
+    assert real_llvm_atomics["data"] == "grain loader"  # on a CPU the same run (no CUDA compiler to ask)
+    for r in (fresh, cycled, real_data, real_llvm_atomics):
         assert r["grad_accum"] == 2 and r["config"] == random_data["config"] and "nanochat" not in r
     assert [g["result"]["batch_size"] for g in report["generate"]] == [1, 4]
     for g in report["generate"]:
@@ -345,7 +347,8 @@ def test_gpu_check_only_runs_the_sections_asked_for(tmp_path):
     report = json.loads((out / "report.json").read_text())
     assert report["ok"] is True and report["sections"] == ["real"]
     assert [t["name"] for t in report["train"]] == ["train_d2_random_data", "train_d2_random_fresh_data",
-                                                   "train_d2_real_cycled_data", "train_d2_real_data"]
+                                                   "train_d2_real_cycled_data", "train_d2_real_data",
+                                                   "train_d2_real_llvm_atomics_data"]
     assert report["tests"]["not_run"] and report["serve"]["not_run"] and report["generate"] == []
     summary = (out / "summary.md").read_text()
     assert summary.count("not run (`--only`)") == 3  # tests, generation, serving
@@ -366,3 +369,18 @@ def test_summary_shows_whether_a_rows_steps_slow_down():
     lines = drift_lines([slowing, short, failed])
     assert lines[-1] == "- train_d12_real_data: 350.0 -> 690.0" and len([x for x in lines if x.startswith("- ")]) == 1
     assert drift_lines([short, failed]) == []
+
+
+def test_a_gpu_row_without_native_atomics_says_so():
+    """The real_llvm_atomics row: a GPU run whose XLA_FLAGS lack the LLVM option is labelled; CPU rows and rows
+    with it are not."""
+    from scripts.gpu_check import train_row
+
+    record = {"config": {"n_layer": 12, "window_pattern": "L", "sequence_len": 2048}, "num_params": 2.9e8,
+              "dtype": "bfloat16", "grad_accum": 2, "data": "grain loader", "tokens_per_step": 131072, "tok_per_s": 2e5,
+              "mfu": 20.0, "compile_s": 15.0, "peak_mem_gb": 60.0, "attention": "cudnn", "remat": "none",
+              "peak_flops": 9.89e14, "peak_flops_source": "datasheet", "backend": "gpu"}
+    label = lambda **kw: train_row({**record, **kw})[0]
+    assert label(xla_flags="--xla_backend_extra_options=-nvptx-allow-ftz-atomics").endswith("grain loader)")
+    assert label(xla_flags="").endswith("grain loader, fp32 atomic adds as LLVM compiles them)")
+    assert label(xla_flags="", backend="cpu").endswith("grain loader)")
