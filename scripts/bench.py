@@ -346,7 +346,10 @@ def _products(jaxpr, times: int = 1):
 
 
 def _time_product(lhs, rhs, params, repeats: int, rng) -> tuple[float, int]:
-    """(median seconds, FLOPs) of one dot_general of these operand types and params, compiled and run alone."""
+    """(seconds, FLOPs) of one dot_general of these operand types and params, compiled and run alone: the fastest
+    of `repeats` calls, the rate XLA's kernel reaches on that shape. Not the median: on a 2-vCPU VM the same
+    product's calls took either ~3 or ~6 ms, in runs of several at a time (the laptop demo's (16, 256, 256) weight
+    gradient), so the median of 5 read anywhere from 90 to 160 GFLOP/s and the fastest of 40 read 183-186."""
     a, b = (jnp.asarray(rng.standard_normal(x.shape), x.dtype) for x in (lhs, rhs))
     product = jax.jit(lambda a, b: jax.lax.dot_general(a, b, params["dimension_numbers"],
                                                       preferred_element_type=params["preferred_element_type"]))
@@ -357,12 +360,12 @@ def _time_product(lhs, rhs, params, repeats: int, rng) -> tuple[float, int]:
         product(a, b).block_until_ready()
         samples.append(time.perf_counter() - t0)
     contracted = math.prod(lhs.shape[i] for i in params["dimension_numbers"][0][0])
-    return statistics.median(samples), 2 * math.prod(out.shape) * contracted
+    return min(samples), 2 * math.prod(out.shape) * contracted
 
 
-def product_census(model, optimizer, batch, mesh, repeats: int = 5) -> dict:
+def product_census(model, optimizer, batch, mesh, repeats: int = 10) -> dict:
     """Every matrix product of the train step (its dot_generals: forward, backward, loss, optimizer), each
-    timed alone as XLA compiles it on its own: the median of `repeats` runs, times how often the step runs it.
+    timed alone as XLA compiles it on its own (the fastest of `repeats` calls), times how often the step runs it.
 
     Their sum is how long the step's products take one after another at the rates XLA's kernels reach on
     those shapes in isolation; beside the step's time it says how much of the step the products are (the rest:
