@@ -348,8 +348,9 @@ def _products(jaxpr, times: int = 1):
 def _time_product(lhs, rhs, params, repeats: int, rng) -> tuple[float, int]:
     """(seconds, FLOPs) of one dot_general of these operand types and params, compiled and run alone: the fastest
     of `repeats` calls, the rate XLA's kernel reaches on that shape. Not the median: on a 2-vCPU VM the same
-    product's calls took either ~3 or ~6 ms, in runs of several at a time (the laptop demo's (16, 256, 256) weight
-    gradient), so the median of 5 read anywhere from 90 to 160 GFLOP/s and the fastest of 40 read 183-186."""
+    product's calls took either ~3 or ~6 ms, in runs of several at a time (a (16, 256, 256) weight gradient of the
+    laptop demo's model at batch 16), so the median of 5 read anywhere from 90 to 160 GFLOP/s and the fastest of 40
+    read 183-186."""
     a, b = (jnp.asarray(rng.standard_normal(x.shape), x.dtype) for x in (lhs, rhs))
     product = jax.jit(lambda a, b: jax.lax.dot_general(a, b, params["dimension_numbers"],
                                                       preferred_element_type=params["preferred_element_type"]))
