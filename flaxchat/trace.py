@@ -167,7 +167,10 @@ def summarize_trace(path: str, kinds: dict | None = None, module: str | None = N
     if on_device:
         busy = out["op_ms_per_step"] / out["step_ms"] if out["step_ms"] else None
     else:
-        busy = covered_share(ops, [(e["ts"], e["ts"] + e["dur"]) for e in steps])
+        windows = [(e["ts"], e["ts"] + e["dur"]) for e in steps]
+        busy = covered_share(ops, windows)
+        # XLA:CPU runs independent ops at once on its threads, so op_ms_per_step can exceed step_ms
+        out["side_by_side"] = side_by_side_share(ops, windows)
     return {"trace": path, "device": "accelerator" if on_device else "cpu", "busy": busy, **out}
 
 
@@ -177,20 +180,45 @@ def covered_share(events: list, windows: list[tuple[float, float]]) -> float | N
     total = sum(b - a for a, b in windows)
     if total <= 0:
         return None
-    union = []  # the events' time as disjoint spans, in order
+    return sum(max(0.0, min(t, b) - max(s, a)) for a, b in windows for s, t in _spans(events)) / total
+
+
+def _spans(events: list) -> list[list[float]]:
+    """The events' time as disjoint [start, end] spans, in order (overlapping or nested events merged)."""
+    union = []
     for s, t in sorted((e["ts"], e["ts"] + e["dur"]) for e in events):
         if union and s <= union[-1][1]:
             union[-1][1] = max(union[-1][1], t)
         else:
             union.append([s, t])
-    return sum(max(0.0, min(t, b) - max(s, a)) for a, b in windows for s, t in union) / total
+    return union
+
+
+def side_by_side_share(events: list, windows: list[tuple[float, float]]) -> float | None:
+    """The share of the windows' total time during which events ran on two or more threads at once (an op nested in
+    another on its thread counts once); None without windows."""
+    total = sum(b - a for a, b in windows)
+    if total <= 0:
+        return None
+    by_thread = collections.defaultdict(list)
+    for e in events:
+        by_thread[(e.get("pid"), e.get("tid"))].append(e)
+    edges = sorted((x, d) for group in by_thread.values() for s, t in _spans(group) for x, d in ((s, 1), (t, -1)))
+    shared, running, last = [], 0, None  # spans with two or more threads running
+    for x, d in edges:
+        if running >= 2 and x > last:
+            shared.append((last, x))
+        running, last = running + d, x
+    return sum(max(0.0, min(t, b) - max(s, a)) for a, b in windows for s, t in shared) / total
 
 
 def format_summary(summary: dict, title: str = "") -> str:
     """A few lines of text: the step, ms by kind, the top ops."""
     step = f"{summary['step_ms']:.1f} ms a step, " if summary.get("step_ms") else ""
     busy = summary.get("busy")
-    busy = "" if busy is None else f" (busy {100 * busy:.0f}% of the step)"
+    both = summary.get("side_by_side")
+    both = "" if both is None else f", ops on two or more threads at once {100 * both:.0f}%"
+    busy = "" if busy is None else f" (busy {100 * busy:.0f}% of the step{both})"
     lines = [f"{title}{step}{summary['op_ms_per_step']:.1f} ms of ops a step over {summary['steps']} step(s){busy}"]
     lines.append("  " + ", ".join(f"{k} {v['ms']:.1f} ms ({v['share']}%)" for k, v in summary["by_kind"].items()))
     lines += [f"  {t['ms']:9.2f} ms {t['share']:5.1f}%  {t['kind']:<11} {t['op']}"

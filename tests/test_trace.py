@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import pytest
 
 from flaxchat.hlo import op_kinds, op_sources
-from flaxchat.trace import KINDS, covered_share, format_summary, kind_of_name, main, summarize_ops, summarize_trace
+from flaxchat.trace import (KINDS, covered_share, format_summary, kind_of_name, main, side_by_side_share, summarize_ops,
+                            summarize_trace)
 
 
 def write_trace(path, events, processes, threads):
@@ -80,7 +81,8 @@ def test_a_cpu_trace_takes_nested_ops_self_time_on_each_thread(tmp_path):
     assert ms == pytest.approx({"ynn_fusion.3": 1.0, "while.5": 0.4, "copy.1": 0.3, "bitcast.2": 0.1})
     assert s["by_kind"]["layout"]["ms"] == pytest.approx(0.4) and s["op_ms_per_step"] == pytest.approx(1.8)
     assert s["busy"] == pytest.approx(0.9)  # some op ran from 0 to 900 of the 1000 µs (the executor's own event
-    assert "(busy 90% of the step)" in format_summary(s)  # names no op and does not count)
+    assert s["side_by_side"] == pytest.approx(0.9)  # names no op and does not count), on both threads
+    assert "(busy 90% of the step, ops on two or more threads at once 90%)" in format_summary(s)
 
 
 def test_covered_share_counts_overlapping_and_nested_events_once_within_the_windows():
@@ -89,6 +91,17 @@ def test_covered_share_counts_overlapping_and_nested_events_once_within_the_wind
     # window 1: 10-70 and 90-100; window 2: 200-210 and 250-260; the last event falls outside both
     assert covered_share(events, [(0, 100), (200, 300)]) == pytest.approx(90 / 200)
     assert covered_share(events, []) is None
+
+
+def test_side_by_side_share_counts_time_with_ops_on_two_threads_at_once():
+    ev = lambda tid, a, b: {"pid": 1, "tid": tid, "ts": a, "dur": b - a}
+    # thread 1: 0-60 with a nested op (one thread, however deep); thread 2: 40-80 and 100-150; thread 3: 140-160
+    events = [ev(1, 0, 60), ev(1, 10, 50), ev(2, 40, 80), ev(2, 100, 150), ev(3, 140, 160), ev(1, 150, 170)]
+    # two or more threads: 40-60, 140-160 (150-160 has three), 150-170's thread 1 beside thread 3 up to 160
+    assert side_by_side_share(events, [(0, 200)]) == pytest.approx(40 / 200)
+    assert side_by_side_share(events, [(0, 50), (145, 200)]) == pytest.approx((10 + 15) / 105)
+    assert side_by_side_share([ev(1, 0, 10), ev(2, 10, 20)], [(0, 20)]) == 0  # one ends as the next starts
+    assert side_by_side_share(events, []) is None
 
 
 def test_a_real_cpu_trace_of_a_jitted_step(tmp_path):
@@ -234,7 +247,8 @@ def test_the_command_line_prints_a_trace_folders_summary(tmp_path, capsys):
                 {(1, 11): "tf_XLAEigen/1"})
     main([str(tmp_path)])
     text = capsys.readouterr().out
-    assert text.startswith("2.0 ms a step, 1.5 ms of ops a step over 1 step(s) (busy 75% of the step)\n")
+    assert text.startswith("2.0 ms a step, 1.5 ms of ops a step over 1 step(s) (busy 75% of the step, ops on two or "
+                           "more threads at once 0%)\n")
     assert "ynn_fusion.3" in text
     main([str(tmp_path), "--module", "", "--json"])
     every_module = json.loads(capsys.readouterr().out)
