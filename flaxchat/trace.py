@@ -177,10 +177,15 @@ def summarize_trace(path: str, kinds: dict | None = None, module: str | None = N
 def covered_share(events: list, windows: list[tuple[float, float]]) -> float | None:
     """The share of the windows' total time during which at least one of the events ran (events overlapping each
     other or nested count once); None without windows."""
+    return _share_of_windows(_spans(events), windows)
+
+
+def _share_of_windows(spans, windows: list[tuple[float, float]]) -> float | None:
+    """The share of the windows' total time that disjoint (start, end) spans cover; None without windows."""
     total = sum(b - a for a, b in windows)
     if total <= 0:
         return None
-    return sum(max(0.0, min(t, b) - max(s, a)) for a, b in windows for s, t in _spans(events)) / total
+    return sum(max(0.0, min(t, b) - max(s, a)) for a, b in windows for s, t in spans) / total
 
 
 def _spans(events: list) -> list[list[float]]:
@@ -197,9 +202,6 @@ def _spans(events: list) -> list[list[float]]:
 def side_by_side_share(events: list, windows: list[tuple[float, float]]) -> float | None:
     """The share of the windows' total time during which events ran on two or more threads at once (an op nested in
     another on its thread counts once); None without windows."""
-    total = sum(b - a for a, b in windows)
-    if total <= 0:
-        return None
     by_thread = collections.defaultdict(list)
     for e in events:
         by_thread[(e.get("pid"), e.get("tid"))].append(e)
@@ -209,7 +211,7 @@ def side_by_side_share(events: list, windows: list[tuple[float, float]]) -> floa
         if running >= 2 and x > last:
             shared.append((last, x))
         running, last = running + d, x
-    return sum(max(0.0, min(t, b) - max(s, a)) for a, b in windows for s, t in shared) / total
+    return _share_of_windows(shared, windows)
 
 
 def format_summary(summary: dict, title: str = "") -> str:
