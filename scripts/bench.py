@@ -182,7 +182,7 @@ def bench_train(args, mesh) -> dict:
     so every pair of numbers comes from the same minutes of a machine whose speed may drift."""
     from flaxchat.optim import build_optimizer
     from flaxchat.trace import format_summary
-    from flaxchat.training import InFlight, profile_summary, train_step
+    from flaxchat.training import FlatStep, InFlight, profile_summary
 
     dp = mesh.shape["data"] * mesh.shape["fsdp"]
     B, T, A = args.device_batch_size * dp, args.max_seq_len, args.grad_accum
@@ -219,7 +219,7 @@ def bench_train(args, mesh) -> dict:
 
     profiler = StepProfiler(args.profile_steps, args.profile_dir or os.path.join(get_base_dir(), "profile", "bench"))
 
-    optimizer_step = nnx.cached_partial(train_step, model, optimizer)  # as pretrain calls it
+    optimizer_step = FlatStep(model, optimizer)  # as pretrain calls it
     steps, last, in_flight = iter(range(10**9)), {}, InFlight(1 if args.in_flight else 0)
 
     def step():
@@ -267,7 +267,7 @@ def bench_train(args, mesh) -> dict:
     profiler.close()
     if loader is not None:
         loader.close()
-    where = profile_summary(profiler, model, optimizer, last["batch"], mesh) if args.profile_steps else None
+    where = profile_summary(profiler, optimizer_step, last["batch"], mesh) if args.profile_steps else None
     census = product_census(model, optimizer, last["batch"], mesh) if args.products else None
     if where is not None:
         print(format_summary(where, "flaxchat's profiled steps: "), file=sys.stderr)

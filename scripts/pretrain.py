@@ -38,11 +38,11 @@ from flaxchat.config import GPTConfig, add_model_flags, config_from_flags, deriv
 from flaxchat.dataloader import make_loader, make_val_loader
 from flaxchat.gpt import GPT, add_kernel_flags
 from flaxchat.loss_eval import evaluate_bpb
-from flaxchat.optim import Schedule, build_optimizer, optimizer_stats
+from flaxchat.optim import Schedule, build_optimizer
 from flaxchat.report import Report, metrics_logger, plot_training, read_jsonl
 from flaxchat.tokenizer import get_token_bytes, get_tokenizer
 from flaxchat.trace import format_summary
-from flaxchat.training import InFlight, profile_summary, train_step
+from flaxchat.training import FlatStep, InFlight, profile_summary
 
 SAMPLE_PROMPTS = [
     "The capital of France is",
@@ -274,8 +274,8 @@ def main(argv=None):
 
     bar = progress_bar(total=num_iterations, initial=step, desc="pretrain", disable=not is_main_process(), dynamic_ncols=True)
     profiler = StepProfiler(args.profile_steps, os.path.join(out_dir, "profile"))
-    # the model and optimizer as cached graph nodes: a call skips NNX's walk over both (~15 ms of host time a step)
-    optimizer_step = nnx.cached_partial(train_step, model, optimizer)
+    # one jax.jit over the model's and optimizer's arrays: a call skips NNX's walk over both (training.FlatStep)
+    optimizer_step = FlatStep(model, optimizer)
     # each step is waited for before the next is dispatched (training.InFlight at depth 0: keeping one in flight
     # measured slower), so evaluations, saves and profiled steps find the device free
     in_flight = InFlight()
@@ -330,15 +330,15 @@ def main(argv=None):
         with profiler.step(step):  # data loading included: the trace shows the whole step
             xs, ys = zip(*(next(train_loader) for _ in range(grad_accum)))
             with jax.set_mesh(mesh):
-                loss = optimizer_step(xs, ys)
-            done = in_flight.submit((loss, optimizer_stats(optimizer)), (step, train_loader.epoch), started)
+                outputs = optimizer_step(xs, ys)  # (loss, optimizer_stats)
+            done = in_flight.submit(outputs, (step, train_loader.epoch), started)
         record(done)
         step += 1
 
     bar.close()
     profiler.close()
     if profiler.written and is_main_process():  # where the profiled steps' time went, saved beside the trace
-        summary = profile_summary(profiler, model, optimizer, (xs, ys), mesh)
+        summary = profile_summary(profiler, optimizer_step, (xs, ys), mesh)
         with open(os.path.join(profiler.directory, "summary.json"), "w") as f:
             json.dump(summary, f, indent=1)
         print0(format_summary(summary, "the profiled steps: "), file=sys.stderr)

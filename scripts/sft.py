@@ -52,7 +52,7 @@ from flaxchat.loss_eval import evaluate_bpb
 from flaxchat.optim import Schedule, build_optimizer
 from flaxchat.report import metrics_logger, plot_training, read_jsonl
 from flaxchat.tokenizer import get_token_bytes, get_tokenizer
-from flaxchat.training import InFlight, train_step
+from flaxchat.training import FlatStep, InFlight
 
 # flag -> (fallback, where the base checkpoint keeps it): None means "inherit from the base model"
 INHERITED = {
@@ -592,9 +592,9 @@ def main(argv=None):
     bar = progress_bar(total=args.num_iterations if args.num_iterations > 0 else None, initial=loop["step"], desc="sft",
                        disable=not is_main_process(), dynamic_ncols=True)
     say = bar.write if is_main_process() else (lambda _: None)
-    # the model and optimizer as cached graph nodes, as pretrain calls the step: a call skips NNX's walk over both
-    # (~50 ms of host time a step at d12)
-    optimizer_step = nnx.cached_partial(train_step, model, optimizer)
+    # one jax.jit over the model's and optimizer's arrays, as pretrain calls the step: a call skips NNX's walk over
+    # both (training.FlatStep)
+    optimizer_step = FlatStep(model, optimizer)
     ema, summary = 0.9, {}
     # as in pretraining, each step is waited for before the next is dispatched (training.InFlight)
     in_flight = InFlight()
@@ -653,7 +653,7 @@ def main(argv=None):
             knobs["muon_momentum"] = muon_momentum(step)
         set_hyperparams(optimizer, **knobs)
         with jax.set_mesh(mesh):
-            loss = optimizer_step(xs, ys)
+            loss, _ = optimizer_step(xs, ys)  # (loss, optimizer_stats)
         step += 1
         loop.update(step=step, last_step=bool(last_step), progress=float(progress))
         record(in_flight.submit(loss, (step, lrm, float(progress), train_loader.epoch), started))
