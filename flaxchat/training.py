@@ -53,6 +53,13 @@ def _accumulate_grads(model, xs, ys, wrt=nnx.Param):
 
 
 def _train_step(model, optimizer, xs, ys):
+    """One optimizer step over micro-batches: xs, ys are sequences of (B, T) arrays (inputs, targets -1 = ignore).
+
+    Returns the mean loss. Run it under `jax.set_mesh(mesh)` when the arrays live on a mesh. Gradients are taken of
+    the optimizer's `wrt` parameters only (all nnx.Params; for LoRA its adapters and --lora-full weights: the frozen
+    rest gets none). Jitted two ways: train_step (nnx.jit, the model and optimizer buffers donated) and FlatStep,
+    which the training loops call.
+    """
     loss, grads = _accumulate_grads(model, jnp.stack(xs), jnp.stack(ys), optimizer.wrt)
     optimizer.update(model, grads)
     sharding.pin_state(optimizer)
@@ -60,11 +67,6 @@ def _train_step(model, optimizer, xs, ys):
 
 
 train_step = nnx.jit(_train_step, donate_argnums=(0, 1))
-train_step.__doc__ = """train_step(model, optimizer, xs, ys): one optimizer step over micro-batches: xs, ys are sequences of
-(B, T) arrays (inputs, targets -1 = ignore). The model and optimizer buffers are donated (updated in place on device).
-Returns the mean loss. Run it under `jax.set_mesh(mesh)` when the arrays live on a mesh. Gradients are taken of the
-optimizer's `wrt` parameters only (all nnx.Params; for LoRA its adapters and --lora-full weights: the frozen rest gets
-none). The training loops call the same step through FlatStep."""
 
 
 class FlatStep:

@@ -19,9 +19,10 @@ def _model_and_optimizer():
 
 @pytest.mark.parametrize("depth", [0, 1])
 def test_in_flight_loop_logs_what_steps_run_one_at_a_time_log(depth):
-    """A FlatStep's steps equal nnx.jit's train_step on the model and optimizer. InFlight's losses and optimizer stats (at depth 1 read after the next step donated the optimizer's
-    buffers) and its final parameters equal those of steps run and read one at a time; at depth 0 submit hands
-    back the step itself, at depth 1 the step before it."""
+    """A FlatStep's steps equal nnx.jit's train_step on the model and optimizer. InFlight's losses and optimizer
+    stats (at depth 1 read after the next step donated the optimizer's buffers) and its final parameters equal
+    those of steps run and read one at a time; at depth 0 submit hands back the step itself, at depth 1 the step
+    before it."""
     rng = np.random.default_rng(0)
     batches = [((jnp.asarray(rng.integers(0, 128, (2, 32), dtype=np.int32)),),
                 (jnp.asarray(rng.integers(0, 128, (2, 32), dtype=np.int32)),)) for _ in range(6)]
@@ -64,6 +65,7 @@ def test_flat_step_reads_what_the_host_changed_and_leaves_the_new_arrays_in_the_
     rng = np.random.default_rng(1)
     xs = (jnp.asarray(rng.integers(0, 128, (2, 32), dtype=np.int32)),)
     ys = (jnp.asarray(rng.integers(0, 128, (2, 32), dtype=np.int32)),)
+
     def unscheduled():  # as SFT builds it: the learning rate is the host's
         model = GPT(GPTConfig.from_depth(2, max_seq_len=32, vocab_size=128), rngs=nnx.Rngs(0))
         return model, build_optimizer(model, verbose=False)
