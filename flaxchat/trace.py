@@ -164,13 +164,14 @@ def summarize_trace(path: str, kinds: dict | None = None, module: str | None = N
     # the share of the step the program was running (below 1: it waited on the host, on input or on transfers): on
     # a device its kernels' time over the step's; on a CPU, where XLA runs ops side by side on its threads, the
     # share of the steps' wall time during which at least one op ran
+    windows = [(e["ts"], e["ts"] + e["dur"]) for e in steps]
     if on_device:
         busy = out["op_ms_per_step"] / out["step_ms"] if out["step_ms"] else None
     else:
-        windows = [(e["ts"], e["ts"] + e["dur"]) for e in steps]
         busy = covered_share(ops, windows)
         # XLA:CPU runs independent ops at once on its threads, so op_ms_per_step can exceed step_ms
         out["side_by_side"] = side_by_side_share(ops, windows)
+    out["idle"] = idle_ms(ops, windows)
     return {"trace": path, "device": "accelerator" if on_device else "cpu", "busy": busy, **out}
 
 
@@ -199,6 +200,25 @@ def _spans(events: list) -> list[list[float]]:
     return union
 
 
+def idle_ms(events: list, windows: list[tuple[float, float]]) -> dict | None:
+    """Where no event ran in the windows (the profiled steps), ms per window: before the first one starts (the host
+    reading the batches and dispatching the step), between events (launch gaps, waits inside the step) and after
+    the last one ends (the host still busy with the step, or a wait for its results); None without windows."""
+    if not windows:
+        return None
+    spans, before, between, after = _spans(events), 0.0, 0.0, 0.0
+    for a, b in windows:
+        inside = [(max(s, a), min(t, b)) for s, t in spans if t > a and s < b]
+        if not inside:
+            before += b - a
+            continue
+        before += inside[0][0] - a
+        between += sum(inside[i + 1][0] - inside[i][1] for i in range(len(inside) - 1))
+        after += b - inside[-1][1]
+    n = len(windows) * 1e3  # µs -> ms per window
+    return {"before_first_op": before / n, "between_ops": between / n, "after_last_op": after / n}
+
+
 def side_by_side_share(events: list, windows: list[tuple[float, float]]) -> float | None:
     """The share of the windows' total time during which events ran on two or more threads at once (an op nested in
     another on its thread counts once); None without windows."""
@@ -225,6 +245,10 @@ def format_summary(summary: dict, title: str = "") -> str:
     lines.append("  " + ", ".join(f"{k} {v['ms']:.1f} ms ({v['share']}%)" for k, v in summary["by_kind"].items()))
     lines += [f"  {t['ms']:9.2f} ms {t['share']:5.1f}%  {t['kind']:<11} {t['op']}"
               + (f"  <- {t['source']}" if t.get("source") else "") for t in summary["top"]]
+    idle = summary.get("idle")
+    if idle:
+        lines.append(f"  idle a step: {idle['before_first_op']:.1f} ms before the first op, {idle['between_ops']:.1f} ms "
+                     f"between ops, {idle['after_last_op']:.1f} ms after the last")
     if summary.get("by_source"):
         lines.append("  by line of the program:")
         lines += [f"  {t['ms']:9.2f} ms {t['share']:5.1f}%  {t['source']}  ("

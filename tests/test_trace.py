@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import pytest
 
 from flaxchat.hlo import op_kinds, op_sources
-from flaxchat.trace import (KINDS, covered_share, format_summary, kind_of_name, main, side_by_side_share, summarize_ops,
-                            summarize_trace)
+from flaxchat.trace import (KINDS, covered_share, format_summary, idle_ms, kind_of_name, main, side_by_side_share,
+                            summarize_ops, summarize_trace)
 
 
 def write_trace(path, events, processes, threads):
@@ -58,7 +58,10 @@ def test_a_gpu_trace_counts_kernels_on_the_device_by_op_and_step(tmp_path):
     by_name = summarize_trace(str(tmp_path), module="train_step")
     assert by_name["by_kind"]["matmul"]["ms"] == pytest.approx(4.0)
     assert by_name["by_kind"]["attention"]["ms"] == pytest.approx(2.0)
+    # the GPU's idle 2.5 ms a step: 0.1 before the first kernel, three gaps of 0.1, 2.1 after the last counted one
+    assert s["idle"] == pytest.approx({"before_first_op": 0.1, "between_ops": 0.3, "after_last_op": 2.1})
     text = format_summary(s, "flaxchat: ")
+    assert "idle a step: 0.1 ms before the first op, 0.3 ms between ops, 2.1 ms after the last" in text
     assert s["busy"] == pytest.approx(0.75)
     assert text.startswith("flaxchat: 10.0 ms a step, 7.5 ms of ops a step over 2 step(s) (busy 75% of the step)")
     assert "custom-call.3" in text and "matmul 4.0 ms (53.3%)" in text
@@ -102,6 +105,18 @@ def test_side_by_side_share_counts_time_with_ops_on_two_threads_at_once():
     assert side_by_side_share(events, [(0, 50), (145, 200)]) == pytest.approx((10 + 15) / 105)
     assert side_by_side_share([ev(1, 0, 10), ev(2, 10, 20)], [(0, 20)]) == 0  # one ends as the next starts
     assert side_by_side_share(events, []) is None
+
+
+def test_idle_ms_splits_a_windows_idle_time_by_where_it_falls():
+    ev = lambda a, b: {"ts": a, "dur": b - a}
+    events = [ev(20, 60), ev(40, 50), ev(70, 90), ev(130, 150), ev(300, 320)]
+    # window 1 (0-100): 20 before, 60-70 between, 90-100 after; window 2 (100-200): 30 before, 50 after;
+    # window 3 (400-500): nothing ran, all of it counts as before the first op
+    assert idle_ms(events, [(0, 100), (100, 200), (400, 500)]) == pytest.approx(
+        {"before_first_op": (20 + 30 + 100) / 3e3, "between_ops": 10 / 3e3, "after_last_op": (10 + 50) / 3e3})
+    assert idle_ms(events, [(45, 80)]) == pytest.approx({"before_first_op": 0, "between_ops": 0.01,
+                                                         "after_last_op": 0})  # spans clipped to the window
+    assert idle_ms(events, []) is None
 
 
 def test_a_real_cpu_trace_of_a_jitted_step(tmp_path):
