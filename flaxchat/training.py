@@ -139,14 +139,16 @@ _copy = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))  # one dispatch for a
 
 
 class InFlight:
-    """Runs training steps one at a time (depth 0, the default) or keeps one in flight (depth 1): the host then
-    fetches and dispatches step k+1 before it waits for step k.
+    """Runs training steps one at a time (depth 0) or keeps one in flight (depth 1): the host then fetches and
+    dispatches step k+1 before it waits for step k.
 
     JAX dispatches asynchronously, so with depth 1 the device can start step k+1 as soon as step k ends while
-    the host reads step k's loss, logs it and loads the next batches. Measured, it gained nothing: on a 2-core
-    CPU the host's work shares the cores with XLA's threads, and on one H200 (d12, in one process, alternating
-    blocks of steps) steps in flight took 130.8 ms against 126.5 ms one at a time. So pretraining and SFT wait
-    for each step; `bench --in-flight` times depth 1 on new hardware.
+    the host reads step k's loss, logs it and loads the next batches. Measured on one H200 (d12, all-L, T=2048,
+    32 rows x 2 accumulation steps, the Grain loader; `bench --real-data`, alternating processes) depth 1 took
+    202.3-203.9 ms a step against 208.0-210.4 ms in three rounds, and was faster in both sittings before that:
+    ~3%, the host's work that no longer sits between two steps' kernels. On a 2-core CPU it is within noise (the
+    host's work shares the cores with XLA's threads). So the loops keep one step in flight on GPUs and TPUs and
+    wait for each on a CPU (`in_flight_depth`).
 
     `submit(outputs, info, started)` takes a step just dispatched (outputs: a pytree of arrays; at depth 1 copied on
     the device at once, so a later step may donate the buffers they are, e.g. the optimizer's state; info: anything;
@@ -180,6 +182,19 @@ class InFlight:
         end = time.perf_counter()
         seconds, self.last_end = end - max(started, self.last_end), end
         return outputs, info, seconds
+
+
+IN_FLIGHT_CHOICES = ("auto", "on", "off")
+IN_FLIGHT_HELP = ("keep one training step in flight: the next step's batches are read and the step dispatched "
+                  "before this one's loss is read (auto: on for GPUs and TPUs, ~3%% faster on an H200 with the "
+                  "loader; off on a CPU, where it measured within noise)")
+
+
+def in_flight_depth(choice: str, backend: str) -> int:
+    """InFlight's depth for --in-flight {auto,on,off} on a JAX backend ("cpu", "gpu", "tpu")."""
+    if choice not in IN_FLIGHT_CHOICES:
+        raise ValueError(f"--in-flight is one of {', '.join(IN_FLIGHT_CHOICES)}, got {choice!r}")
+    return int(choice == "on" or (choice == "auto" and backend != "cpu"))
 
 
 def profile_summary(profiler, step: FlatStep, batch, mesh) -> dict | None:

@@ -63,6 +63,7 @@ from flaxchat.gpt import GPT, add_kernel_flags
 from flaxchat.hlo import source_line
 from flaxchat.quantize import add_quantize_flag, quantize_for_generation, weight_bytes
 from flaxchat.speculative import add_draft_flags, measure_speculative
+from flaxchat.training import IN_FLIGHT_CHOICES, in_flight_depth
 
 
 def build_parser():
@@ -74,12 +75,12 @@ def build_parser():
     p.add_argument("--device-batch-size", type=int, default=8, help="training sequences per device")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-steps per training step")
     p.add_argument("--steps", type=int, default=10,
-                   help="timed training steps (median reported), each waited for before the next is dispatched, as "
-                        "pretrain runs them; a step's time runs from reading its batches to its loss being ready")
-    p.add_argument("--in-flight", action="store_true",
-                   help="train: keep one step in flight instead (the next is dispatched before this one's loss is "
-                        "read; a step's time is then the time between the ends of two steps). Measured slower on "
-                        "an H200 and no faster on a CPU, so pretrain does not; this times it on other hardware")
+                   help="timed training steps (median reported), run as pretrain runs them; a step's time runs from "
+                        "reading its batches to its loss being ready")
+    p.add_argument("--in-flight", nargs="?", const="on", choices=IN_FLIGHT_CHOICES, default="auto",
+                   help="train: keep one step in flight, as pretrain does (auto: on GPUs and TPUs, off on a CPU; "
+                        "a bare --in-flight is on): the next is dispatched before this one's loss is read, and a "
+                        "step's time is then the time between the ends of two steps")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps after compilation")
     p.add_argument("--rounds", type=int, default=1,
                    help="train: time --steps steps this many times (with --nanochat: nanochat, then flaxchat, each "
@@ -220,7 +221,7 @@ def bench_train(args, mesh) -> dict:
     profiler = StepProfiler(args.profile_steps, args.profile_dir or os.path.join(get_base_dir(), "profile", "bench"))
 
     optimizer_step = FlatStep(model, optimizer)  # as pretrain calls it
-    steps, last, in_flight = iter(range(10**9)), {}, InFlight(1 if args.in_flight else 0)
+    steps, last, in_flight = iter(range(10**9)), {}, InFlight(in_flight_depth(args.in_flight, jax.default_backend()))
 
     def step():
         """Read the batches and dispatch a step (with --in-flight, while the step before it runs); returns the steps
@@ -286,7 +287,7 @@ def bench_train(args, mesh) -> dict:
         "peak_mem_gb": peak_mem_gb(), "tokens_per_step": tokens, "flops_per_token": model.estimate_flops(),
         "num_params": model.num_scaling_params()["total"], "attention": model.attention, "remat": model.remat,
         "data": data, "grad_accum": A,
-        "in_flight": bool(args.in_flight),
+        "in_flight": bool(in_flight.depth),
         "machine": rounds[0]["machine"],  # quiet: a start load of ~0-1 and steal ~0 (see common.MachineLoad)
         "times_s": times,  # every timed step in order: a run whose steps slow down as it goes shows it here
     }

@@ -42,7 +42,7 @@ from flaxchat.optim import Schedule, build_optimizer
 from flaxchat.report import Report, metrics_logger, plot_training, read_jsonl
 from flaxchat.tokenizer import get_token_bytes, get_tokenizer
 from flaxchat.trace import format_summary
-from flaxchat.training import FlatStep, InFlight, profile_summary
+from flaxchat.training import IN_FLIGHT_CHOICES, IN_FLIGHT_HELP, FlatStep, InFlight, in_flight_depth, profile_summary
 
 SAMPLE_PROMPTS = [
     "The capital of France is",
@@ -97,6 +97,7 @@ def build_parser():
     p.add_argument("--model-tag", type=str, default=None, help="checkpoint directory name (default d<depth>)")
     p.add_argument("--source", type=str, default=None, help="folder of parquet shards (default $FLAXCHAT_BASE_DIR/base_data)")
     StepProfiler.add_flag(p, "<checkpoint dir>/profile, and where their time went to profile/summary.json")
+    p.add_argument("--in-flight", choices=IN_FLIGHT_CHOICES, default="auto", help=IN_FLIGHT_HELP)
     # mesh
     sharding.add_mesh_flags(p)
     return p
@@ -276,9 +277,9 @@ def main(argv=None):
     profiler = StepProfiler(args.profile_steps, os.path.join(out_dir, "profile"))
     # one jax.jit over the model's and optimizer's arrays: a call skips NNX's walk over both (training.FlatStep)
     optimizer_step = FlatStep(model, optimizer)
-    # each step is waited for before the next is dispatched (training.InFlight at depth 0: keeping one in flight
-    # measured slower), so evaluations, saves and profiled steps find the device free
-    in_flight = InFlight()
+    # on GPUs and TPUs the next step is dispatched before this one's loss is read (training.InFlight); evaluations,
+    # samples, saves and profiled steps wait for the step in flight, so they find the device free
+    in_flight = InFlight(in_flight_depth(args.in_flight, jax.default_backend()))
 
     def record(done):
         """Log a finished step (InFlight's (outputs, info, seconds)); None: nothing finished."""
@@ -306,6 +307,9 @@ def main(argv=None):
         do_core = args.core_metric_every > 0 and (last_step or (step > 0 and step % args.core_metric_every == 0))
         do_sample = args.sample_every > 0 and (last_step or (step > 0 and step % args.sample_every == 0))
         do_save = last_step or (step > 0 and step != resume_step and args.save_every > 0 and step % args.save_every == 0)
+        profiled = profiler.start <= step < profiler.stop
+        if do_eval or do_core or do_sample or do_save or last_step or profiled:
+            record(in_flight.finish())
         if do_eval:
             loop["val_bpb"] = evaluate()
             loop["min_val_bpb"] = min(loop["min_val_bpb"], loop["val_bpb"])
@@ -332,6 +336,9 @@ def main(argv=None):
             with jax.set_mesh(mesh):
                 outputs = optimizer_step(xs, ys)  # (loss, optimizer_stats)
             done = in_flight.submit(outputs, (step, train_loader.epoch), started)
+            if profiled:  # a profiled step runs alone
+                record(done)
+                done = in_flight.finish()
         record(done)
         step += 1
 

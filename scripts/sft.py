@@ -52,7 +52,7 @@ from flaxchat.loss_eval import evaluate_bpb
 from flaxchat.optim import Schedule, build_optimizer
 from flaxchat.report import metrics_logger, plot_training, read_jsonl
 from flaxchat.tokenizer import get_token_bytes, get_tokenizer
-from flaxchat.training import FlatStep, InFlight
+from flaxchat.training import IN_FLIGHT_CHOICES, IN_FLIGHT_HELP, FlatStep, InFlight, in_flight_depth
 
 # flag -> (fallback, where the base checkpoint keeps it): None means "inherit from the base model"
 INHERITED = {
@@ -144,6 +144,7 @@ def build_parser():
     p.add_argument("--save-every", type=int, default=-1, help="also checkpoint every N steps (-1 = only at the end)")
     p.add_argument("--keep", type=int, default=1, help="checkpoints kept (the latest ones)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint under the output tag (same flags)")
+    p.add_argument("--in-flight", choices=IN_FLIGHT_CHOICES, default="auto", help=IN_FLIGHT_HELP)
     # mesh
     sharding.add_mesh_flags(p)
     return p
@@ -596,8 +597,8 @@ def main(argv=None):
     # both (training.FlatStep)
     optimizer_step = FlatStep(model, optimizer)
     ema, summary = 0.9, {}
-    # as in pretraining, each step is waited for before the next is dispatched (training.InFlight)
-    in_flight = InFlight()
+    # as in pretraining, one step in flight on GPUs and TPUs (training.InFlight); evaluations and saves wait for it
+    in_flight = InFlight(in_flight_depth(args.in_flight, jax.default_backend()))
 
     def record(done):
         """Log a finished step (InFlight's (loss, info, seconds)); None: nothing finished."""
@@ -624,6 +625,8 @@ def main(argv=None):
         do_eval = last_step or (args.eval_every > 0 and step % args.eval_every == 0 and not again)
         do_save = last_step or (args.save_every > 0 and step > 0 and step % args.save_every == 0 and not again)
         do_chatcore = args.chatcore_every > 0 and (last_step or (step > 0 and step % args.chatcore_every == 0 and not again))
+        if do_eval or do_save or do_chatcore or last_step:
+            record(in_flight.finish())
         if do_eval:
             loop["val_bpb"] = evaluate_val()
             loop["min_val_bpb"] = min(loop["min_val_bpb"], loop["val_bpb"])

@@ -30,7 +30,8 @@ def test_pretrain_smoke_loss_goes_down(tiny_base_dir, capsys):
     from flaxchat.common import cpu_bf16_instructions
     from scripts.pretrain import main
 
-    loop = main(TINY + ["--num-iterations", "10", "--eval-every", "5", "--model-tag", "smoke"])
+    # one step in flight (the GPU/TPU default): evaluations and the final save wait for it
+    loop = main(TINY + ["--num-iterations", "10", "--eval-every", "5", "--model-tag", "smoke", "--in-flight", "on"])
     # an fp32 run on a CPU that multiplies bf16 in hardware is told of --dtype bfloat16
     bf16_tip = "trains ~1.4x faster than fp32" in capsys.readouterr().out
     assert bf16_tip == (jax.default_backend() == "cpu" and cpu_bf16_instructions())
@@ -47,6 +48,9 @@ def test_pretrain_smoke_loss_goes_down(tiny_base_dir, capsys):
     assert loop["min_val_bpb"] == min(bpbs)
     out = tiny_base_dir / "base_checkpoints" / "smoke"
     assert (out / "training.png").exists() and (out / "10").is_dir()
+    # each step waited for (the CPU default) trains the same numbers
+    main(TINY + ["--num-iterations", "10", "--eval-every", "-1", "--model-tag", "waited"])
+    assert losses(metrics(tiny_base_dir, "waited")) == ls
 
 
 @pytest.mark.slow
@@ -169,7 +173,9 @@ def test_profile_steps_writes_a_trace_and_where_its_time_went(tiny_base_dir, cap
 
     monkeypatch.setenv("XLA_FLAGS", os.environ["XLA_FLAGS"])  # --profile-steps adds a GPU flag (restored after)
 
-    main(TINY + ["--num-iterations", "4", "--eval-every", "-1", "--profile-steps", "1:3", "--model-tag", "prof"])
+    # with a step in flight, the profiled steps still run alone
+    main(TINY + ["--num-iterations", "4", "--eval-every", "-1", "--profile-steps", "1:3", "--model-tag", "prof",
+                 "--in-flight", "on"])
     profile = tiny_base_dir / "base_checkpoints" / "prof" / "profile"
     traces = list(profile.rglob("perfetto_trace.json.gz"))
     assert len(traces) == 1 and traces[0].stat().st_size > 0

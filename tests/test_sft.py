@@ -180,7 +180,9 @@ def test_tiny_sft_run_lowers_val_loss(tiny_base_dir, tiny_base_ckpt):
 
     install_base(tiny_base_ckpt, tiny_base_dir)
     write_words(tiny_base_dir)
-    result = main(SFT_TINY + ["--num-iterations", "8", "--eval-every", "4", "--reply-check", "2", "--embedding-lr", "0.1"])
+    # one step in flight (the GPU/TPU default): the evaluations and the save wait for it
+    result = main(SFT_TINY + ["--num-iterations", "8", "--eval-every", "4", "--reply-check", "2", "--embedding-lr", "0.1",
+                              "--in-flight", "on"])
     out = tiny_base_dir / "chatsft_checkpoints" / "d2"
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     bpbs = [r["val_bpb"] for r in rows if "val_bpb" in r]

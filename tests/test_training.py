@@ -9,7 +9,7 @@ from flax import nnx
 from flaxchat.config import GPTConfig
 from flaxchat.gpt import GPT
 from flaxchat.optim import Schedule, build_optimizer, optimizer_stats
-from flaxchat.training import FlatStep, InFlight, train_step
+from flaxchat.training import FlatStep, InFlight, in_flight_depth, train_step
 
 
 def _model_and_optimizer():
@@ -99,3 +99,11 @@ def test_flat_step_reads_what_the_host_changed_and_leaves_the_new_arrays_in_the_
 def test_in_flight_depth_is_zero_or_one():
     with pytest.raises(ValueError, match="depth is 0"):
         InFlight(2)
+
+
+def test_in_flight_is_on_for_accelerators_unless_told():
+    assert [in_flight_depth("auto", b) for b in ("cpu", "gpu", "tpu")] == [0, 1, 1]
+    assert [in_flight_depth(c, "cpu") for c in ("on", "off")] == [1, 0]
+    assert [in_flight_depth(c, "gpu") for c in ("on", "off")] == [1, 0]
+    with pytest.raises(ValueError, match="auto, on, off"):
+        in_flight_depth("yes", "gpu")
