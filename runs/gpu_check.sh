@@ -226,8 +226,9 @@ if wanted real && step real_data python -m flaxchat.dataset --source synthetic-s
     # random tokens (two batches on the device), random tokens placed afresh every step, the loader's first two steps
     # cycled (its text, no loader), the loader every step: which of them slows a step down says why. Last, the loader
     # with the fp32 atomic adds as this JAX's LLVM compiles them unasked (FLAXCHAT_NATIVE_GPU_ATOMICS=0: compare-and-
-    # swap loops from jaxlib 0.10.2 on), against which the embeddings' gradients, frequent tokens repeated, serialise
-    for data in random random_fresh real_cycled real real_llvm_atomics; do
+    # swap loops from jaxlib 0.10.2 on), against which the embeddings' gradients, frequent tokens repeated, serialise.
+    # Then the loader with each step waited for (--in-flight off), against the default's one step in flight on a GPU
+    for data in random random_fresh real_cycled real real_llvm_atomics real_waited; do
         name=train_d${REAL_DEPTH}_${data}_data profile=() native=1
         case $data in
             random) flags=(--vocab-size "$vocab") ;;
@@ -235,6 +236,7 @@ if wanted real && step real_data python -m flaxchat.dataset --source synthetic-s
             real_cycled) flags=(--real-data --cycle-batches 2) ;;
             real) flags=(--real-data) ;;
             real_llvm_atomics) flags=(--real-data) native=0 ;;
+            real_waited) flags=(--real-data --in-flight off) ;;
         esac
         [ "$PROFILE" = yes ] && profile=(--profile-steps "$REAL_PROFILE_STEPS" --profile-dir "$OUT/profile/$name")
         (export FLAXCHAT_BASE_DIR=$REAL_BASE FLAXCHAT_NATIVE_GPU_ATOMICS=$native

@@ -292,6 +292,8 @@ def train_row(r, nanochat=False) -> list[str]:
     data = ", " + r["data"] if r.get("data", "random tokens") != "random tokens" else ""
     if r.get("backend") == "gpu" and "nvptx-allow-ftz-atomics" not in r.get("xla_flags", "nvptx-allow-ftz-atomics"):
         data += ", fp32 atomic adds as LLVM compiles them"  # FLAXCHAT_NATIVE_GPU_ATOMICS=0
+    if r.get("backend", "cpu") != "cpu" and r.get("in_flight") is False:
+        data += ", each step waited for"  # --in-flight off, where the default keeps one in flight
     accum = f", {r['grad_accum']} accumulation steps" if r.get("grad_accum", 1) > 1 else ""
     row = [f"d{c['n_layer']} {c.get('window_pattern', '')} ({n / 1e6:,.{0 if n >= 1e8 else 1}f}M params, "
            f"{r['dtype']}{accum}{data})",

@@ -295,7 +295,7 @@ def test_gpu_check_cpu_smoke(tmp_path, request):
     assert tests["skipped"] >= 4 and tests["passed"] == 0  # the GPU tests above, each skipped with its reason
     assert [t["name"] for t in report["train"]] == ["train_d2", "train_d2_random_data", "train_d2_random_fresh_data",
                                                    "train_d2_real_cycled_data", "train_d2_real_data",
-                                                   "train_d2_real_llvm_atomics_data"]
+                                                   "train_d2_real_llvm_atomics_data", "train_d2_real_waited_data"]
     assert [p["name"] for p in report["prepared"]] == ["real_data", "real_tokenizer"]
     assert all(p["ok"] for p in report["prepared"])
     for t in report["train"]:
@@ -306,7 +306,7 @@ def test_gpu_check_cpu_smoke(tmp_path, request):
         assert res["profile"]["steps"] == 2 and res["profile"]["by_kind"]["matmul"]["ms"] > 0
         assert isinstance(res["profile"]["scatters"], list)  # their combiners (test_gpt reads them in users' codegen)
         assert "--profile-steps 2:4" in t["command"]
-    first, random_data, fresh, cycled, real_data, real_llvm_atomics = (t["result"] for t in report["train"])
+    first, random_data, fresh, cycled, real_data, real_llvm_atomics, waited = (t["result"] for t in report["train"])
     assert "--window-pattern SSSL" in report["train"][0]["command"]
     if nanochat:
         assert first["nanochat"]["tok_per_s"] > 0 and first["vs_nanochat"] > 0
@@ -316,7 +316,8 @@ def test_gpu_check_cpu_smoke(tmp_path, request):
     assert fresh["data"] == "random tokens, new arrays every step"
     assert cycled["data"] == "grain loader's first 2 steps, cycled"
     assert real_llvm_atomics["data"] == "grain loader"  # on a CPU the same run (no CUDA compiler to ask)
-    for r in (fresh, cycled, real_data, real_llvm_atomics):
+    assert waited["data"] == "grain loader" and waited["in_flight"] is False and "--in-flight off" in report["train"][-1]["command"]
+    for r in (fresh, cycled, real_data, real_llvm_atomics, waited):
         assert r["grad_accum"] == 2 and r["config"] == random_data["config"] and "nanochat" not in r
     assert [g["result"]["batch_size"] for g in report["generate"]] == [1, 4]
     for g in report["generate"]:
@@ -349,7 +350,7 @@ def test_gpu_check_only_runs_the_sections_asked_for(tmp_path):
     assert report["ok"] is True and report["sections"] == ["real"]
     assert [t["name"] for t in report["train"]] == ["train_d2_random_data", "train_d2_random_fresh_data",
                                                    "train_d2_real_cycled_data", "train_d2_real_data",
-                                                   "train_d2_real_llvm_atomics_data"]
+                                                   "train_d2_real_llvm_atomics_data", "train_d2_real_waited_data"]
     assert report["tests"]["not_run"] and report["serve"]["not_run"] and report["generate"] == []
     summary = (out / "summary.md").read_text()
     assert summary.count("not run (`--only`)") == 3  # tests, generation, serving
@@ -385,3 +386,8 @@ def test_a_gpu_row_without_native_atomics_says_so():
     assert label(xla_flags="--xla_backend_extra_options=-nvptx-allow-ftz-atomics").endswith("grain loader)")
     assert label(xla_flags="").endswith("grain loader, fp32 atomic adds as LLVM compiles them)")
     assert label(xla_flags="", backend="cpu").endswith("grain loader)")
+    native = "--xla_backend_extra_options=-nvptx-allow-ftz-atomics"
+    # the real_waited row: each step waited for where the default keeps one in flight (a GPU); on a CPU both wait
+    assert label(xla_flags=native, in_flight=False).endswith("grain loader, each step waited for)")
+    assert label(xla_flags=native, in_flight=True).endswith("grain loader)")
+    assert label(xla_flags="", backend="cpu", in_flight=False).endswith("grain loader)")
