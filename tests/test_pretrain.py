@@ -173,7 +173,7 @@ def test_profile_steps_writes_a_trace_and_where_its_time_went(tiny_base_dir, cap
 
     monkeypatch.setenv("XLA_FLAGS", os.environ["XLA_FLAGS"])  # --profile-steps adds a GPU flag (restored after)
 
-    # with a step in flight, the profiled steps still run alone
+    # with a step in flight (the loop then finishes it before and after each profiled step)
     main(TINY + ["--num-iterations", "4", "--eval-every", "-1", "--profile-steps", "1:3", "--model-tag", "prof",
                  "--in-flight", "on"])
     profile = tiny_base_dir / "base_checkpoints" / "prof" / "profile"
