@@ -285,6 +285,10 @@ class StepProfiler:
                                  f"{where}. On a GPU the run turns XLA's command buffers off, so each kernel shows "
                                  "in the trace")
 
+    def covers(self, i: int) -> bool:
+        """Whether step i is one of the profiled steps."""
+        return self.start <= i < self.stop
+
     def step(self, i: int):
         """Call before running step i; returns the context manager that annotates it."""
         if i == self.start and not self.active:

@@ -185,9 +185,14 @@ class InFlight:
 
 
 IN_FLIGHT_CHOICES = ("auto", "on", "off")
-IN_FLIGHT_HELP = ("keep one training step in flight: the next step's batches are read and the step dispatched "
-                  "before this one's loss is read (auto: on for GPUs and TPUs, ~3%% faster on an H200 with the "
-                  "loader; off on a CPU, where it measured within noise)")
+
+
+def add_in_flight_flag(parser) -> None:
+    """--in-flight {auto,on,off} on a training script's parser (in_flight_depth reads it)."""
+    parser.add_argument("--in-flight", choices=IN_FLIGHT_CHOICES, default="auto",
+                        help="keep one training step in flight: the next step's batches are read and the step "
+                             "dispatched before this one's loss is read (auto: on for GPUs and TPUs, ~3%% faster on "
+                             "an H200 with the loader; off on a CPU, where it measured within noise)")
 
 
 def in_flight_depth(choice: str, backend: str) -> int:

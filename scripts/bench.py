@@ -227,7 +227,7 @@ def bench_train(args, mesh) -> dict:
         """Read the batches and dispatch a step (with --in-flight, while the step before it runs); returns the steps
         that finished meanwhile (InFlight's (loss, step, seconds)). A profiled step runs alone."""
         i = next(steps)
-        profiled = profiler.start <= i < profiler.stop
+        profiled = profiler.covers(i)
         finished = [in_flight.finish()] if profiled else []
         started = time.perf_counter()
         with profiler.step(i):  # real data: reading the next batches is part of the step, as in pretrain

@@ -42,7 +42,7 @@ from flaxchat.optim import Schedule, build_optimizer
 from flaxchat.report import Report, metrics_logger, plot_training, read_jsonl
 from flaxchat.tokenizer import get_token_bytes, get_tokenizer
 from flaxchat.trace import format_summary
-from flaxchat.training import IN_FLIGHT_CHOICES, IN_FLIGHT_HELP, FlatStep, InFlight, in_flight_depth, profile_summary
+from flaxchat.training import FlatStep, InFlight, add_in_flight_flag, in_flight_depth, profile_summary
 
 SAMPLE_PROMPTS = [
     "The capital of France is",
@@ -97,7 +97,7 @@ def build_parser():
     p.add_argument("--model-tag", type=str, default=None, help="checkpoint directory name (default d<depth>)")
     p.add_argument("--source", type=str, default=None, help="folder of parquet shards (default $FLAXCHAT_BASE_DIR/base_data)")
     StepProfiler.add_flag(p, "<checkpoint dir>/profile, and where their time went to profile/summary.json")
-    p.add_argument("--in-flight", choices=IN_FLIGHT_CHOICES, default="auto", help=IN_FLIGHT_HELP)
+    add_in_flight_flag(p)
     # mesh
     sharding.add_mesh_flags(p)
     return p
@@ -307,7 +307,7 @@ def main(argv=None):
         do_core = args.core_metric_every > 0 and (last_step or (step > 0 and step % args.core_metric_every == 0))
         do_sample = args.sample_every > 0 and (last_step or (step > 0 and step % args.sample_every == 0))
         do_save = last_step or (step > 0 and step != resume_step and args.save_every > 0 and step % args.save_every == 0)
-        profiled = profiler.start <= step < profiler.stop
+        profiled = profiler.covers(step)
         if do_eval or do_core or do_sample or do_save or last_step or profiled:
             record(in_flight.finish())
         if do_eval:

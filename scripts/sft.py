@@ -52,7 +52,7 @@ from flaxchat.loss_eval import evaluate_bpb
 from flaxchat.optim import Schedule, build_optimizer
 from flaxchat.report import metrics_logger, plot_training, read_jsonl
 from flaxchat.tokenizer import get_token_bytes, get_tokenizer
-from flaxchat.training import IN_FLIGHT_CHOICES, IN_FLIGHT_HELP, FlatStep, InFlight, in_flight_depth
+from flaxchat.training import FlatStep, InFlight, add_in_flight_flag, in_flight_depth
 
 # flag -> (fallback, where the base checkpoint keeps it): None means "inherit from the base model"
 INHERITED = {
@@ -144,7 +144,7 @@ def build_parser():
     p.add_argument("--save-every", type=int, default=-1, help="also checkpoint every N steps (-1 = only at the end)")
     p.add_argument("--keep", type=int, default=1, help="checkpoints kept (the latest ones)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint under the output tag (same flags)")
-    p.add_argument("--in-flight", choices=IN_FLIGHT_CHOICES, default="auto", help=IN_FLIGHT_HELP)
+    add_in_flight_flag(p)
     # mesh
     sharding.add_mesh_flags(p)
     return p
