@@ -31,6 +31,13 @@ then flaxchat's, and adds "nanochat" and "vs_nanochat" (flaxchat tok/s over nano
     most of it at the start, so that nanochat's process, which runs first, has room):
     python -m scripts.bench --what train --depth 12 --max-seq-len 2048 --device-batch-size 32 \
         --vocab-size 32768 --dtype bfloat16 --nanochat ~/src/nanochat --expect-backend gpu
+A real pretraining run (`scripts.pretrain`: the Grain loader over $FLAXCHAT_BASE_DIR's tokenizer and shards,
+accumulation, the optimizer's schedules) and, with --nanochat, nanochat's own `scripts/base_train.py` first with
+the same flags on the same tokenizer and shards; the median step of steps 11-150 of each (stdout: JSON; both runs'
+progress on stderr and in $FLAXCHAT_BASE_DIR/bench_run/). One device, as base_train runs in one process (on a
+machine with several GPUs: CUDA_VISIBLE_DEVICES=0):
+    python -m scripts.bench --what run --depth 4 --head-dim 64 --window-pattern SL --max-seq-len 256 \
+        --device-batch-size 16 --grad-accum 2 --steps 150 --warmup 9 --nanochat ~/src/nanochat
 Everything:
     python -m scripts.bench --what all --depth 4 --max-seq-len 512
 On a GPU or TPU add --expect-backend gpu|tpu so a silent fall-back to the CPU stops the run at once.
@@ -43,6 +50,7 @@ import os
 import platform
 import re
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -68,8 +76,9 @@ from flaxchat.training import IN_FLIGHT_CHOICES, in_flight_depth
 
 def build_parser():
     p = argparse.ArgumentParser(description="Benchmark training, generation or data loading; prints JSON.")
-    p.add_argument("--what", choices=["train", "comms", "generate", "data", "all"], default="train",
-                   help="what to measure (all = train, generate, data)")
+    p.add_argument("--what", choices=["train", "comms", "generate", "data", "run", "all"], default="train",
+                   help="what to measure (all = train, generate, data; run = a real scripts.pretrain run of --steps "
+                        "steps on one device, beside nanochat's base_train with --nanochat)")
     add_model_flags(p, depth=4, max_seq_len=512)
     p.add_argument("--vocab-size", type=int, default=32768, help="vocabulary size (random tokens)")
     p.add_argument("--device-batch-size", type=int, default=8, help="training sequences per device")
@@ -81,7 +90,9 @@ def build_parser():
                    help="train: keep one step in flight, as pretrain does (auto: on GPUs and TPUs, off on a CPU; "
                         "a bare --in-flight is on): the next is dispatched before this one's loss is read, and a "
                         "step's time is then the time between the ends of two steps")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps after compilation")
+    p.add_argument("--warmup", type=int, default=2,
+                   help="untimed steps after compilation (run: the first step and this many after it are left out "
+                        "of the median)")
     p.add_argument("--rounds", type=int, default=1,
                    help="train: time --steps steps this many times (with --nanochat: nanochat, then flaxchat, each "
                         "round); the JSON adds every round and the median round's ratio. A round during which the "
@@ -108,7 +119,8 @@ def build_parser():
                    help="train, random tokens: new host arrays placed on the devices every step, as the loader's "
                         "batches arrive (by default two batches stay on the devices and alternate)")
     p.add_argument("--nanochat", metavar="DIR", default=None,
-                   help="train: also time nanochat's step (the checkout at DIR, with PyTorch) on the same shape, first")
+                   help="train: also time nanochat's step (the checkout at DIR, with PyTorch) on the same shape, first; "
+                        "run: run nanochat's scripts/base_train.py first, with the same flags and data")
     StepProfiler.add_flag(p, "--profile-dir (train; the JSON adds where their time went: ms by kind of op and the "
                              "slowest ops, and nanochat's beside them with --nanochat)")
     p.add_argument("--profile-dir", type=str, default=None, help="where the trace goes (default $FLAXCHAT_BASE_DIR/profile/bench)")
@@ -472,6 +484,150 @@ def bench_data(args, mesh) -> dict:
     return {"what": "data", "tok_per_s": out["tokens_per_s"], **out, "vocab_size": tokenizer.get_vocab_size()}
 
 
+# --what run: real runs, flaxchat's scripts.pretrain beside nanochat's scripts/base_train.py
+
+RUN_TAG = "bench-run"  # the checkpoint folder (base_checkpoints/bench-run) --what run trains into, cleared first
+NANOCHAT_STEP = re.compile(r"^step (\d+)/\d+ .*?\| dt: ([\d.]+)ms", re.M)  # base_train's line per step (0-based)
+
+
+def run_flags(args) -> list[str]:
+    """The flags --what run gives both trainers, which name them alike: the model, one device's batch and
+    accumulation, --steps steps; val bpb, CORE and samples off, so that every step is a training step."""
+    tokens = args.device_batch_size * args.max_seq_len * args.grad_accum
+    return ["--depth", str(args.depth), "--aspect-ratio", str(args.aspect_ratio), "--head-dim", str(args.head_dim),
+            "--max-seq-len", str(args.max_seq_len), "--window-pattern", args.window_pattern,
+            "--device-batch-size", str(args.device_batch_size), "--total-batch-size", str(tokens),
+            "--num-iterations", str(args.steps), "--eval-every", "-1", "--core-metric-every", "-1",
+            "--sample-every", "-1"]
+
+
+def stream(cmd, log_path, **popen) -> tuple[int, str]:
+    """Run cmd with its output (stdout and stderr) copied to our stderr as it comes (progress bars included) and
+    to log_path; returns the exit status and the whole output."""
+    chunks = []
+    with open(log_path, "wb") as log, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                                        **popen) as proc:
+        while chunk := proc.stdout.read1(65536):
+            chunks.append(chunk)
+            log.write(chunk)
+            sys.stderr.write(chunk.decode(errors="replace"))
+            sys.stderr.flush()
+    return proc.returncode, b"".join(chunks).decode(errors="replace")
+
+
+def last_line(text: str) -> str:
+    """A failed run's last line of output (its error), without its own "error: " prefix."""
+    lines = [line.strip() for line in re.split(r"[\r\n]", text) if line.strip()]
+    return lines[-1].removeprefix("error: ") if lines else "it printed nothing"
+
+
+def step_times(times: dict[int, float], first: int, tokens: int) -> dict:
+    """The median step of steps first.. of a run ({step (1-based): seconds}), its tok/s, spread and total."""
+    timed = [dt for step, dt in sorted(times.items()) if step >= first]
+    if not timed:
+        raise ValueError(f"the run logged no step from step {first} on (steps logged: {len(times)})")
+    median = statistics.median(timed)
+    return {"step_s": median, "tok_per_s": tokens / median, "step_s_min": min(timed), "step_s_max": max(timed),
+            "timed_steps": len(timed), "timed_min": sum(timed) / 60}
+
+
+def nanochat_base_dir(run_dir: str) -> tuple[str, str | None]:
+    """NANOCHAT_BASE_DIR for base_train on flaxchat's data: our tokenizer in nanochat's format and our shards as
+    its pretraining data; and a folder with an empty `wandb` module where wandb is not installed (base_train
+    imports it even when it does not log), else None."""
+    import importlib.util
+
+    from flaxchat.dataset import default_data_dir, list_parquet_files
+    from flaxchat.interop import save_nanochat_tokenizer
+    from flaxchat.tokenizer import get_tokenizer
+
+    tokenizer = get_tokenizer()  # FileNotFoundError where there is none
+    if len(list_parquet_files()) < 2:
+        raise FileNotFoundError(f"--what run needs at least 2 parquet shards (train + val) in {default_data_dir()}")
+    base = os.path.join(run_dir, "nanochat_base")
+    save_nanochat_tokenizer(tokenizer, os.path.join(base, "tokenizer"))
+    link = os.path.join(base, "base_data_climbmix")
+    if os.path.lexists(link):
+        os.remove(link)
+    os.symlink(os.path.abspath(default_data_dir()), link, target_is_directory=True)
+    if importlib.util.find_spec("wandb") is not None:
+        return base, None
+    stub = os.path.join(run_dir, "stub")
+    os.makedirs(os.path.join(stub, "wandb"), exist_ok=True)
+    with open(os.path.join(stub, "wandb", "__init__.py"), "w") as f:
+        f.write('"""Empty: nanochat\'s base_train imports wandb even when it does not log (--run dummy)."""\n')
+    return base, stub
+
+
+def device_type_flags(args) -> list[str]:
+    """base_train's --device-type where --expect-backend names the backend (else base_train detects it)."""
+    named = {"gpu": "cuda", "cpu": "cpu"}.get(args.expect_backend)
+    return ["--device-type", named] if named else []
+
+
+def run_nanochat(args, flags, run_dir, first, tokens) -> dict:
+    """nanochat's scripts/base_train.py, unmodified, with `flags` on flaxchat's tokenizer and shards (its own
+    environment: the compute dtype through NANOCHAT_DTYPE, without flaxchat's huge-pages tunable)."""
+    base, stub = nanochat_base_dir(run_dir)
+    env = {**without_huge_pages(os.environ), "NANOCHAT_BASE_DIR": base, "PYTHONUNBUFFERED": "1"}
+    if args.dtype:
+        env["NANOCHAT_DTYPE"] = args.dtype
+    # nanochat's scripts/ is a namespace package (no __init__.py): a path entry holding flaxchat's `scripts` package
+    # would shadow it (no scripts.base_train), so those entries are left out
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
+             if p and not os.path.isfile(os.path.join(p, "scripts", "__init__.py"))]
+    env["PYTHONPATH"] = os.pathsep.join([stub] * bool(stub) + paths)
+    cmd = [sys.executable, "-m", "scripts.base_train", *flags, *device_type_flags(args)]
+    log_path = os.path.join(run_dir, "nanochat.log")
+    load, start = MachineLoad(), time.perf_counter()
+    rc, out = stream(cmd, log_path, cwd=os.path.expanduser(args.nanochat), env=env)
+    process_s, machine = time.perf_counter() - start, load.stop()
+    if rc != 0:
+        sys.exit(f"error: nanochat's base_train exited with {rc}: {last_line(out)} (its output: {log_path})")
+    times = {int(m.group(1)) + 1: float(m.group(2)) / 1e3 for m in NANOCHAT_STEP.finditer(out)}
+    return {**step_times(times, first, tokens), "process_s": process_s, "machine": machine, "log": log_path}
+
+
+def run_flaxchat(args, flags, run_dir, first, tokens) -> dict:
+    """scripts.pretrain with `flags`, into base_checkpoints/bench-run; the steps' times from its metrics.jsonl."""
+    from flaxchat.checkpoint import checkpoint_dir
+    from flaxchat.report import read_jsonl
+
+    out_dir = checkpoint_dir("base", RUN_TAG)
+    shutil.rmtree(out_dir, ignore_errors=True)  # a fresh run, not a resumed one
+    cmd = [sys.executable, "-m", "scripts.pretrain", *flags, "--model-tag", RUN_TAG, "--in-flight", args.in_flight]
+    cmd += ["--dtype", args.dtype] if args.dtype else []
+    cmd += ["--expect-backend", args.expect_backend] if args.expect_backend else []
+    log_path = os.path.join(run_dir, "flaxchat.log")
+    load, start = MachineLoad(), time.perf_counter()
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    rc, out = stream(cmd, log_path, cwd=root, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    process_s, machine = time.perf_counter() - start, load.stop()
+    if rc != 0:
+        sys.exit(f"error: scripts.pretrain exited with {rc}: {last_line(out)} (its output: {log_path})")
+    times = {r["step"]: r["dt"] for r in read_jsonl(os.path.join(out_dir, "metrics.jsonl")) if "dt" in r}
+    return {**step_times(times, first, tokens), "process_s": process_s, "machine": machine, "log": log_path}
+
+
+def bench_run(args) -> dict:
+    """A real scripts.pretrain run of --steps steps (and nanochat's base_train first with --nanochat), each in a
+    process of its own, one after the other: the median step after the first and --warmup more, tok/s, the
+    timed steps' total minutes, the whole process's seconds (start-up and compilation included)."""
+    run_dir = os.path.join(get_base_dir(), "bench_run")
+    os.makedirs(run_dir, exist_ok=True)
+    flags, first = run_flags(args), args.warmup + 2
+    tokens = args.device_batch_size * args.max_seq_len * args.grad_accum
+    record = {"what": "run", "flags": flags, "tokens_per_step": tokens, "timed_from_step": first,
+              "dtype": args.dtype or "default", "in_flight": args.in_flight, "python": platform.python_version(),
+              "jax": jax.__version__, "huge_pages": huge_pages_active(), "allocator": malloc_library()}
+    theirs = run_nanochat(args, flags, run_dir, first, tokens) if args.nanochat else None
+    ours = run_flaxchat(args, flags, run_dir, first, tokens)
+    record.update(ours)
+    if theirs:
+        record.update(nanochat=theirs, vs_nanochat=theirs["step_s"] / ours["step_s"])
+    return record
+
+
 def environment(args, mesh) -> dict:
     return {"device": jax.devices()[0].device_kind, "backend": jax.default_backend(), "num_devices": jax.device_count(),
             "mesh": dict(mesh.shape), "dtype": jnp.dtype(compute_dtype(args.dtype)).name, "jax": jax.__version__,
@@ -489,6 +645,24 @@ def run_suite(args, mesh) -> None:
             result = {"what": "train", "skipped": str(e)}
         print(json.dumps({"shape": name, **environment(args, mesh), "config": make_config(row).to_dict(), **result}),
               flush=True)
+
+def run_main(parser, args) -> None:
+    """--what run: checked, then run without starting JAX's backend here (on a GPU it would hold the memory the
+    two trainers' processes need)."""
+    if args.suite or args.products or args.profile_steps or args.rounds != 1 or args.real_data:
+        parser.error("--what run runs scripts.pretrain as it is (its own loader, one run): not with --suite, "
+                     "--products, --profile-steps, --rounds or --real-data")
+    if args.warmup < 0 or args.warmup + 2 > args.steps:
+        parser.error(f"--what run times the steps after the first and --warmup more: --steps ({args.steps}) must be "
+                     f"at least --warmup + 2 ({args.warmup + 2})")
+    base_train = os.path.join(os.path.expanduser(args.nanochat or ""), "scripts", "base_train.py")
+    if args.nanochat and not os.path.isfile(base_train):
+        parser.error(f"--nanochat {args.nanochat}: not a nanochat checkout (no scripts/base_train.py in it)")
+    try:
+        record = bench_run(args)
+    except (FileNotFoundError, ValueError) as e:
+        sys.exit(f"error: {e}")
+    print(json.dumps(record, indent=2))
 
 
 def main(argv=None):
@@ -509,6 +683,8 @@ def main(argv=None):
         parser.error("--cycle-batches N (N >= 1) cycles the loader's batches: use it with --real-data")
     if args.fresh_batches and args.real_data:
         parser.error("--fresh-batches draws random tokens; --real-data's batches are new every step already")
+    if args.what == "run":
+        return run_main(parser, args)
     if args.nanochat:
         if args.what not in ("train", "all"):
             parser.error("--nanochat times nanochat's training step: use it with --what train")
@@ -544,6 +720,7 @@ def main(argv=None):
     env["config"] = make_config(args).to_dict()  # after the runs: --real-data takes the tokenizer's vocabulary
     out = results[chosen[0]] if len(chosen) == 1 else results
     print(json.dumps({**env, **out} if len(chosen) == 1 else {**env, "results": out}, indent=2))
+
 
 
 if __name__ == "__main__":

@@ -220,12 +220,47 @@ class GPT(nn.Module):
         return nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
 '''
 
+# and a stand-in for its scripts/base_train.py (`bench --what run`): nanochat's flags, its base dir read as
+# base_train reads it (tokenizer.pkl, the shards of base_data_climbmix), scripts/ a namespace package as in
+# nanochat, a `scripts.base_eval` import and a `wandb` import as base_train has, and its line per step with
+# dt = 10 ms x (step + 1)
+STAND_IN_TRAIN = """
+import argparse, json, os, pickle, sys
+import pyarrow.parquet as pq
+import wandb  # noqa: F401
+from scripts.base_eval import evaluate_core  # noqa: F401
+p = argparse.ArgumentParser()
+for flag in ("--depth", "--aspect-ratio", "--head-dim", "--max-seq-len", "--device-batch-size", "--total-batch-size",
+             "--num-iterations", "--eval-every", "--core-metric-every", "--sample-every"):
+    p.add_argument(flag, type=int, required=True)
+p.add_argument("--window-pattern", required=True)
+p.add_argument("--device-type", default="")
+a = p.parse_args()
+base = os.environ["NANOCHAT_BASE_DIR"]
+with open(os.path.join(base, "tokenizer", "tokenizer.pkl"), "rb") as f:
+    enc = pickle.load(f)
+shards = os.path.join(base, "base_data_climbmix")
+files = sorted(os.listdir(shards))
+text = pq.read_table(os.path.join(shards, files[0])).column("text")[0].as_py()
+with open(os.path.join(os.path.dirname(__file__), "seen.json"), "w") as f:
+    json.dump({"argv": sys.argv[1:], "text": text, "tokens": enc.encode_ordinary(text), "files": files,
+               "tunables": os.environ.get("GLIBC_TUNABLES"), "dtype": os.environ.get("NANOCHAT_DTYPE")}, f)
+if os.environ.get("STAND_IN_FAILS"):
+    raise RuntimeError("the stand-in was told to fail")
+for step in range(a.num_iterations):
+    print(f"step {step:05d}/{a.num_iterations:05d} ({100 * step / a.num_iterations:.2f}%) | loss: 9.000000 | "
+          f"lrm: 1.00 | dt: {10 * (step + 1):.2f}ms | tok/sec: 1,000 | bf16_mfu: 0.00 | epoch: 1 | total time: 0.00m")
+"""
+
 
 @pytest.fixture
 def nanochat_checkout(tmp_path, monkeypatch):
     pytest.importorskip("torch", reason="timing nanochat needs PyTorch (CI installs the CPU build)")
     (tmp_path / "nanochat").mkdir()
     (tmp_path / "nanochat" / "gpt.py").write_text(STAND_IN)
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "base_train.py").write_text(STAND_IN_TRAIN)
+    (tmp_path / "scripts" / "base_eval.py").write_text("def evaluate_core():\n    pass\n")
     monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")  # torch.compile becomes a no-op: no C++ build in the tests
     return tmp_path
 

@@ -188,6 +188,78 @@ def test_nanochat_on_a_gpu_needs_one(nanochat_checkout):
     assert r.stderr.strip().splitlines()[-1].startswith("error: --device cuda, but this PyTorch (")
 
 
+RUN = ["--what", "run", "--depth", "2", "--aspect-ratio", "32", "--head-dim", "32", "--max-seq-len", "64",
+       "--window-pattern", "SL", "--device-batch-size", "2", "--grad-accum", "2", "--steps", "4", "--warmup", "1"]
+
+
+@pytest.mark.slow
+def test_run_times_a_real_pretrain_run_beside_nanochats_base_train(capsys, monkeypatch, tiny_base_dir,
+                                                                  nanochat_checkout, xla_flags):
+    """--what run: nanochat's base_train (the stand-in) first, on our tokenizer and shards in its own base dir, with
+    the same flags; then scripts.pretrain for real; each run's median step after the first and --warmup more."""
+    from flaxchat.tokenizer import get_tokenizer
+
+    monkeypatch.setenv("XLA_FLAGS", xla_flags(1))  # one device, as nanochat's base_train runs in one process
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.hugetlb=1")
+    # a path entry holding flaxchat's scripts package must not hide nanochat's scripts.base_eval
+    monkeypatch.setenv("PYTHONPATH", os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    main(RUN + ["--nanochat", str(nanochat_checkout), "--dtype", "float32", "--expect-backend", "cpu"])
+    printed = capsys.readouterr()
+    out = json.loads(printed.out)
+    assert "step 00003/00004" in printed.err and "pretrain" in printed.err  # both runs' output, streamed as it came
+    flags = ["--depth", "2", "--aspect-ratio", "32", "--head-dim", "32", "--max-seq-len", "64", "--window-pattern",
+             "SL", "--device-batch-size", "2", "--total-batch-size", "256", "--num-iterations", "4",
+             "--eval-every", "-1", "--core-metric-every", "-1", "--sample-every", "-1"]
+    assert out["what"] == "run" and out["flags"] == flags and out["tokens_per_step"] == 256
+    assert out["timed_from_step"] == 3 and out["dtype"] == "float32"
+    theirs = out["nanochat"]
+    # the stand-in's steps 3 and 4 (its 0-based 2 and 3) took 30 and 40 ms
+    assert theirs["step_s"] == pytest.approx(0.035) and theirs["timed_steps"] == 2
+    assert theirs["tok_per_s"] == pytest.approx(256 / 0.035) and theirs["timed_min"] == pytest.approx(0.07 / 60)
+    assert out["timed_steps"] == 2 and 0 < out["step_s_min"] <= out["step_s"] <= out["step_s_max"]
+    assert out["tok_per_s"] == pytest.approx(256 / out["step_s"])
+    assert out["vs_nanochat"] == pytest.approx(0.035 / out["step_s"])
+    for record in (out, theirs):
+        assert record["process_s"] > 0 and set(record["machine"]) == {"load_avg_1m", "steal_pct", "busy_pct"}
+        assert os.path.isfile(record["log"])
+    seen = json.loads((nanochat_checkout / "scripts" / "seen.json").read_text())
+    assert seen["argv"] == flags + ["--device-type", "cpu"]  # --expect-backend's backend (else base_train detects it)
+    assert seen["tunables"] is None and seen["dtype"] == "float32"  # nanochat runs as it would on its own
+    assert seen["tokens"] == get_tokenizer().encode(seen["text"])  # our tokenizer, in nanochat's format
+    assert seen["files"] == sorted(os.listdir(tiny_base_dir / "base_data"))
+    metrics = [json.loads(line) for line in (tiny_base_dir / "base_checkpoints" / "bench-run" / "metrics.jsonl").open()]
+    assert [r["step"] for r in metrics if "dt" in r] == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--rounds", "2"], "--what run runs scripts.pretrain as it is (its own loader, one run): not with --suite"),
+    (["--warmup", "3"], "--what run times the steps after the first and --warmup more: --steps (4) must be at least "
+                        "--warmup + 2 (5)"),
+])
+def test_run_flag_errors_are_one_line(capsys, extra, message):
+    with pytest.raises(SystemExit):
+        main(RUN + extra)
+    assert message in capsys.readouterr().err
+
+
+def test_run_errors_are_one_line(capsys, monkeypatch, tmp_path, tiny_base_dir, nanochat_checkout):
+    """A checkout without base_train, a base dir without a tokenizer, and a base_train that fails: one line each."""
+    (tmp_path / "bare" / "nanochat").mkdir(parents=True)
+    with pytest.raises(SystemExit):
+        main(RUN + ["--nanochat", str(tmp_path / "bare")])
+    assert "not a nanochat checkout (no scripts/base_train.py in it)" in capsys.readouterr().err
+    monkeypatch.setenv("STAND_IN_FAILS", "1")
+    with pytest.raises(SystemExit) as e:
+        main(RUN + ["--nanochat", str(nanochat_checkout)])
+    log = tiny_base_dir / "bench_run" / "nanochat.log"
+    assert str(e.value) == f"error: nanochat's base_train exited with 1: RuntimeError: the stand-in was told to fail " \
+                           f"(its output: {log})"
+    monkeypatch.setenv("FLAXCHAT_BASE_DIR", str(tmp_path / "empty"))
+    with pytest.raises(SystemExit) as e:
+        main(RUN + ["--nanochat", str(nanochat_checkout)])
+    assert str(e.value).startswith("error: ") and "tokenizer" in str(e.value)
+
+
 def test_product_census_counts_every_product_the_compiled_step_runs():
     """--products: every dot_general of the train step, scan bodies times their trip count (the fused loss's
     chunks, two accumulation micro-steps), each timed alone. Its FLOPs are the products XLA compiles (read off the
