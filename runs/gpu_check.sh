@@ -41,7 +41,8 @@ Options:
   --cpu                smoke mode: the same steps with tiny models on the CPU (--expect-backend cpu)
   --nanochat DIR       time nanochat's training step (the checkout at DIR: its GPT, MuonAdamW, torch.compile, with
                        the PyTorch installed here) on each training shape before flaxchat's; the report adds
-                       nanochat's tok/s and the ratio
+                       nanochat's tok/s and the ratio. With the real section, also a pair of real runs (its
+                       scripts/base_train.py, then scripts.pretrain, on the same shards; bench --what run)
   --fetch-wheels DIR   (networked machine) download those wheels into DIR, then stop; arguments after -- go to
                        pip download
   -h, --help           this text
@@ -114,6 +115,7 @@ if [ "$MODE" = gpu ]; then
     # the real pipeline (4b): depth, rows, tokenizer vocabulary (synthetic stories hold ~4k tokens' worth of merges),
     # stories per shard; 30 timed steps, three late ones profiled, since a real run's steps can slow as it goes
     REAL=(12 32 4096 20000) REAL_STEPS=(--steps 30 --warmup 2) REAL_PROFILE_STEPS=27:30
+    RUN_STEPS=(--steps 60 --warmup 9)  # with --nanochat, real runs side by side: the median of steps 11-60
     GEN_DEPTH=20 GEN_T=2048 GEN_BATCHES=(1 32) GEN_LEN=(--prompt-len 16 --max-new-tokens 256)
     GPU_TESTS=()  # every test marked gpu, wherever it lives
     SERVE=(--depth 20 --seq-len 2048 --slots 32 --load-test 1,32 --load-tokens 256 --load-repeats 3)
@@ -125,7 +127,7 @@ else
     BACKEND=cpu DTYPE=float32 T=64 VOCAB=512
     TRAIN=("2 SSSL 2")  # one tiny model: the smoke is about the sequence, the GPU run about d12 and d20
     BENCH_STEPS=(--steps 2 --warmup 1) PROFILE_STEPS=2:4
-    REAL=(2 2 512 1000) REAL_STEPS=(--steps 2 --warmup 1) REAL_PROFILE_STEPS=2:4
+    REAL=(2 2 512 1000) REAL_STEPS=(--steps 2 --warmup 1) REAL_PROFILE_STEPS=2:4 RUN_STEPS=(--steps 4 --warmup 1)
     GEN_DEPTH=2 GEN_T=128 GEN_BATCHES=(1 4) GEN_LEN=(--prompt-len 8 --max-new-tokens 16)
     GPU_TESTS=(tests/test_gpu.py)  # collecting only the file that holds them: the smoke is about the sequence
     SERVE=(--depth 2 --seq-len 128 --slots 4 --load-test 1,4 --load-tokens 16 --load-repeats 1)
@@ -216,7 +218,7 @@ done
 # accumulation steps, batches from the Grain loader over synthetic stories with a tokenizer trained on them. Random
 # tokens leave out the loader, the host-to-device copies, the text's token statistics and a model that learns; what
 # the real row loses to the random one is what a real run pays for them, and the two rows between split it. No
-# nanochat here: its bench step takes random tokens only.
+# nanochat in these rows (its bench step takes random tokens only); with --nanochat, a pair of real runs after them.
 read -r REAL_DEPTH REAL_ROWS REAL_VOCAB REAL_DOCS <<< "${REAL[*]}"
 REAL_BASE=$OUT/real_base
 if wanted real && step real_data python -m flaxchat.dataset --source synthetic-stories --num-shards 2 --docs-per-shard "$REAL_DOCS" \
@@ -244,6 +246,14 @@ if wanted real && step real_data python -m flaxchat.dataset --source synthetic-s
              --dtype "$DTYPE" --device-batch-size "$REAL_ROWS" --grad-accum 2 "${flags[@]}" "${REAL_STEPS[@]}" \
              --expect-backend "$BACKEND" ${profile[@]+"${profile[@]}"}) || true
     done
+    # with --nanochat: real runs side by side, nanochat's own base_train, then scripts.pretrain, the same flags on
+    # the same shards and tokenizer (bench --what run; both runs' output in logs/run_*.log)
+    if [ ${#NANOCHAT[@]} -gt 0 ]; then
+        (export FLAXCHAT_BASE_DIR=$REAL_BASE
+         step "run_d${REAL_DEPTH}_real" python -m scripts.bench --what run --depth "$REAL_DEPTH" --max-seq-len "$T" \
+             --window-pattern L --dtype "$DTYPE" --device-batch-size "$REAL_ROWS" --grad-accum 2 "${RUN_STEPS[@]}" \
+             --expect-backend "$BACKEND" "${NANOCHAT[@]}") || true
+    fi
 fi
 
 # --- 5. generation: KV-cache engine at batch 1 and many rows ----------------------------------------------------

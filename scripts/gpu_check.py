@@ -309,6 +309,16 @@ def train_row(r, nanochat=False) -> list[str]:
     return row
 
 
+def run_row(r) -> list[str]:
+    """bench --what run's record: both runs' median step (tok/s) over the same timed steps."""
+    theirs = r.get("nanochat") or {}
+    step = lambda x: f"{fmt(x.get('step_s') and 1e3 * x['step_s'], ',.1f')} ({fmt(x.get('tok_per_s'))})"
+    timed = f"{r['timed_from_step']}-{r['timed_from_step'] + r['timed_steps'] - 1}"
+    return [f"`{' '.join(r['flags'])}`", timed, step(r), step(theirs),
+            fmt(r.get("vs_nanochat"), ".2f") + ("x" if r.get("vs_nanochat") else ""),
+            f"{fmt(r['process_s'], '.0f')} / {fmt(theirs.get('process_s'), '.0f')}"]
+
+
 def drift_lines(steps, n=5) -> list[str]:
     """Each training row's first and last timed steps (medians of n): whether its steps slow down as it runs."""
     rows = [(s["name"], s["result"]["times_s"]) for s in steps if s["ok"] and len(s["result"].get("times_s", [])) >= 2 * n]
@@ -406,6 +416,13 @@ def summary_markdown(report) -> str:
     lines += table(report["train"], columns, lambda r: train_row(r, nanochat))
     lines += drift_lines(report["train"])
     lines += profile_lines(report["train"])
+    if report.get("runs"):
+        lines += ["", "## Real runs", "", "nanochat's own `scripts/base_train.py`, then `scripts.pretrain`, with the same "
+                  "flags on the same shards and tokenizer (`python -m scripts.bench --what run`); the median of the timed "
+                  "steps (the first, which compiles, and the warm-up after it left out); vs nanochat is nanochat's "
+                  "median step over flaxchat's.", ""]
+        lines += table(report["runs"], ["flags", "timed steps", "flaxchat ms a step (tok/s)", "nanochat ms a step "
+                                        "(tok/s)", "vs nanochat", "process s (flaxchat / nanochat)"], run_row)
     lines += ["", "## Generation", "", "KV-cache engine, random prompts, every row makes every token "
               "(`python -m scripts.bench --what generate`).", ""]
     if report["generate"] or "generate" in report.get("sections", SECTIONS):
@@ -448,9 +465,9 @@ def cmd_report(args):
                 if os.path.exists(os.path.join(out, f"{n}.cmd"))]
     report = {"created": datetime.datetime.now().isoformat(timespec="seconds"), "mode": args.mode,
               "out": os.path.abspath(out), "sections": [s for s in SECTIONS if s in sections], "env": env,
-              "tests": tests, "prepared": prepared, "train": _steps(out, "train"), "generate": _steps(out, "generate"),
-              "serve": serve}
-    steps = [tests, *prepared, *report["train"], *report["generate"], serve]
+              "tests": tests, "prepared": prepared, "train": _steps(out, "train"), "runs": _steps(out, "run"),
+              "generate": _steps(out, "generate"), "serve": serve}
+    steps = [tests, *prepared, *report["train"], *report["runs"], *report["generate"], serve]
     report["failed"] = [s["name"] for s in steps if not s["ok"]]
     # every section asked for has its rows (the real pipeline's are training rows too)
     report["ok"] = (not report["failed"] and (bool(report["train"]) or not sections & {"train", "real"})

@@ -320,6 +320,15 @@ def test_gpu_check_cpu_smoke(tmp_path, request):
     assert "--in-flight off" in report["train"][-1]["command"]
     for r in (fresh, cycled, real_data, real_llvm_atomics, waited):
         assert r["grad_accum"] == 2 and r["config"] == random_data["config"] and "nanochat" not in r
+    if nanochat:  # a pair of real runs: nanochat's base_train (the stand-in), then scripts.pretrain
+        (run,) = report["runs"]
+        assert run["ok"] and run["name"] == "run_d2_real" and run["command"].startswith("python -m scripts.bench --what run")
+        res = run["result"]
+        assert res["timed_from_step"] == 3 and res["timed_steps"] == 2 and res["nanochat"]["timed_steps"] == 2
+        assert res["step_s"] > 0 and res["vs_nanochat"] == pytest.approx(res["nanochat"]["step_s"] / res["step_s"])
+        assert "## Real runs" in (out / "summary.md").read_text()
+    else:
+        assert report["runs"] == []
     assert [g["result"]["batch_size"] for g in report["generate"]] == [1, 4]
     for g in report["generate"]:
         assert g["ok"] and g["result"]["tok_per_s"] > 0 and g["result"]["ttft_s"] > 0
