@@ -201,7 +201,7 @@ def test_run_times_a_real_pretrain_run_beside_nanochats_base_train(capsys, monke
 
     monkeypatch.setenv("XLA_FLAGS", xla_flags(1))  # one device, as nanochat's base_train runs in one process
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.hugetlb=1")
-    # a path entry holding flaxchat's scripts package must not hide nanochat's scripts.base_eval
+    # a path entry holding flaxchat's scripts package must not shadow nanochat's (a namespace package, as here)
     monkeypatch.setenv("PYTHONPATH", os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     main(RUN + ["--nanochat", str(nanochat_checkout), "--dtype", "float32", "--expect-backend", "cpu"])
     printed = capsys.readouterr()
