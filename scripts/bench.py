@@ -34,8 +34,9 @@ then flaxchat's, and adds "nanochat" and "vs_nanochat" (flaxchat tok/s over nano
 A real pretraining run (`scripts.pretrain`: the Grain loader over $FLAXCHAT_BASE_DIR's tokenizer and shards,
 accumulation, the optimizer's schedules) and, with --nanochat, nanochat's own `scripts/base_train.py` first with
 the same flags on the same tokenizer and shards; the median step of steps 11-150 of each (stdout: JSON; both runs'
-progress on stderr and in $FLAXCHAT_BASE_DIR/bench_run/). One device, as base_train runs in one process (on a
-machine with several GPUs: CUDA_VISIBLE_DEVICES=0):
+progress on stderr and in $FLAXCHAT_BASE_DIR/bench_run/, where each trainer has a base dir of its own: your runs'
+checkpoints and report are left alone). One device, as base_train runs in one process (on a machine with several
+GPUs: CUDA_VISIBLE_DEVICES=0):
     python -m scripts.bench --what run --depth 4 --head-dim 64 --window-pattern SL --max-seq-len 256 \
         --device-batch-size 16 --grad-accum 2 --steps 150 --warmup 9 --nanochat ~/src/nanochat
 Everything:
@@ -486,7 +487,6 @@ def bench_data(args, mesh) -> dict:
 
 # --what run: real runs, flaxchat's scripts.pretrain beside nanochat's scripts/base_train.py
 
-RUN_TAG = "bench-run"  # the checkpoint folder (base_checkpoints/bench-run) --what run trains into, cleared first
 NANOCHAT_STEP = re.compile(r"^step (\d+)/\d+ .*?\| dt: ([\d.]+)ms", re.M)  # base_train's line per step (0-based)
 
 
@@ -531,25 +531,43 @@ def step_times(times: dict[int, float], first: int, tokens: int) -> dict:
             "timed_steps": len(timed), "timed_min": sum(timed) / 60}
 
 
+def link(target: str, name: str) -> None:
+    """name -> target (a folder), replacing a link already there."""
+    if os.path.lexists(name):
+        os.remove(name)
+    os.symlink(os.path.abspath(target), name, target_is_directory=True)
+
+
+def run_base_dir(run_dir: str) -> str:
+    """A base dir of flaxchat's own for the benchmark's run: the tokenizer and shards of $FLAXCHAT_BASE_DIR linked
+    in, and its checkpoints, report and compiled programs kept apart from your runs' (checkpoints cleared first)."""
+    from flaxchat.dataset import default_data_dir, list_parquet_files
+    from flaxchat.tokenizer import get_tokenizer
+
+    get_tokenizer()  # FileNotFoundError where there is none
+    if len(list_parquet_files()) < 2:
+        raise FileNotFoundError(f"--what run needs at least 2 parquet shards (train + val) in {default_data_dir()}")
+    base = os.path.join(run_dir, "flaxchat_base")
+    os.makedirs(base, exist_ok=True)
+    link(os.path.join(get_base_dir(), "tokenizer"), os.path.join(base, "tokenizer"))
+    link(default_data_dir(), os.path.join(base, "base_data"))
+    shutil.rmtree(os.path.join(base, "base_checkpoints"), ignore_errors=True)  # a fresh run, not a resumed one
+    return base
+
+
 def nanochat_base_dir(run_dir: str) -> tuple[str, str | None]:
     """NANOCHAT_BASE_DIR for base_train on flaxchat's data: our tokenizer in nanochat's format and our shards as
     its pretraining data; and a folder with an empty `wandb` module where wandb is not installed (base_train
     imports it even when it does not log), else None."""
     import importlib.util
 
-    from flaxchat.dataset import default_data_dir, list_parquet_files
+    from flaxchat.dataset import default_data_dir
     from flaxchat.interop import save_nanochat_tokenizer
     from flaxchat.tokenizer import get_tokenizer
 
-    tokenizer = get_tokenizer()  # FileNotFoundError where there is none
-    if len(list_parquet_files()) < 2:
-        raise FileNotFoundError(f"--what run needs at least 2 parquet shards (train + val) in {default_data_dir()}")
     base = os.path.join(run_dir, "nanochat_base")
-    save_nanochat_tokenizer(tokenizer, os.path.join(base, "tokenizer"))
-    link = os.path.join(base, "base_data_climbmix")
-    if os.path.lexists(link):
-        os.remove(link)
-    os.symlink(os.path.abspath(default_data_dir()), link, target_is_directory=True)
+    save_nanochat_tokenizer(get_tokenizer(), os.path.join(base, "tokenizer"))
+    link(default_data_dir(), os.path.join(base, "base_data_climbmix"))
     if importlib.util.find_spec("wandb") is not None:
         return base, None
     stub = os.path.join(run_dir, "stub")
@@ -589,23 +607,24 @@ def run_nanochat(args, flags, run_dir, first, tokens) -> dict:
 
 
 def run_flaxchat(args, flags, run_dir, first, tokens) -> dict:
-    """scripts.pretrain with `flags`, into base_checkpoints/bench-run; the steps' times from its metrics.jsonl."""
+    """scripts.pretrain with `flags`, in a base dir of its own (run_base_dir); the steps' times from its
+    metrics.jsonl."""
     from flaxchat.checkpoint import checkpoint_dir
     from flaxchat.report import read_jsonl
 
-    out_dir = checkpoint_dir("base", RUN_TAG)
-    shutil.rmtree(out_dir, ignore_errors=True)  # a fresh run, not a resumed one
-    cmd = [sys.executable, "-m", "scripts.pretrain", *flags, "--model-tag", RUN_TAG, "--in-flight", args.in_flight]
+    base = run_base_dir(run_dir)
+    cmd = [sys.executable, "-m", "scripts.pretrain", *flags, "--in-flight", args.in_flight]
     cmd += ["--dtype", args.dtype] if args.dtype else []
     cmd += ["--expect-backend", args.expect_backend] if args.expect_backend else []
     log_path = os.path.join(run_dir, "flaxchat.log")
     load, start = MachineLoad(), time.perf_counter()
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    rc, out = stream(cmd, log_path, cwd=root, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    rc, out = stream(cmd, log_path, cwd=root, env={**os.environ, "FLAXCHAT_BASE_DIR": base, "PYTHONUNBUFFERED": "1"})
     process_s, machine = time.perf_counter() - start, load.stop()
     if rc != 0:
         sys.exit(f"error: scripts.pretrain exited with {rc}: {last_line(out)} (its output: {log_path})")
-    times = {r["step"]: r["dt"] for r in read_jsonl(os.path.join(out_dir, "metrics.jsonl")) if "dt" in r}
+    metrics = os.path.join(checkpoint_dir("base", f"d{args.depth}", base_dir=base), "metrics.jsonl")
+    times = {r["step"]: r["dt"] for r in read_jsonl(metrics) if "dt" in r}
     return {**step_times(times, first, tokens), "process_s": process_s, "machine": machine, "log": log_path}
 
 
@@ -615,6 +634,7 @@ def bench_run(args) -> dict:
     timed steps' total minutes, the whole process's seconds (start-up and compilation included)."""
     run_dir = os.path.join(get_base_dir(), "bench_run")
     os.makedirs(run_dir, exist_ok=True)
+    run_base_dir(run_dir)  # the tokenizer and shards are there, before either run starts
     flags, first = run_flags(args), args.warmup + 2
     tokens = args.device_batch_size * args.max_seq_len * args.grad_accum
     record = {"what": "run", "flags": flags, "tokens_per_step": tokens, "timed_from_step": first,

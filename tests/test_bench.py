@@ -227,8 +227,12 @@ def test_run_times_a_real_pretrain_run_beside_nanochats_base_train(capsys, monke
     assert seen["tunables"] is None and seen["dtype"] == "float32"  # nanochat runs as it would on its own
     assert seen["tokens"] == get_tokenizer().encode(seen["text"])  # our tokenizer, in nanochat's format
     assert seen["files"] == sorted(os.listdir(tiny_base_dir / "base_data"))
-    metrics = [json.loads(line) for line in (tiny_base_dir / "base_checkpoints" / "bench-run" / "metrics.jsonl").open()]
+    # flaxchat's run in a base dir of its own: the user's checkpoints and report are left alone
+    run_base = tiny_base_dir / "bench_run" / "flaxchat_base"
+    metrics = [json.loads(line) for line in (run_base / "base_checkpoints" / "d2" / "metrics.jsonl").open()]
     assert [r["step"] for r in metrics if "dt" in r] == [1, 2, 3, 4]
+    assert (run_base / "report").is_dir() and (run_base / "tokenizer").resolve() == (tiny_base_dir / "tokenizer").resolve()
+    assert sorted(os.listdir(tiny_base_dir)) == ["base_data", "bench_run", "tokenizer"]
 
 
 @pytest.mark.parametrize("extra, message", [
