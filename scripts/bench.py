@@ -169,6 +169,14 @@ def real_batches(args, mesh, tokenizer):
     return take, loader
 
 
+def failure_line(text: str) -> str:
+    """What a failed process said: the last exception or `error: ` line of its output where there is one, else its
+    last line."""
+    lines = [line.strip() for line in re.split(r"[\r\n]", text) if line.strip()] or ["it printed nothing"]
+    errors = [line for line in lines if re.match(r"(error: |[\w.]+(Error|Exception)\b)", line)]
+    return (errors or lines)[-1]
+
+
 def time_nanochat(args, config, batch_size: int) -> dict:
     """nanochat's step for the same model and batch, in a process of its own (flaxchat.nanochat_bench), run before
     flaxchat's so neither runs beside the other. nanochat runs as it would on its own: the compute dtype through
@@ -183,10 +191,8 @@ def time_nanochat(args, config, batch_size: int) -> dict:
     load = MachineLoad()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     machine = load.stop()  # over nanochat's whole process, compilation included
-    if proc.returncode != 0:  # the exception's own line where there is one, else the last line it printed
-        lines = proc.stderr.strip().splitlines() or ["it printed nothing"]
-        errors = [line for line in lines if re.match(r"(error: |[\w.]+(Error|Exception)\b)", line)]
-        sys.exit(f"error: timing nanochat failed: {(errors or lines)[-1]}")
+    if proc.returncode != 0:
+        sys.exit(f"error: timing nanochat failed: {failure_line(proc.stderr)}")
     return {**json.loads(proc.stdout.strip().splitlines()[-1]), "machine": machine}
 
 
@@ -490,10 +496,10 @@ def bench_data(args, mesh) -> dict:
 NANOCHAT_STEP = re.compile(r"^step (\d+)/\d+ .*?\| dt: ([\d.]+)ms", re.M)  # base_train's line per step (0-based)
 
 
-def run_flags(args) -> list[str]:
+def run_flags(args, tokens: int) -> list[str]:
     """The flags --what run gives both trainers, which name them alike: the model, one device's batch and
-    accumulation, --steps steps; val bpb, CORE and samples off, so that every step is a training step."""
-    tokens = args.device_batch_size * args.max_seq_len * args.grad_accum
+    accumulation (`tokens` a step), --steps steps; val bpb, CORE and samples off, so that every step is a training
+    step."""
     return ["--depth", str(args.depth), "--aspect-ratio", str(args.aspect_ratio), "--head-dim", str(args.head_dim),
             "--max-seq-len", str(args.max_seq_len), "--window-pattern", args.window_pattern,
             "--device-batch-size", str(args.device_batch_size), "--total-batch-size", str(tokens),
@@ -515,10 +521,6 @@ def stream(cmd, log_path, **popen) -> tuple[int, str]:
     return proc.returncode, b"".join(chunks).decode(errors="replace")
 
 
-def last_line(text: str) -> str:
-    """A failed run's last line of output (its error), without its own "error: " prefix."""
-    lines = [line.strip() for line in re.split(r"[\r\n]", text) if line.strip()]
-    return lines[-1].removeprefix("error: ") if lines else "it printed nothing"
 
 
 def step_times(times: dict[int, float], first: int, tokens: int) -> dict:
@@ -541,12 +543,8 @@ def link(target: str, name: str) -> None:
 def run_base_dir(run_dir: str) -> str:
     """A base dir of flaxchat's own for the benchmark's run: the tokenizer and shards of $FLAXCHAT_BASE_DIR linked
     in, and its checkpoints, report and compiled programs kept apart from your runs' (checkpoints cleared first)."""
-    from flaxchat.dataset import default_data_dir, list_parquet_files
-    from flaxchat.tokenizer import get_tokenizer
+    from flaxchat.dataset import default_data_dir
 
-    get_tokenizer()  # FileNotFoundError where there is none
-    if len(list_parquet_files()) < 2:
-        raise FileNotFoundError(f"--what run needs at least 2 parquet shards (train + val) in {default_data_dir()}")
     base = os.path.join(run_dir, "flaxchat_base")
     os.makedirs(base, exist_ok=True)
     link(os.path.join(get_base_dir(), "tokenizer"), os.path.join(base, "tokenizer"))
@@ -555,7 +553,7 @@ def run_base_dir(run_dir: str) -> str:
     return base
 
 
-def nanochat_base_dir(run_dir: str) -> tuple[str, str | None]:
+def nanochat_base_dir(run_dir: str, tokenizer) -> tuple[str, str | None]:
     """NANOCHAT_BASE_DIR for base_train on flaxchat's data: our tokenizer in nanochat's format and our shards as
     its pretraining data; and a folder with an empty `wandb` module where wandb is not installed (base_train
     imports it even when it does not log), else None."""
@@ -563,10 +561,9 @@ def nanochat_base_dir(run_dir: str) -> tuple[str, str | None]:
 
     from flaxchat.dataset import default_data_dir
     from flaxchat.interop import save_nanochat_tokenizer
-    from flaxchat.tokenizer import get_tokenizer
 
     base = os.path.join(run_dir, "nanochat_base")
-    save_nanochat_tokenizer(get_tokenizer(), os.path.join(base, "tokenizer"))
+    save_nanochat_tokenizer(tokenizer, os.path.join(base, "tokenizer"))
     link(default_data_dir(), os.path.join(base, "base_data_climbmix"))
     if importlib.util.find_spec("wandb") is not None:
         return base, None
@@ -583,10 +580,10 @@ def device_type_flags(args) -> list[str]:
     return ["--device-type", named] if named else []
 
 
-def run_nanochat(args, flags, run_dir, first, tokens) -> dict:
+def run_nanochat(args, flags, run_dir, tokenizer, first, tokens) -> dict:
     """nanochat's scripts/base_train.py, unmodified, with `flags` on flaxchat's tokenizer and shards (its own
     environment: the compute dtype through NANOCHAT_DTYPE, without flaxchat's huge-pages tunable)."""
-    base, stub = nanochat_base_dir(run_dir)
+    base, stub = nanochat_base_dir(run_dir, tokenizer)
     env = {**without_huge_pages(os.environ), "NANOCHAT_BASE_DIR": base, "PYTHONUNBUFFERED": "1"}
     if args.dtype:
         env["NANOCHAT_DTYPE"] = args.dtype
@@ -601,18 +598,18 @@ def run_nanochat(args, flags, run_dir, first, tokens) -> dict:
     rc, out = stream(cmd, log_path, cwd=os.path.expanduser(args.nanochat), env=env)
     process_s, machine = time.perf_counter() - start, load.stop()
     if rc != 0:
-        sys.exit(f"error: nanochat's base_train exited with {rc}: {last_line(out)} (its output: {log_path})")
+        sys.exit(f"error: nanochat's base_train exited with {rc}: {failure_line(out).removeprefix('error: ')} "
+                 f"(its output: {log_path})")
     times = {int(m.group(1)) + 1: float(m.group(2)) / 1e3 for m in NANOCHAT_STEP.finditer(out)}
     return {**step_times(times, first, tokens), "process_s": process_s, "machine": machine, "log": log_path}
 
 
-def run_flaxchat(args, flags, run_dir, first, tokens) -> dict:
-    """scripts.pretrain with `flags`, in a base dir of its own (run_base_dir); the steps' times from its
+def run_flaxchat(args, flags, run_dir, base, first, tokens) -> dict:
+    """scripts.pretrain with `flags` in `base`, a base dir of its own (run_base_dir); the steps' times from its
     metrics.jsonl."""
     from flaxchat.checkpoint import checkpoint_dir
     from flaxchat.report import read_jsonl
 
-    base = run_base_dir(run_dir)
     cmd = [sys.executable, "-m", "scripts.pretrain", *flags, "--in-flight", args.in_flight]
     cmd += ["--dtype", args.dtype] if args.dtype else []
     cmd += ["--expect-backend", args.expect_backend] if args.expect_backend else []
@@ -622,7 +619,8 @@ def run_flaxchat(args, flags, run_dir, first, tokens) -> dict:
     rc, out = stream(cmd, log_path, cwd=root, env={**os.environ, "FLAXCHAT_BASE_DIR": base, "PYTHONUNBUFFERED": "1"})
     process_s, machine = time.perf_counter() - start, load.stop()
     if rc != 0:
-        sys.exit(f"error: scripts.pretrain exited with {rc}: {last_line(out)} (its output: {log_path})")
+        sys.exit(f"error: scripts.pretrain exited with {rc}: {failure_line(out).removeprefix('error: ')} "
+                 f"(its output: {log_path})")
     metrics = os.path.join(checkpoint_dir("base", f"d{args.depth}", base_dir=base), "metrics.jsonl")
     times = {r["step"]: r["dt"] for r in read_jsonl(metrics) if "dt" in r}
     return {**step_times(times, first, tokens), "process_s": process_s, "machine": machine, "log": log_path}
@@ -632,16 +630,21 @@ def bench_run(args) -> dict:
     """A real scripts.pretrain run of --steps steps (and nanochat's base_train first with --nanochat), each in a
     process of its own, one after the other: the median step after the first and --warmup more, tok/s, the
     timed steps' total minutes, the whole process's seconds (start-up and compilation included)."""
+    from flaxchat.dataset import default_data_dir, list_parquet_files
+    from flaxchat.tokenizer import get_tokenizer
+
+    tokenizer = get_tokenizer()  # FileNotFoundError where there is none, before either run starts
+    if len(list_parquet_files()) < 2:
+        raise FileNotFoundError(f"--what run needs at least 2 parquet shards (train + val) in {default_data_dir()}")
     run_dir = os.path.join(get_base_dir(), "bench_run")
     os.makedirs(run_dir, exist_ok=True)
-    run_base_dir(run_dir)  # the tokenizer and shards are there, before either run starts
-    flags, first = run_flags(args), args.warmup + 2
     tokens = args.device_batch_size * args.max_seq_len * args.grad_accum
+    flags, first = run_flags(args, tokens), args.warmup + 2
     record = {"what": "run", "flags": flags, "tokens_per_step": tokens, "timed_from_step": first,
               "dtype": args.dtype or "default", "in_flight": args.in_flight, "python": platform.python_version(),
               "jax": jax.__version__, "huge_pages": huge_pages_active(), "allocator": malloc_library()}
-    theirs = run_nanochat(args, flags, run_dir, first, tokens) if args.nanochat else None
-    ours = run_flaxchat(args, flags, run_dir, first, tokens)
+    theirs = run_nanochat(args, flags, run_dir, tokenizer, first, tokens) if args.nanochat else None
+    ours = run_flaxchat(args, flags, run_dir, run_base_dir(run_dir), first, tokens)
     record.update(ours)
     if theirs:
         record.update(nanochat=theirs, vs_nanochat=theirs["step_s"] / ours["step_s"])
