@@ -17,7 +17,7 @@ Speculative sampling, a trained model and a trained draft (plain vs speculative,
 Data loader (needs a tokenizer and parquet shards in $FLAXCHAT_BASE_DIR):
     python -m scripts.bench --what data --device-batch-size 8 --max-seq-len 512
 How much of a step its matrix products are (each of the step's products timed alone, one device; the JSON adds
-"products", stderr the slowest with their source lines):
+"products", stderr the slowest with their source lines and every line's products summed, with their rate):
     python -m scripts.bench --what train --depth 4 --head-dim 64 --window-pattern SL --max-seq-len 256 \
         --device-batch-size 16 --vocab-size 4096 --products
 The CPU suite (the shapes compared with nanochat; one JSON line per shape; the "real" row needs a tokenizer and
@@ -127,7 +127,8 @@ def build_parser():
     p.add_argument("--profile-dir", type=str, default=None, help="where the trace goes (default $FLAXCHAT_BASE_DIR/profile/bench)")
     p.add_argument("--products", action="store_true",
                    help="train, one device: also time every matrix product of the step alone, one after another "
-                        "(the JSON adds \"products\": their time beside the step's, and the slowest)")
+                        "(the JSON adds \"products\": their time beside the step's, the slowest, and their time and rate "
+                        "by line of the program)")
     add_kernel_flags(p)
     sharding.add_mesh_flags(p)
     return p
@@ -417,10 +418,19 @@ def product_census(model, optimizer, batch, mesh, repeats: int = 10) -> dict:
     alone = sum(g[1] for g in groups.values())
     flops = sum(g[2] for g in groups.values())
     top = sorted(groups.items(), key=lambda kv: -kv[1][1])[:12]
+    # by the line of the program that made them (forward and backward together): where products run slow
+    lines = {}
+    for (src, *_), (n, s, f) in groups.items():
+        line = lines.setdefault(src.split(" (")[0], [0, 0.0, 0])
+        line[0] += n
+        line[1] += s
+        line[2] += f
     return {"calls": sum(g[0] for g in groups.values()), "distinct": len(timed), "gflop": flops / 1e9,
             "alone_s": alone, "flops_per_s": flops / alone,
             "top": [{"source": src, "spec": spec, "lhs": list(a), "rhs": list(b), "calls": n, "ms": 1e3 * s,
-                     "gflops": f / s / 1e9} for (src, spec, a, b), (n, s, f) in top]}
+                     "gflops": f / s / 1e9} for (src, spec, a, b), (n, s, f) in top],
+            "by_line": [{"source": src, "calls": n, "gflop": f / 1e9, "ms": 1e3 * s, "gflops": f / s / 1e9}
+                        for src, (n, s, f) in sorted(lines.items(), key=lambda kv: -kv[1][1])]}
 
 
 def format_census(census: dict, step_s: float) -> str:
@@ -429,6 +439,9 @@ def format_census(census: dict, step_s: float) -> str:
              f"({100 * census['alone_s'] / step_s:.0f}%), {census['flops_per_s'] / 1e9:.0f} GFLOP/s"]
     lines += [f"  {p['ms']:9.2f} ms  {p['gflops']:6.0f} GFLOP/s  x{p['calls']:<4} {p['spec']} {tuple(p['lhs'])} "
               f"{tuple(p['rhs'])} <- {p['source']}" for p in census["top"]]
+    lines.append("by line of the program (forward and backward together):")
+    lines += [f"  {p['ms']:9.2f} ms  {p['gflops']:6.0f} GFLOP/s  {p['gflop']:7.2f} GFLOP  x{p['calls']:<5} {p['source']}"
+              for p in census["by_line"]]
     return "\n".join(lines)
 
 

@@ -297,7 +297,15 @@ def test_product_census_counts_every_product_the_compiled_step_runs():
     assert "gpt.py" in sources or "fused_loss.py" in sources or "optim.py" in sources
     lines = format_census({**census, "share_of_step": 0.5}, 2 * census["alone_s"]).splitlines()
     assert lines[0].startswith(f"the step's {census['calls']} products") and "(50%)" in lines[0]
-    assert len(lines) == 1 + len(census["top"])
+    assert len(lines) == 2 + len(census["top"]) + len(census["by_line"])
+    # grouped by line: the same products and FLOPs, attention's block products among them under their own line
+    by_line = census["by_line"]
+    assert sum(p["calls"] for p in by_line) == census["calls"]
+    assert sum(p["gflop"] for p in by_line) == pytest.approx(census["gflop"])
+    assert sum(p["ms"] for p in by_line) == pytest.approx(1e3 * census["alone_s"])
+    assert [p["ms"] for p in by_line] == sorted((p["ms"] for p in by_line), reverse=True)
+    assert any(p["source"].startswith("flaxchat/attention.py:") for p in by_line)
+    assert all(" (" not in p["source"] for p in by_line)  # one entry per line, whatever transformation made it
 
 
 def test_products_spec_and_cli_errors(capsys):
