@@ -534,6 +534,15 @@ def stream(cmd, log_path, **popen) -> tuple[int, str]:
     return proc.returncode, b"".join(chunks).decode(errors="replace")
 
 
+def run_trainer(name: str, cmd, log_path, **popen) -> tuple[str, dict]:
+    """One trainer's run through stream(), timed and watched (MachineLoad); exits with its failure line if it fails.
+    Returns its output and {"process_s", "machine", "log"}."""
+    load, start = MachineLoad(), time.perf_counter()
+    rc, out = stream(cmd, log_path, **popen)
+    process_s, machine = time.perf_counter() - start, load.stop()
+    if rc != 0:
+        sys.exit(f"error: {name} exited with {rc}: {failure_line(out).removeprefix('error: ')} (its output: {log_path})")
+    return out, {"process_s": process_s, "machine": machine, "log": log_path}
 
 
 def step_times(times: dict[int, float], first: int, tokens: int) -> dict:
@@ -606,15 +615,10 @@ def run_nanochat(args, flags, run_dir, tokenizer, first, tokens) -> dict:
              if p and not os.path.isfile(os.path.join(p, "scripts", "__init__.py"))]
     env["PYTHONPATH"] = os.pathsep.join([stub] * bool(stub) + paths)
     cmd = [sys.executable, "-m", "scripts.base_train", *flags, *device_type_flags(args)]
-    log_path = os.path.join(run_dir, "nanochat.log")
-    load, start = MachineLoad(), time.perf_counter()
-    rc, out = stream(cmd, log_path, cwd=os.path.expanduser(args.nanochat), env=env)
-    process_s, machine = time.perf_counter() - start, load.stop()
-    if rc != 0:
-        sys.exit(f"error: nanochat's base_train exited with {rc}: {failure_line(out).removeprefix('error: ')} "
-                 f"(its output: {log_path})")
+    out, run = run_trainer("nanochat's base_train", cmd, os.path.join(run_dir, "nanochat.log"),
+                           cwd=os.path.expanduser(args.nanochat), env=env)
     times = {int(m.group(1)) + 1: float(m.group(2)) / 1e3 for m in NANOCHAT_STEP.finditer(out)}
-    return {**step_times(times, first, tokens), "process_s": process_s, "machine": machine, "log": log_path}
+    return {**step_times(times, first, tokens), **run}
 
 
 def run_flaxchat(args, flags, run_dir, base, first, tokens) -> dict:
@@ -626,17 +630,12 @@ def run_flaxchat(args, flags, run_dir, base, first, tokens) -> dict:
     cmd = [sys.executable, "-m", "scripts.pretrain", *flags, "--in-flight", args.in_flight]
     cmd += ["--dtype", args.dtype] if args.dtype else []
     cmd += ["--expect-backend", args.expect_backend] if args.expect_backend else []
-    log_path = os.path.join(run_dir, "flaxchat.log")
-    load, start = MachineLoad(), time.perf_counter()
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    rc, out = stream(cmd, log_path, cwd=root, env={**os.environ, "FLAXCHAT_BASE_DIR": base, "PYTHONUNBUFFERED": "1"})
-    process_s, machine = time.perf_counter() - start, load.stop()
-    if rc != 0:
-        sys.exit(f"error: scripts.pretrain exited with {rc}: {failure_line(out).removeprefix('error: ')} "
-                 f"(its output: {log_path})")
+    _, run = run_trainer("scripts.pretrain", cmd, os.path.join(run_dir, "flaxchat.log"), cwd=root,
+                         env={**os.environ, "FLAXCHAT_BASE_DIR": base, "PYTHONUNBUFFERED": "1"})
     metrics = os.path.join(checkpoint_dir("base", f"d{args.depth}", base_dir=base), "metrics.jsonl")
     times = {r["step"]: r["dt"] for r in read_jsonl(metrics) if "dt" in r}
-    return {**step_times(times, first, tokens), "process_s": process_s, "machine": machine, "log": log_path}
+    return {**step_times(times, first, tokens), **run}
 
 
 def bench_run(args) -> dict:
@@ -681,6 +680,7 @@ def run_suite(args, mesh) -> None:
             result = {"what": "train", "skipped": str(e)}
         print(json.dumps({"shape": name, **environment(args, mesh), "config": make_config(row).to_dict(), **result}),
               flush=True)
+
 
 def run_main(parser, args) -> None:
     """--what run: checked, then run without starting JAX's backend here (on a GPU it would hold the memory the
@@ -756,7 +756,6 @@ def main(argv=None):
     env["config"] = make_config(args).to_dict()  # after the runs: --real-data takes the tokenizer's vocabulary
     out = results[chosen[0]] if len(chosen) == 1 else results
     print(json.dumps({**env, **out} if len(chosen) == 1 else {**env, "results": out}, indent=2))
-
 
 
 if __name__ == "__main__":
