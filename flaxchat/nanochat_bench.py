@@ -7,7 +7,10 @@ GPT with its own weight init, the MuonAdamW of `GPT.setup_optimizer()`, the mode
 and dtype are nanochat's own defaults: torch's thread count, fp32 on a CPU unless NANOCHAT_DTYPE says otherwise,
 bf16 on a recent CUDA GPU, where TF32 matmuls are allowed as nanochat's compute_init allows them. Attention is
 whatever nanochat picks: Flash Attention 3 where its `kernels` package can load it, else PyTorch's SDPA (the JSON
-says which). Tokens are random, as in the flaxchat benchmark's random-token rows. One JSON object on stdout:
+says which). Tokens are random, as in the flaxchat benchmark's random-token rows. One JSON object on stdout. Its
+`matmul_peak_flops` is PyTorch's rate for one n^3 matmul in the compute dtype, which shows whether its BLAS runs at
+full speed (the stock CPU wheel's MKL takes its AVX2 kernels on AMD CPUs; `bench --nanochat-mkl avx512` gives it
+its AVX-512 ones):
 
     python -m flaxchat.nanochat_bench --dir ~/src/nanochat --config '{"n_layer": 4, "n_head": 4, ...}' \\
         --batch-size 16 --grad-accum 1 --steps 10 --warmup 2
@@ -98,6 +101,22 @@ def time_steps(model, optimizer, vocab_size: int, batch_size: int, seq_len: int,
     return out
 
 
+def matmul_peak(device: str, dtype, repeats: int = 5) -> float:
+    """FLOP/s of PyTorch's best of `repeats` n^3 matmuls in `dtype` on `device` (n = 2048 on a CPU, 4096 on a GPU), as
+    flaxchat's benchmark measures XLA's (common.measured_matmul_peak): whether nanochat's BLAS runs at full speed."""
+    import torch
+
+    n = 4096 if device == "cuda" else 2048
+    a = torch.randn(n, n, generator=torch.Generator().manual_seed(0)).to(device=device, dtype=dtype)
+    a @ a  # the first call picks and loads the kernels
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        (a @ a).sum().item()  # waits for the product, on a GPU too
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best
+
+
 def profile_steps(step, n: int, device: str) -> dict:
     """n steps under torch.profiler: per step, the ops' self time by kind and the slowest ops (flaxchat.trace's
     summary). On a GPU the CUDA kernels' device time; on a CPU the self time of the ops torch records on the
@@ -161,8 +180,10 @@ def main(argv=None):
     extra = {"attention": "fa3" if flash.USE_FA3 else "sdpa"} if hasattr(flash, "USE_FA3") else {}
     if args.device == "cuda":
         extra.update(device=torch.cuda.get_device_name(), peak_mem_gb=torch.cuda.max_memory_allocated() / 2**30)
+    peak = matmul_peak(args.device, dtype if dtype is not None else torch.float32)
     print(json.dumps({**out, "torch": torch.__version__, "threads": torch.get_num_threads(),
-                      "dtype": str(dtype).removeprefix("torch.") if dtype is not None else None, **extra}))
+                      "dtype": str(dtype).removeprefix("torch.") if dtype is not None else None,
+                      "matmul_peak_flops": peak, **extra}))
 
 
 if __name__ == "__main__":

@@ -27,6 +27,8 @@ Side by side with nanochat (a checkout of github.com/karpathy/nanochat and PyTor
 times nanochat's own step (its GPT, MuonAdamW and torch.compile, in a process of its own; flaxchat.nanochat_bench),
 then flaxchat's, and adds "nanochat" and "vs_nanochat" (flaxchat tok/s over nanochat's) to the JSON:
     python -m scripts.bench --what train --suite cpu --nanochat ~/src/nanochat
+    nanochat's record gives the rate of its PyTorch's own matmul (matmul_peak_flops); on an AMD CPU, where the stock
+    wheel's MKL runs its AVX2 kernels, add --nanochat-mkl avx512 for the AVX-512 ones an Intel Xeon gets.
     On one CUDA GPU (PyTorch with CUDA; --rounds 1; JAX then grows its memory as it needs it instead of taking
     most of it at the start, so that nanochat's process, which runs first, has room):
     python -m scripts.bench --what train --depth 12 --max-seq-len 2048 --device-batch-size 32 \
@@ -122,6 +124,12 @@ def build_parser():
     p.add_argument("--nanochat", metavar="DIR", default=None,
                    help="train: also time nanochat's step (the checkout at DIR, with PyTorch) on the same shape, first; "
                         "run: run nanochat's scripts/base_train.py first, with the same flags and data")
+    p.add_argument("--nanochat-mkl", choices=NANOCHAT_MKL, default="as-installed",
+                   help="with --nanochat on a CPU: the BLAS kernels nanochat's PyTorch runs. as-installed: what its "
+                        "wheel picks (the stock wheel's MKL takes its AVX2 path on AMD CPUs, ~half the AVX-512 rate); "
+                        "avx512: MKL's AVX-512 path, as on an Intel Xeon, through a one-line C library preloaded "
+                        "into nanochat's processes only (built with the system's C compiler). nanochat's JSON gives "
+                        "the fp32 matmul rate its PyTorch reached either way")
     StepProfiler.add_flag(p, "--profile-dir (train; the JSON adds where their time went: ms by kind of op and the "
                              "slowest ops, and nanochat's beside them with --nanochat)")
     p.add_argument("--profile-dir", type=str, default=None, help="where the trace goes (default $FLAXCHAT_BASE_DIR/profile/bench)")
@@ -178,11 +186,49 @@ def failure_line(text: str) -> str:
     return (errors or lines)[-1]
 
 
+# --nanochat-mkl avx512: MKL asks this function whether it runs on an Intel CPU and, where not, keeps to its AVX2
+# kernels. Preloaded, this answer wins over the one inside PyTorch's MKL: its AVX-512 kernels then run on AMD CPUs
+# too (a 2048^3 fp32 matmul on a 2-core Zen 5 VM: ~240 -> ~520 GFLOP/s). Intel CPUs already get that answer.
+NANOCHAT_MKL = ("as-installed", "avx512")
+MKL_AVX512_SOURCE = "int mkl_serv_intel_cpu_true(void) { return 1; }\n"
+
+
+def mkl_avx512_library(directory: str) -> str:
+    """The shared library for --nanochat-mkl avx512, built in `directory` with the C compiler ($CC, else cc or gcc)
+    where it is missing or its source changed; SystemExit with one line where there is no compiler or it fails."""
+    library, source = os.path.join(directory, "mkl_avx512.so"), os.path.join(directory, "mkl_avx512.c")
+    if os.path.isfile(library) and os.path.isfile(source) and open(source).read() == MKL_AVX512_SOURCE:
+        return library
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not compiler:
+        sys.exit("error: --nanochat-mkl avx512 builds a one-line C library: no C compiler found ($CC, cc or gcc)")
+    os.makedirs(directory, exist_ok=True)
+    with open(source, "w") as f:
+        f.write(MKL_AVX512_SOURCE)
+    try:
+        proc = subprocess.run([compiler, "-O2", "-shared", "-fPIC", "-o", library, source], capture_output=True,
+                              text=True)
+    except OSError as e:
+        sys.exit(f"error: --nanochat-mkl avx512: the C compiler {compiler} did not start: {e.strerror}")
+    if proc.returncode != 0:
+        sys.exit(f"error: --nanochat-mkl avx512: {compiler} failed: {failure_line(proc.stderr)}")
+    return library
+
+
+def nanochat_env(args, env: dict) -> dict:
+    """nanochat's environment with the --nanochat-mkl choice made: avx512 preloads mkl_avx512_library (before any
+    library LD_PRELOAD names already)."""
+    if args.nanochat_mkl != "avx512":
+        return env
+    library = mkl_avx512_library(os.path.join(get_base_dir(), "bench_run", "mkl_avx512"))
+    return {**env, "LD_PRELOAD": " ".join(p for p in (library, env.get("LD_PRELOAD", "")) if p)}
+
+
 def time_nanochat(args, config, batch_size: int) -> dict:
     """nanochat's step for the same model and batch, in a process of its own (flaxchat.nanochat_bench), run before
     flaxchat's so neither runs beside the other. nanochat runs as it would on its own: the compute dtype through
     NANOCHAT_DTYPE, and without the glibc huge-pages tunable flaxchat sets for itself."""
-    env = without_huge_pages(os.environ)
+    env = nanochat_env(args, without_huge_pages(os.environ))
     env["NANOCHAT_DTYPE"] = jnp.dtype(compute_dtype(args.dtype)).name
     cmd = [sys.executable, "-m", "flaxchat.nanochat_bench", "--dir", args.nanochat, "--batch-size", str(batch_size),
            "--config", json.dumps(config.to_dict()), "--grad-accum", str(args.grad_accum), "--steps", str(args.steps),
@@ -194,7 +240,7 @@ def time_nanochat(args, config, batch_size: int) -> dict:
     machine = load.stop()  # over nanochat's whole process, compilation included
     if proc.returncode != 0:
         sys.exit(f"error: timing nanochat failed: {failure_line(proc.stderr)}")
-    return {**json.loads(proc.stdout.strip().splitlines()[-1]), "machine": machine}
+    return {**json.loads(proc.stdout.strip().splitlines()[-1]), "machine": machine, "mkl": args.nanochat_mkl}
 
 
 def bench_train(args, mesh) -> dict:
@@ -606,7 +652,7 @@ def run_nanochat(args, flags, run_dir, tokenizer, first, tokens) -> dict:
     """nanochat's scripts/base_train.py, unmodified, with `flags` on flaxchat's tokenizer and shards (its own
     environment: the compute dtype through NANOCHAT_DTYPE, without flaxchat's huge-pages tunable)."""
     base, stub = nanochat_base_dir(run_dir, tokenizer)
-    env = {**without_huge_pages(os.environ), "NANOCHAT_BASE_DIR": base, "PYTHONUNBUFFERED": "1"}
+    env = {**nanochat_env(args, without_huge_pages(os.environ)), "NANOCHAT_BASE_DIR": base, "PYTHONUNBUFFERED": "1"}
     if args.dtype:
         env["NANOCHAT_DTYPE"] = args.dtype
     # nanochat's scripts/ is a namespace package (no __init__.py): a path entry holding flaxchat's `scripts` package
@@ -618,7 +664,7 @@ def run_nanochat(args, flags, run_dir, tokenizer, first, tokens) -> dict:
     out, run = run_trainer("nanochat's base_train", cmd, os.path.join(run_dir, "nanochat.log"),
                            cwd=os.path.expanduser(args.nanochat), env=env)
     times = {int(m.group(1)) + 1: float(m.group(2)) / 1e3 for m in NANOCHAT_STEP.finditer(out)}
-    return {**step_times(times, first, tokens), **run}
+    return {**step_times(times, first, tokens), **run, "mkl": args.nanochat_mkl}
 
 
 def run_flaxchat(args, flags, run_dir, base, first, tokens) -> dict:
@@ -715,6 +761,8 @@ def main(argv=None):
         parser.error("--draft-model needs --checkpoint: a draft proposes tokens for a trained model")
     if args.rounds < 1 or args.steps < 1:
         parser.error("--rounds and --steps must be at least 1")
+    if args.nanochat_mkl != "as-installed" and not args.nanochat:
+        parser.error(f"--nanochat-mkl {args.nanochat_mkl} chooses nanochat's BLAS kernels: use it with --nanochat DIR")
     if args.cycle_batches < 0 or (args.cycle_batches and not args.real_data):
         parser.error("--cycle-batches N (N >= 1) cycles the loader's batches: use it with --real-data")
     if args.fresh_batches and args.real_data:

@@ -206,7 +206,7 @@ class GPT(nn.Module):
     def init_weights(self):
         with open(os.path.join(os.path.dirname(__file__), "seen.json"), "w") as f:
             json.dump({"config": dataclasses.asdict(self.config), "tunables": os.environ.get("GLIBC_TUNABLES"),
-                       "dtype": os.environ.get("NANOCHAT_DTYPE")}, f)
+                       "dtype": os.environ.get("NANOCHAT_DTYPE"), "preload": os.environ.get("LD_PRELOAD")}, f)
         print("nanochat prints what it chose")  # to stdout, as nanochat does
         nn.init.normal_(self.wte.weight); nn.init.zeros_(self.lm_head.weight)
 
@@ -244,7 +244,8 @@ files = sorted(os.listdir(shards))
 text = pq.read_table(os.path.join(shards, files[0])).column("text")[0].as_py()
 with open(os.path.join(os.path.dirname(__file__), "seen.json"), "w") as f:
     json.dump({"argv": sys.argv[1:], "text": text, "tokens": enc.encode_ordinary(text), "files": files,
-               "tunables": os.environ.get("GLIBC_TUNABLES"), "dtype": os.environ.get("NANOCHAT_DTYPE")}, f)
+               "tunables": os.environ.get("GLIBC_TUNABLES"), "dtype": os.environ.get("NANOCHAT_DTYPE"),
+               "preload": os.environ.get("LD_PRELOAD")}, f)
 if os.environ.get("STAND_IN_FAILS"):
     raise RuntimeError("the stand-in was told to fail")
 for step in range(a.num_iterations):

@@ -1,5 +1,6 @@
 """scripts.bench: JSON out, the training benchmark on the flags' mesh, the comms reader, backend checks."""
 
+import ctypes
 import json
 import os
 import subprocess
@@ -130,7 +131,7 @@ def test_nanochat_is_timed_before_us_each_round_on_the_same_shape(capsys, monkey
     monkeypatch.setattr(MachineLoad, "stop", stop_with_steal)
     main(TINY + ["--what", "train", "--device-batch-size", "2", "--grad-accum", "2", "--steps", "2", "--warmup", "0",
                  "--rounds", "3", "--nanochat", str(nanochat_checkout), "--profile-steps", "2:4",
-                 "--profile-dir", str(tmp_path / "prof")])
+                 "--profile-dir", str(tmp_path / "prof"), "--nanochat-mkl", "avx512"])
     printed = capsys.readouterr()
     out = json.loads(printed.out)
     assert "warning: round 3: other guests of this VM's host took over 5% of the CPU time while nanochat ran" in printed.err
@@ -146,6 +147,7 @@ def test_nanochat_is_timed_before_us_each_round_on_the_same_shape(capsys, monkey
     assert len(out["rounds"]) == 3
     for r in out["rounds"]:
         assert r["nanochat"]["tok_per_s"] > 0 and r["nanochat"]["threads"] >= 1 and r["nanochat"]["dtype"] == "float32"
+        assert r["nanochat"]["mkl"] == "avx512" and r["nanochat"]["matmul_peak_flops"] > 0  # its torch's fp32 rate
         assert r["vs_nanochat"] == pytest.approx(r["tok_per_s"] / r["nanochat"]["tok_per_s"])
         for machine in (r["machine"], r["nanochat"]["machine"]):
             assert set(machine) == {"load_avg_1m", "steal_pct", "busy_pct"}
@@ -156,6 +158,10 @@ def test_nanochat_is_timed_before_us_each_round_on_the_same_shape(capsys, monkey
     assert seen["config"] == {"sequence_len": 64, "vocab_size": 512, "n_embd": 64}  # our config, its fields only
     # nanochat runs as it would on its own: the compute dtype said, flaxchat's huge-pages tunable taken out
     assert seen["tunables"] == "glibc.malloc.arena_max=4" and seen["dtype"] == "float32"
+    # --nanochat-mkl avx512: nanochat's process, and only it, starts with the library that answers MKL's CPU check
+    library = tmp_path / "base" / "bench_run" / "mkl_avx512" / "mkl_avx512.so"
+    assert seen["preload"] == str(library) and "LD_PRELOAD" not in os.environ
+    assert ctypes.CDLL(str(library)).mkl_serv_intel_cpu_true() == 1
 
 
 def test_nanochat_errors_are_one_line(capsys, monkeypatch, tmp_path, nanochat_checkout):
@@ -173,6 +179,35 @@ def test_nanochat_errors_are_one_line(capsys, monkeypatch, tmp_path, nanochat_ch
     with pytest.raises(SystemExit) as e:
         main(argv + ["--nanochat", str(nanochat_checkout)])
     assert str(e.value) == "error: timing nanochat failed: ValueError: the stand-in was told to fail"
+
+
+def test_nanochat_mkl_errors_are_one_line(capsys, monkeypatch, tmp_path, nanochat_checkout):
+    """--nanochat-mkl avx512 without --nanochat, with no C compiler, and with one that fails: one line each, before
+    nanochat or flaxchat runs."""
+    import shutil
+
+    argv = TINY + ["--what", "train", "--steps", "1", "--warmup", "0", "--nanochat-mkl", "avx512"]
+    with pytest.raises(SystemExit):
+        main(argv)
+    assert "--nanochat-mkl avx512 chooses nanochat's BLAS kernels: use it with --nanochat DIR" in capsys.readouterr().err
+    monkeypatch.setenv("STAND_IN_FAILS", "1")  # nanochat is never reached
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    with pytest.raises(SystemExit) as e:
+        main(argv + ["--nanochat", str(nanochat_checkout)])
+    assert str(e.value) == "error: --nanochat-mkl avx512 builds a one-line C library: no C compiler found ($CC, cc or gcc)"
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    with pytest.raises(SystemExit) as e:
+        main(argv + ["--nanochat", str(nanochat_checkout)])
+    assert str(e.value).startswith(f"error: --nanochat-mkl avx512: the C compiler {tmp_path / 'no-such-cc'} did not start")
+    failing = tmp_path / "failing-cc"
+    failing.write_text("#!/bin/sh\necho 'mkl_avx512.c:1: error: this compiler refuses' >&2\nexit 1\n")
+    failing.chmod(0o755)
+    monkeypatch.setenv("CC", str(failing))
+    with pytest.raises(SystemExit) as e:
+        main(argv + ["--nanochat", str(nanochat_checkout)])
+    assert str(e.value) == f"error: --nanochat-mkl avx512: {failing} failed: mkl_avx512.c:1: error: this compiler refuses"
+    assert not (tmp_path / "base" / "bench_run" / "mkl_avx512" / "mkl_avx512.so").exists()
 
 
 def test_nanochat_on_a_gpu_needs_one(nanochat_checkout):
@@ -225,6 +260,7 @@ def test_run_times_a_real_pretrain_run_beside_nanochats_base_train(capsys, monke
     seen = json.loads((nanochat_checkout / "scripts" / "seen.json").read_text())
     assert seen["argv"] == flags + ["--device-type", "cpu"]  # --expect-backend's backend (else base_train detects it)
     assert seen["tunables"] is None and seen["dtype"] == "float32"  # nanochat runs as it would on its own
+    assert seen["preload"] is None and theirs["mkl"] == "as-installed"  # its PyTorch's BLAS kernels as installed
     assert seen["tokens"] == get_tokenizer().encode(seen["text"])  # our tokenizer, in nanochat's format
     assert seen["files"] == sorted(os.listdir(tiny_base_dir / "base_data"))
     # flaxchat's run in a base dir of its own: the user's checkpoints and report are left alone
