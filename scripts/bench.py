@@ -53,6 +53,7 @@ import os
 import platform
 import re
 import resource
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -197,17 +198,19 @@ def mkl_avx512_library(directory: str) -> str:
     """The shared library for --nanochat-mkl avx512, built in `directory` with the C compiler ($CC, else cc or gcc)
     where it is missing or its source changed; SystemExit with one line where there is no compiler or it fails."""
     library, source = os.path.join(directory, "mkl_avx512.so"), os.path.join(directory, "mkl_avx512.c")
-    if os.path.isfile(library) and os.path.isfile(source) and open(source).read() == MKL_AVX512_SOURCE:
-        return library
+    if os.path.isfile(library) and os.path.isfile(source):
+        with open(source) as f:
+            if f.read() == MKL_AVX512_SOURCE:
+                return library
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not compiler:
         sys.exit("error: --nanochat-mkl avx512 builds a one-line C library: no C compiler found ($CC, cc or gcc)")
     os.makedirs(directory, exist_ok=True)
     with open(source, "w") as f:
         f.write(MKL_AVX512_SOURCE)
-    try:
-        proc = subprocess.run([compiler, "-O2", "-shared", "-fPIC", "-o", library, source], capture_output=True,
-                              text=True)
+    try:  # $CC may hold a command with arguments (ccache gcc), as make reads it
+        proc = subprocess.run([*shlex.split(compiler), "-O2", "-shared", "-fPIC", "-o", library, source],
+                              capture_output=True, text=True)
     except OSError as e:
         sys.exit(f"error: --nanochat-mkl avx512: the C compiler {compiler} did not start: {e.strerror}")
     if proc.returncode != 0:
