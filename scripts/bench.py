@@ -218,9 +218,11 @@ def mkl_avx512_library(directory: str) -> str:
     return library
 
 
-def nanochat_env(args, env: dict) -> dict:
-    """nanochat's environment with the --nanochat-mkl choice made: avx512 preloads mkl_avx512_library (before any
-    library LD_PRELOAD names already)."""
+def nanochat_env(args) -> dict:
+    """The environment nanochat's processes start with: ours without the huge-pages tunable flaxchat sets for itself,
+    and with the --nanochat-mkl choice made (avx512 preloads mkl_avx512_library before any library LD_PRELOAD names
+    already)."""
+    env = without_huge_pages(os.environ)
     if args.nanochat_mkl != "avx512":
         return env
     library = mkl_avx512_library(os.path.join(get_base_dir(), "bench_run", "mkl_avx512"))
@@ -231,7 +233,7 @@ def time_nanochat(args, config, batch_size: int) -> dict:
     """nanochat's step for the same model and batch, in a process of its own (flaxchat.nanochat_bench), run before
     flaxchat's so neither runs beside the other. nanochat runs as it would on its own: the compute dtype through
     NANOCHAT_DTYPE, and without the glibc huge-pages tunable flaxchat sets for itself."""
-    env = nanochat_env(args, without_huge_pages(os.environ))
+    env = nanochat_env(args)
     env["NANOCHAT_DTYPE"] = jnp.dtype(compute_dtype(args.dtype)).name
     cmd = [sys.executable, "-m", "flaxchat.nanochat_bench", "--dir", args.nanochat, "--batch-size", str(batch_size),
            "--config", json.dumps(config.to_dict()), "--grad-accum", str(args.grad_accum), "--steps", str(args.steps),
@@ -655,7 +657,7 @@ def run_nanochat(args, flags, run_dir, tokenizer, first, tokens) -> dict:
     """nanochat's scripts/base_train.py, unmodified, with `flags` on flaxchat's tokenizer and shards (its own
     environment: the compute dtype through NANOCHAT_DTYPE, without flaxchat's huge-pages tunable)."""
     base, stub = nanochat_base_dir(run_dir, tokenizer)
-    env = {**nanochat_env(args, without_huge_pages(os.environ)), "NANOCHAT_BASE_DIR": base, "PYTHONUNBUFFERED": "1"}
+    env = {**nanochat_env(args), "NANOCHAT_BASE_DIR": base, "PYTHONUNBUFFERED": "1"}
     if args.dtype:
         env["NANOCHAT_DTYPE"] = args.dtype
     # nanochat's scripts/ is a namespace package (no __init__.py): a path entry holding flaxchat's `scripts` package
