@@ -12,8 +12,9 @@ Muon, one step per matrix (each a pure function below; `muon` chains them into o
 Every reduction after the momentum runs over a matrix's last two axes only, so the functions take
 stacks (K, rows, cols) and update each matrix independently of its neighbours. Like nanochat's
 DistMuonAdamW, `muon` stacks same-shape matrices and splits the stack across the devices of the
-mesh, so each device orthogonalises only its share; the optimizer state stays one leaf per
-parameter (the checkpoint layout does not depend on the mesh).
+mesh, so each device orthogonalises only its share; the learning rate and weight decay then apply
+leaf by leaf, in each parameter's own layout. The optimizer state stays one leaf per parameter
+(the checkpoint layout does not depend on the mesh).
 
 Using it in a train step (see `build_optimizer`):
 
@@ -246,19 +247,17 @@ def _buffer_axes(axes, shape) -> tuple:
     return tuple(axes)
 
 
-def orthogonalized_update(g, param, second_momentum_buffer, *, learning_rate, weight_decay, beta2, ns_steps,
-                          polar_dtype):
-    """Muon's steps after the momentum, for g of shape (..., rows, cols); returns (update, new NorMuon buffer).
+def orthogonalized_update(g, second_momentum_buffer, *, beta2, ns_steps, polar_dtype, dtype):
+    """Muon's steps after the momentum, for g of shape (..., rows, cols); returns (direction, new NorMuon buffer),
+    the direction before the learning rate and weight decay (cautious_weight_decay_update, leaf by leaf).
 
     Equilibration and Polar Express run in polar_dtype (bf16 when that is the compute dtype, as nanochat),
-    the rest in the parameter dtype.
+    the rest in dtype (the parameters').
     """
     g = equilibrate_rows(g.astype(polar_dtype))
-    g = polar_express(g, ns_steps).astype(param.dtype)
+    g = polar_express(g, ns_steps).astype(dtype)
     g = renormalize(g)
-    g, second_momentum_buffer = normuon_variance_reduction(g, second_momentum_buffer, beta2)
-    lr = learning_rate * muon_lr_scale(g.shape)
-    return cautious_weight_decay_update(g, param, lr, weight_decay), second_momentum_buffer
+    return normuon_variance_reduction(g, second_momentum_buffer, beta2)
 
 
 def _stack(arrays, size, layouts):
@@ -331,12 +330,16 @@ def muon(
         for (_, _, layouts, v_layouts), idx in groups.items():
             shards = sharding.stack_size() if len(layouts) > 1 else 1
             size = -(-len(idx) // shards) * shards
-            g, p = (_stack([xs[i] for i in idx], size, layouts) for xs in (directions, params))
+            g = _stack([directions[i] for i in idx], size, layouts)
             v = _stack([second[i] for i in idx], size, v_layouts)
-            u, v = orthogonalized_update(g, p, v, learning_rate=learning_rate, weight_decay=weight_decay,
-                                         beta2=beta2, ns_steps=ns_steps, polar_dtype=polar_dtype)
+            u, v = orthogonalized_update(g, v, beta2=beta2, ns_steps=ns_steps, polar_dtype=polar_dtype,
+                                         dtype=params[idx[0]].dtype)
+            lr = learning_rate * muon_lr_scale(g.shape)
+            # the weight decay's sign test reads the parameters where they live: only the directions travel
+            # to the stack's layout and back, never the parameters
             for i, ui, vi in zip(idx, _unstack(u, len(idx), layouts), _unstack(v, len(idx), v_layouts)):
-                out[i], new_second[i] = ui, vi
+                out[i] = cautious_weight_decay_update(ui, params[i], lr, weight_decay)
+                new_second[i] = vi
         new_state = MuonState(treedef.unflatten([s[1] for s in stepped]), treedef.unflatten(new_second))
         return treedef.unflatten(out), new_state
 

@@ -4,6 +4,8 @@ Equal values hide wasted work, so these tests read the optimised HLO (flaxchat.h
 step, how often, and how many matmul FLOPs each device does.
 """
 
+import collections
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,7 +13,7 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from flaxchat import sharding
+from flaxchat import optim, sharding
 from flaxchat.config import GPTConfig
 from flaxchat.fused_loss import loss_sum, token_losses
 from flaxchat.gpt import GPT
@@ -62,6 +64,24 @@ def test_fsdp_step_moves_weights_not_activations(capfd):
     assert all(g in param_shapes or g[1:] in param_shapes or g[1:] in {(s[0], 1) for s in param_shapes}
                or g[1:] in {(1, s[1]) for s in param_shapes if len(s) == 2} for g in gathered), gathered
     assert len(gradient_reductions(stats)) == 1
+    # Muon's all-to-alls move its stacks of directions to their split along the stack and the updates back (plus
+    # NorMuon's one-column buffers): the parameters stay where they live (the weight decay's sign test reads them
+    # leaf by leaf), so the traffic is two trips of the padded direction stacks, not three
+    axes = optim.param_axes(model)
+    with jax.set_mesh(sharding.make_mesh(*MESHES["fsdp"])):  # matrices that travel alike share a stack
+        groups = collections.Counter((shape, tuple(sharding.stack_layouts(axes[path])))
+                                     for path, shape in optim_matrices(model)
+                                     if np.prod(shape) >= optim.SHARE_OUT_MIN_SIZE)
+    stacks = sum(-(-n // 8) * 8 * 4 * np.prod(shape) for (shape, _), n in groups.items())
+    trip = 7 / 8 * stacks / 8  # an all-to-all of one device's eighth of the stacks, ring model
+    assert 2 * trip <= stats["by_kind"]["all-to-all"]["bytes"] <= 2.01 * trip, (stats["by_kind"], trip)
+
+
+def optim_matrices(model):
+    """(path, shape) of every parameter Muon updates."""
+    leaves = jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param), is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
+    return [(optim._path_names(path), tuple(v.shape)) for path, v in leaves
+            if optim.param_group(optim._path_names(path)) == "matrix"]
 
 
 def test_data_x_tensor_step_compiles_without_rematerialisation(capfd):
