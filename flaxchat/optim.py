@@ -455,7 +455,14 @@ class SkipNonFiniteState(NamedTuple):
 
 
 def _all_finite(tree) -> jax.Array:
-    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+    """Whether every element of every leaf is finite: the max over 0 where an element is finite and 1 where it is
+    not. On a CPU that is two ops per leaf (the flags, then YNNPACK's max) where `all(isfinite(x))` took three (a
+    mask, a tree of partial reductions, the last one): the d4 update 56.6-58.6 instead of 58.6-61.5 ms. On a mesh
+    the cross-device part of a float max is an all-reduce of its own kind, so XLA still combines the gradients'
+    sums into one all-reduce (a float sum, e.g. of x - x, would have split them), and no NaN ever reaches a
+    collective, whose max might drop it."""
+    flags = [jnp.max(jnp.where(jnp.isfinite(x), 0.0, 1.0)) for x in jax.tree.leaves(tree)]
+    return jnp.max(jnp.stack(flags)) == 0
 
 
 def skip_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:

@@ -422,6 +422,24 @@ def test_nonfinite_step_is_skipped_and_counted(fresh):
     assert all(np.array_equal(after_skip[k], v) for k, v in flat_params(model).items())
 
 
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf, None], ids=["nan", "inf", "-inf", "huge-finite"])
+def test_all_finite_sees_any_single_bad_element(bad):
+    """One bad element anywhere, in fp32 or bf16, fails the check, and nothing else does: finite values whose plain
+    sum would overflow (every element at fp32's max) still count as finite."""
+    big = np.full((64, 48), np.finfo(np.float32).max, np.float32)
+    tree = {"a": big, "b": jnp.ones((3, 5), jnp.bfloat16), "c": np.zeros(7, np.float32)}
+    check = jax.jit(optim._all_finite)
+    assert bool(check(tree))
+    if bad is None:
+        return
+    for leaf, index in (("a", (17, 40)), ("b", (2, 4)), ("c", (0,))):
+        broken = dict(tree)
+        x = np.array(tree[leaf], np.float32)
+        x[index] = bad
+        broken[leaf] = jnp.asarray(x, tree[leaf].dtype)
+        assert not bool(check(broken)), (leaf, bad)
+
+
 def test_hyperparameters_can_be_set_by_hand(fresh):
     model, optimizer = fresh()
     optimizer.opt_state.hyperparams["lr_multiplier"][...] = 0.0
