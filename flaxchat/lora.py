@@ -161,7 +161,7 @@ def build_lora_optimizer(model, lr: float, config: LoraConfig | None = None, wei
     AdamW rather than Muon: the adapters are thin (rank r) matrices, and AdamW is what LoRA was made with; in
     fp32 whatever the parameters' dtype (flaxchat.optim.in_float32: the embeddings may be bf16).
     lr_multiplier is an injected hyperparameter, as in flaxchat.optim, so the SFT schedule drives it the same
-    way; non-finite updates are skipped and counted the same way too.
+    way; steps with non-finite (or beyond 1e15) gradients are skipped and counted the same way too.
     """
 
     def factory(lr_multiplier):
