@@ -442,8 +442,8 @@ def test_gradients_beyond_the_limit_are_dropped(fresh, scale):
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf, 2e15, None], ids=["nan", "inf", "-inf", "too-large", "none"])
 def test_gradient_check_sees_any_single_bad_element(bad):
-    """One bad element anywhere, in fp32 or bf16, fails the check, and nothing else does: values at the limit pass
-    (whose plain sum of squares would overflow fp32)."""
+    """One bad element anywhere (NaN, inf, or beyond the limit), in fp32 or bf16, fails the check, and nothing else
+    does: values at the limit pass."""
     edge = np.full((64, 48), optim.GRADIENT_LIMIT, np.float32)
     tree = {"a": edge, "b": jnp.ones((3, 5), jnp.bfloat16), "c": np.zeros(7, np.float32)}
     check = jax.jit(lambda t: optim._all_within(t, optim.GRADIENT_LIMIT))
