@@ -499,6 +499,14 @@ def skip_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransfo
     return optax.GradientTransformationExtraArgs(init, update)
 
 
+def skip_report(step: int, loss: float, skipped_before: int, skipped_now: int) -> str | None:
+    """The line a training loop prints when its step was dropped (the skipped count rose), else None."""
+    if skipped_now <= skipped_before:
+        return None
+    why = "non-finite loss" if not math.isfinite(loss) else f"gradients not finite or beyond {GRADIENT_LIMIT:.0e}"
+    return f"step {step}: {why}; the update was skipped ({skipped_now} skipped so far)"
+
+
 # -----------------------------------------------------------------------------
 # Schedules (nanochat's base_train), functions of the step; traceable under jit
 
@@ -621,7 +629,7 @@ def build_optimizer(
 
 
 def optimizer_stats(optimizer: nnx.Optimizer) -> dict[str, jax.Array]:
-    """The hyperparameters of the last update and the number of skipped non-finite steps.
+    """The hyperparameters of the last update and the number of dropped steps (skip_nonfinite).
 
     Read off the state's variables one by one: nnx.as_pure would walk every buffer of the optimizer, 3 ms of host
     time a step at d4 and 9 ms at d12 while the device waits for the next step."""

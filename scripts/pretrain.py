@@ -38,7 +38,7 @@ from flaxchat.config import GPTConfig, add_model_flags, config_from_flags, deriv
 from flaxchat.dataloader import make_loader, make_val_loader
 from flaxchat.gpt import GPT, add_kernel_flags
 from flaxchat.loss_eval import evaluate_bpb
-from flaxchat.optim import Schedule, build_optimizer
+from flaxchat.optim import Schedule, build_optimizer, optimizer_stats, skip_report
 from flaxchat.report import Report, metrics_logger, plot_training, read_jsonl
 from flaxchat.tokenizer import get_token_bytes, get_tokenizer
 from flaxchat.trace import format_summary
@@ -281,6 +281,8 @@ def main(argv=None):
     # samples, saves and profiled steps wait for the step in flight, so they find the device free
     in_flight = InFlight(in_flight_depth(args.in_flight, jax.default_backend()))
 
+    skipped = [int(optimizer_stats(optimizer)["skipped_steps"])]  # as restored: a resumed run counts on
+
     def record(done):
         """Log a finished step (InFlight's (outputs, info, seconds)); None: nothing finished."""
         if done is None:
@@ -298,8 +300,10 @@ def main(argv=None):
              "mfu": mfu, "skipped_steps": int(stats["skipped_steps"]), "epoch": epoch})
         bar.set_postfix(loss=f"{smooth:.4f}", tok_s=f"{tok_per_s:,.0f}", mfu=f"{mfu:.1f}%", lrm=f"{lrm:.2f}", refresh=False)
         bar.update(1)
-        if not math.isfinite(loss) and is_main_process():
-            bar.write(f"step {i + 1}: non-finite loss; the update was skipped ({int(stats['skipped_steps'])} skipped so far)")
+        report = skip_report(i + 1, loss, skipped[0], int(stats["skipped_steps"]))
+        skipped[0] = int(stats["skipped_steps"])
+        if report and is_main_process():
+            bar.write(report)
 
     while True:
         last_step = step == num_iterations

@@ -458,6 +458,13 @@ def test_gradient_check_sees_any_single_bad_element(bad):
         assert not bool(check(broken)), (leaf, bad)
 
 
+def test_skip_report_names_why_a_step_was_dropped():
+    assert optim.skip_report(7, 2.5, 1, 1) is None  # nothing dropped this step
+    assert optim.skip_report(7, float("nan"), 1, 2) == "step 7: non-finite loss; the update was skipped (2 skipped so far)"
+    line = optim.skip_report(8, 2.5, 2, 3)  # a finite loss whose gradients were dropped
+    assert line == "step 8: gradients not finite or beyond 1e+15; the update was skipped (3 skipped so far)"
+
+
 def test_hyperparameters_can_be_set_by_hand(fresh):
     model, optimizer = fresh()
     optimizer.opt_state.hyperparams["lr_multiplier"][...] = 0.0
