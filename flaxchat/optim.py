@@ -490,7 +490,8 @@ def skip_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransfo
     def update(updates, state, params=None, **extra_args):
         ok = _all_within(updates, GRADIENT_LIMIT)
         step = lambda: inner.update(updates, state.inner_state, params, **extra_args)
-        shapes = jax.eval_shape(step)[0]  # the updates' dtypes may differ from the gradients' (in_float32)
+        # the updates' dtypes may differ from the gradients' (in_float32); an abstract trace, nothing runs twice
+        shapes = jax.eval_shape(step)[0]
         skip = lambda: (jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), state.inner_state)
         new_updates, new_inner = jax.lax.cond(ok, step, skip)
         skipped = state.skipped_steps + jnp.logical_not(ok).astype(jnp.int32)

@@ -281,14 +281,15 @@ def main(argv=None):
     # samples, saves and profiled steps wait for the step in flight, so they find the device free
     in_flight = InFlight(in_flight_depth(args.in_flight, jax.default_backend()))
 
-    skipped = [int(optimizer_stats(optimizer)["skipped_steps"])]  # as restored: a resumed run counts on
+    skipped = int(optimizer_stats(optimizer)["skipped_steps"])  # as restored: a resumed run counts on
 
     def record(done):
         """Log a finished step (InFlight's (outputs, info, seconds)); None: nothing finished."""
+        nonlocal skipped
         if done is None:
             return
         (loss, stats), (i, epoch), dt = done
-        loss, lrm = float(loss), float(stats["lr_multiplier"])
+        loss, lrm, skipped_now = float(loss), float(stats["lr_multiplier"]), int(stats["skipped_steps"])
         ema = 0.9
         loop["smooth_train_loss"] = ema * loop["smooth_train_loss"] + (1 - ema) * loss
         smooth = loop["smooth_train_loss"] / (1 - ema ** (i + 1))
@@ -297,11 +298,11 @@ def main(argv=None):
         if i - (resume_step or 0) >= 2:  # the first steps compile; keep them out of the timing
             loop["total_training_time"] += dt
         log({"step": i + 1, "loss": loss, "smooth_loss": smooth, "lrm": lrm, "dt": dt, "tok_per_s": tok_per_s,
-             "mfu": mfu, "skipped_steps": int(stats["skipped_steps"]), "epoch": epoch})
+             "mfu": mfu, "skipped_steps": skipped_now, "epoch": epoch})
         bar.set_postfix(loss=f"{smooth:.4f}", tok_s=f"{tok_per_s:,.0f}", mfu=f"{mfu:.1f}%", lrm=f"{lrm:.2f}", refresh=False)
         bar.update(1)
-        report = skip_report(i + 1, loss, skipped[0], int(stats["skipped_steps"]))
-        skipped[0] = int(stats["skipped_steps"])
+        report = skip_report(i + 1, loss, skipped, skipped_now)
+        skipped = skipped_now
         if report and is_main_process():
             bar.write(report)
 
