@@ -42,7 +42,7 @@ from flaxchat.optim import Schedule, build_optimizer, optimizer_stats, skip_repo
 from flaxchat.report import Report, metrics_logger, plot_training, read_jsonl
 from flaxchat.tokenizer import get_token_bytes, get_tokenizer
 from flaxchat.trace import format_summary
-from flaxchat.training import FlatStep, InFlight, add_in_flight_flag, in_flight_depth, profile_summary
+from flaxchat.training import FlatStep, InFlight, add_in_flight_flag, in_flight_depth, profile_summary, sub_batch_note
 
 SAMPLE_PROMPTS = [
     "The capital of France is",
@@ -173,7 +173,8 @@ def main(argv=None):
     grad_accum = plan.total_batch_size // tokens_per_micro
     global_batch = args.device_batch_size * dp
     num_iterations = plan.num_iterations
-    print0(f"micro-batch: {global_batch} x {args.max_seq_len} = {tokens_per_micro:,} tokens | grad accumulation: {grad_accum}")
+    print0(f"micro-batch: {global_batch} x {args.max_seq_len} = {tokens_per_micro:,} tokens | grad accumulation: {grad_accum}"
+           + sub_batch_note(args.device_batch_size, args.max_seq_len, mesh))
     schedule = Schedule(num_iterations, args.warmup_steps, args.warmdown_ratio, args.final_lr_frac)
     make_optimizer = lambda m: build_optimizer(
         m, unembedding_lr=plan.unembedding_lr, embedding_lr=plan.embedding_lr, matrix_lr=plan.matrix_lr,

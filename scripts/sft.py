@@ -52,7 +52,7 @@ from flaxchat.loss_eval import evaluate_bpb
 from flaxchat.optim import Schedule, build_optimizer
 from flaxchat.report import metrics_logger, plot_training, read_jsonl
 from flaxchat.tokenizer import get_token_bytes, get_tokenizer
-from flaxchat.training import FlatStep, InFlight, add_in_flight_flag, in_flight_depth
+from flaxchat.training import FlatStep, InFlight, add_in_flight_flag, in_flight_depth, sub_batch_note
 
 # flag -> (fallback, where the base checkpoint keeps it): None means "inherit from the base model"
 INHERITED = {
@@ -490,7 +490,8 @@ def main(argv=None):
                      f"({args.device_batch_size} x {dp} devices x {args.max_seq_len} = {tokens_per_micro:,})")
     grad_accum = args.total_batch_size // tokens_per_micro
     global_batch = args.device_batch_size * dp
-    print0(f"micro-batch: {global_batch} x {args.max_seq_len} | grad accumulation: {grad_accum}")
+    print0(f"micro-batch: {global_batch} x {args.max_seq_len} | grad accumulation: {grad_accum}"
+           + sub_batch_note(args.device_batch_size, args.max_seq_len, mesh))
 
     if lora is not None:
         # the base stays frozen: only the adapters get gradients and optimizer state, so the base optimizer's

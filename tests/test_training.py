@@ -1,3 +1,4 @@
+import contextlib
 import time
 
 import jax
@@ -5,11 +6,13 @@ import pytest
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from flaxchat.config import GPTConfig
 from flaxchat.gpt import GPT
 from flaxchat.optim import Schedule, build_optimizer, optimizer_stats
-from flaxchat.training import FlatStep, InFlight, in_flight_depth, train_step
+from flaxchat import sharding, training
+from flaxchat.training import FlatStep, InFlight, _accumulate_grads, in_flight_depth, sub_batches, train_step
 
 
 def _model_and_optimizer():
@@ -107,3 +110,91 @@ def test_in_flight_is_on_for_accelerators_unless_told():
     assert [in_flight_depth(c, "gpu") for c in ("on", "off")] == [1, 0]
     with pytest.raises(ValueError, match="auto, on, off"):
         in_flight_depth("yes", "gpu")
+
+
+def test_sub_batches_keep_a_cpu_devices_rows_within_the_token_budget():
+    assert training.CPU_SUB_BATCH_TOKENS == 2048
+    assert sub_batches(16, 256, "cpu") == 2  # the laptop demo's 16 x 256: two turns of 8 rows
+    assert sub_batches(32, 512, "cpu") == 8 and sub_batches(8, 512, "cpu") == 2
+    assert sub_batches(8, 256, "cpu") == 1  # 2,048 tokens: whole
+    assert sub_batches(6, 512, "cpu") == 2  # 3 rows of 512 fit; 6 / 4 would not divide
+    assert sub_batches(5, 512, "cpu") == 5  # 5 is prime: one row a turn
+    assert sub_batches(3, 4096, "cpu") == 3  # a row alone beyond the budget still runs, one a turn
+    assert sub_batches(32, 512, "gpu") == sub_batches(32, 512, "tpu") == 1
+    assert sub_batches(32, 512, "cpu", splits_model=True) == 1
+    # the training loops' micro-batch line says so
+    one = sharding.make_mesh(devices=jax.devices()[:1])
+    assert training.sub_batch_note(16, 256, one) == (" | on this CPU each device's 16 rows run as 2 sub-batches of 8 "
+                                                     "(training.CPU_SUB_BATCH_TOKENS)")
+    assert training.sub_batch_note(8, 256, one) == ""
+    if jax.device_count() >= 8:
+        assert training.sub_batch_note(16, 256, sharding.make_mesh(1, 8, 1)) == ""  # FSDP: whole
+        assert training.sub_batch_note(16, 256, sharding.make_mesh(8, 1, 1)) != ""  # data parallel: per device
+
+
+def _micro_batches(A, B, T, vocab, seed=0):
+    rng = np.random.default_rng(seed)
+    xs = jnp.asarray(rng.integers(0, vocab, (A, B, T)), jnp.int32)
+    ys = rng.integers(0, vocab, (A, B, T))
+    ys[rng.random(ys.shape) < 0.3] = -1  # ignored targets, unevenly over rows: each row's share of the count differs
+    ys[0, 0] = -1  # a whole row ignored
+    return xs, jnp.asarray(ys, jnp.int32)
+
+
+def _scan_lengths(jaxpr) -> list[int]:
+    """The lengths of every lax.scan in a jaxpr, nested ones (inside shard_map, jit, checkpoint) included."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "scan":
+            found.append(eqn.params["length"])
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    found += _scan_lengths(inner)
+    return found
+
+
+@pytest.mark.parametrize("mesh_shape", [None, (8, 1, 1)], ids=["one_device", "data_parallel"])
+def test_sub_batched_micro_steps_sum_to_the_whole_micro_batch(monkeypatch, mesh_shape):
+    """Run in sub-batches (a budget of one row's tokens: each micro-batch's rows one at a time on each device), the
+    step's loss and gradients equal one pass over each whole micro-batch: each turn divides by its micro-batch's
+    count of targets, not its own."""
+    if mesh_shape is not None and jax.device_count() < 8:
+        pytest.skip("needs the 8-device CPU mesh")
+    config = GPTConfig.from_depth(2, max_seq_len=32, vocab_size=128)
+    rows = 4 if mesh_shape is None else 32  # 4 rows on each device
+    xs, ys = _micro_batches(2, rows, 32, 128)
+    mesh = sharding.make_mesh(*mesh_shape) if mesh_shape else None
+    put = (lambda a: a) if mesh is None else (lambda a: jax.device_put(a, NamedSharding(mesh, P(None, "data"))))
+
+    def run(budget):
+        monkeypatch.setattr(training, "CPU_SUB_BATCH_TOKENS", budget)
+        make = lambda: GPT(config, rngs=nnx.Rngs(0), dtype=jnp.float32)
+        model = make() if mesh is None else sharding.create_sharded(make, mesh)
+        f = lambda x, y: _accumulate_grads(model, x, y)
+        with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+            loops = [n for n in _scan_lengths(jax.make_jaxpr(f)(put(xs), put(ys)).jaxpr) if n in (2, 8)]
+            loss, grads = jax.jit(f)(put(xs), put(ys))
+        return float(loss), jax.tree.leaves(grads), loops
+
+    whole, whole_grads, whole_loops = run(10**9)
+    split, split_grads, split_loops = run(32)
+    assert whole_loops == [2] and split_loops == [8]  # the micro-step loop: 2 micro-batches, then 2 x 4 turns
+    assert abs(split - whole) <= 1e-6 * abs(whole)
+    for a, b in zip(split_grads, whole_grads):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+
+
+def test_model_splitting_meshes_run_micro_batches_whole(monkeypatch):
+    """Under FSDP the weights are gathered in every turn of the micro-step loop: no sub-batches there."""
+    if jax.device_count() < 8:
+        pytest.skip("needs the 8-device CPU mesh")
+    monkeypatch.setattr(training, "CPU_SUB_BATCH_TOKENS", 32)
+    mesh = sharding.make_mesh(1, 8, 1)
+    model = sharding.create_sharded(lambda: GPT(GPTConfig.from_depth(2, max_seq_len=32, vocab_size=128),
+                                                rngs=nnx.Rngs(0), dtype=jnp.float32), mesh)
+    xs, ys = (jax.device_put(a, NamedSharding(mesh, P(None, "fsdp"))) for a in _micro_batches(2, 32, 32, 128))
+    with jax.set_mesh(mesh):
+        jaxpr = jax.make_jaxpr(lambda x, y: _accumulate_grads(model, x, y))(xs, ys).jaxpr
+    assert 2 in _scan_lengths(jaxpr) and not {8, 64} & set(_scan_lengths(jaxpr))
