@@ -112,9 +112,10 @@ def test_in_flight_is_on_for_accelerators_unless_told():
         in_flight_depth("yes", "gpu")
 
 
+@pytest.mark.eight_devices
 def test_sub_batches_keep_a_cpu_devices_rows_within_the_token_budget():
     assert training.CPU_SUB_BATCH_TOKENS == 2048
-    assert sub_batches(16, 256, "cpu") == 2  # the laptop demo's 16 x 256: two turns of 8 rows
+    assert sub_batches(16, 256, "cpu") == 2  # 16 rows of 256 (the demo's SFT micro-batch): two turns of 8
     assert sub_batches(32, 512, "cpu") == 8 and sub_batches(8, 512, "cpu") == 2
     assert sub_batches(8, 256, "cpu") == 1  # 2,048 tokens: whole
     assert sub_batches(6, 512, "cpu") == 2  # 3 rows of 512 fit; 6 / 4 would not divide
@@ -127,9 +128,8 @@ def test_sub_batches_keep_a_cpu_devices_rows_within_the_token_budget():
     assert training.sub_batch_note(16, 256, one) == (" | on this CPU each device's 16 rows run as 2 sub-batches of 8 "
                                                      "(training.CPU_SUB_BATCH_TOKENS)")
     assert training.sub_batch_note(8, 256, one) == ""
-    if jax.device_count() >= 8:
-        assert training.sub_batch_note(16, 256, sharding.make_mesh(1, 8, 1)) == ""  # FSDP: whole
-        assert training.sub_batch_note(16, 256, sharding.make_mesh(8, 1, 1)) != ""  # data parallel: per device
+    assert training.sub_batch_note(16, 256, sharding.make_mesh(1, 8, 1)) == ""  # FSDP: whole
+    assert training.sub_batch_note(16, 256, sharding.make_mesh(8, 1, 1)) != ""  # data parallel: 16 rows a device
 
 
 def _micro_batches(A, B, T, vocab, seed=0):
@@ -155,13 +155,12 @@ def _scan_lengths(jaxpr) -> list[int]:
     return found
 
 
-@pytest.mark.parametrize("mesh_shape", [None, (8, 1, 1)], ids=["one_device", "data_parallel"])
+@pytest.mark.parametrize("mesh_shape", [None, pytest.param((8, 1, 1), marks=pytest.mark.eight_devices)],
+                         ids=["one_device", "data_parallel"])
 def test_sub_batched_micro_steps_sum_to_the_whole_micro_batch(monkeypatch, mesh_shape):
     """Run in sub-batches (a budget of one row's tokens: each micro-batch's rows one at a time on each device), the
     step's loss and gradients equal one pass over each whole micro-batch: each turn divides by its micro-batch's
     count of targets, not its own."""
-    if mesh_shape is not None and jax.device_count() < 8:
-        pytest.skip("needs the 8-device CPU mesh")
     config = GPTConfig.from_depth(2, max_seq_len=32, vocab_size=128)
     rows = 4 if mesh_shape is None else 32  # 4 rows on each device
     xs, ys = _micro_batches(2, rows, 32, 128)
@@ -186,10 +185,9 @@ def test_sub_batched_micro_steps_sum_to_the_whole_micro_batch(monkeypatch, mesh_
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.eight_devices
 def test_model_splitting_meshes_run_micro_batches_whole(monkeypatch):
     """Under FSDP the weights are gathered in every turn of the micro-step loop: no sub-batches there."""
-    if jax.device_count() < 8:
-        pytest.skip("needs the 8-device CPU mesh")
     monkeypatch.setattr(training, "CPU_SUB_BATCH_TOKENS", 32)
     mesh = sharding.make_mesh(1, 8, 1)
     model = sharding.create_sharded(lambda: GPT(GPTConfig.from_depth(2, max_seq_len=32, vocab_size=128),
