@@ -302,11 +302,16 @@ def test_cancel_frees_the_slot_at_once(scheduler, tok):
     gone, q_gone = submit(scheduler, prompt, 5, temperature=1.0)
     gone.cancel()  # cancelled while queued (or just admitted): ends without running to its limit
     assert collect(q_gone)[-1]["finish_reason"] == "cancelled"
+    ends = []
     for req, q in longs[1:]:
         scheduler.cancel(req)
-        collect(q)
+        ends.append(collect(q)[-1]["finish_reason"])
+    assert set(ends) <= {"cancelled", "length", "stop"}
     stats = scheduler.stats()
-    assert stats["active"] == 0 and stats["queued"] == 0 and stats["finished_cancelled"] == before + 5
+    # the other long ones may have reached their end while `gone` was collected, before their cancel landed: the
+    # count holds the first long one, `gone`, and those the cancel did stop
+    assert stats["active"] == 0 and stats["queued"] == 0
+    assert stats["finished_cancelled"] == before + 2 + ends.count("cancelled")
 
 
 def test_a_client_whose_emit_fails_is_dropped(scheduler, tok):
