@@ -2,13 +2,28 @@
 
 XLA prints no such summary, and `compiled.cost_analysis()` counts a loop body once whatever its trip count
 (the fused loss and the accumulation loop are scans). Tests and `scripts.bench --what comms` read these off
-the optimised HLO text instead: `program_stats(jitted.lower(...).compile().as_text())`.
+the optimised HLO text instead: `program_stats(jitted.lower(...).compile().as_text())`. Before compilation,
+`jaxpr_equations` walks a traced program's equations with how often each runs.
 """
 
 from __future__ import annotations
 
 import math
 import re
+
+def jaxpr_equations(jaxpr, times: int = 1):
+    """(equation, executions per call) for every equation of a jaxpr and of the jaxprs inside it (a scan's body
+    runs `length` times; lax.map and the accumulation loop are scans)."""
+    from jax.extend.core import ClosedJaxpr, Jaxpr
+
+    for eqn in jaxpr.eqns:
+        yield eqn, times
+        inner = times * (eqn.params["length"] if eqn.primitive.name == "scan" else 1)
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else (value,):
+                if isinstance(sub, (Jaxpr, ClosedJaxpr)):
+                    yield from jaxpr_equations(getattr(sub, "jaxpr", sub), inner)
+
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f32": 4,

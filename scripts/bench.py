@@ -65,14 +65,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.extend import source_info_util
-from jax.extend.core import ClosedJaxpr, Jaxpr
 
 from flaxchat import sharding
 from flaxchat.common import (MachineLoad, StepProfiler, compute_dtype, get_base_dir, huge_pages_active,
                              malloc_library, parse_args, peak_flops_per_device, quiet_library_logs, without_huge_pages)
 from flaxchat.config import GPTConfig, add_model_flags, config_from_flags
 from flaxchat.gpt import GPT, add_kernel_flags
-from flaxchat.hlo import source_line
+from flaxchat.hlo import jaxpr_equations, source_line
 from flaxchat.quantize import add_quantize_flag, quantize_for_generation, weight_bytes
 from flaxchat.speculative import add_draft_flags, measure_speculative
 from flaxchat.training import IN_FLIGHT_CHOICES, in_flight_depth
@@ -404,17 +403,9 @@ def _spec(lhs_ndim: int, rhs_ndim: int, dimension_numbers) -> str:
     return f"{''.join(lhs)},{''.join(rhs)}->{''.join(out)}"
 
 
-def _products(jaxpr, times: int = 1):
-    """(equation, executions per call) for every dot_general in jaxpr and the jaxprs inside it (a scan's body
-    runs `length` times; lax.map and the accumulation loop are scans)."""
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "dot_general":
-            yield eqn, times
-        inner = times * (eqn.params["length"] if eqn.primitive.name == "scan" else 1)
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (list, tuple)) else (value,):
-                if isinstance(sub, (Jaxpr, ClosedJaxpr)):
-                    yield from _products(getattr(sub, "jaxpr", sub), inner)
+def _products(jaxpr):
+    """(equation, executions per call) for every dot_general in jaxpr and the jaxprs inside it."""
+    return ((eqn, n) for eqn, n in jaxpr_equations(jaxpr) if eqn.primitive.name == "dot_general")
 
 
 def _time_product(lhs, rhs, params, repeats: int, rng) -> tuple[float, int]:

@@ -12,6 +12,7 @@ from flaxchat.config import GPTConfig
 from flaxchat.gpt import GPT
 from flaxchat.optim import Schedule, build_optimizer, optimizer_stats
 from flaxchat import sharding, training
+from flaxchat.hlo import jaxpr_equations
 from flaxchat.training import FlatStep, InFlight, _accumulate_grads, in_flight_depth, sub_batches, train_step
 
 
@@ -143,16 +144,7 @@ def _micro_batches(A, B, T, vocab, seed=0):
 
 def _scan_lengths(jaxpr) -> list[int]:
     """The lengths of every lax.scan in a jaxpr, nested ones (inside shard_map, jit, checkpoint) included."""
-    found = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "scan":
-            found.append(eqn.params["length"])
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, (tuple, list)) else (param,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    found += _scan_lengths(inner)
-    return found
+    return [eqn.params["length"] for eqn, _ in jaxpr_equations(jaxpr) if eqn.primitive.name == "scan"]
 
 
 @pytest.mark.parametrize("mesh_shape", [None, pytest.param((8, 1, 1), marks=pytest.mark.eight_devices)],
