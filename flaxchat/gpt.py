@@ -175,6 +175,19 @@ def row_products() -> bool:
     return jax.default_backend() == "cpu"
 
 
+def stack_qkv() -> bool:
+    """Whether attention takes q, k and v as one product over stacked weights in training and prefill too: on a
+    CPU, unless a mesh axis splits the model (FSDP would gather the stack, tensor parallelism split it anew).
+
+    One (tokens, C) x (C, 3C) product instead of three of (C, C): XLA:CPU's GEMMs run square C x C weights
+    below their rate (the laptop demo's model at C=256: forward 347, weight gradient 308 GFLOP/s, against
+    430-490 for the wider ones), and the stacked weight is wide, so its gradient takes cpu_matmul's
+    copy-free form instead of a transposed copy of each of the three (tokens, C) gradients. The demo's
+    training step, interleaved in one process: 376 against 392 ms, at 2 accumulation steps 705 against 723.
+    Same sums per output."""
+    return row_products() and not sharding.free_axes(sharding.MODEL_AXES)
+
+
 @jax.custom_vjp
 def cpu_matmul(x, w):
     """x (..., in) @ w (out, in).T, whose weight gradient a CPU takes as (x^T dy)^T.
@@ -208,15 +221,22 @@ def stacked_matmul(x, layers):
     """x through several Linear layers at once: one matmul over their weights stacked, split back per layer.
 
     For a decode step's q, k and v (a few rows each): one (rows, C) x (C, 3C) product costs a CPU less than three
-    small ones (8% of a 16-row step of the demo model). Weights in the compute dtype are loop-invariant, so XLA
-    stacks them once per decode call. int8 and LoRA layers (einsum form) run one by one, as do weights stored
-    narrower than x where they arrive unconverted. (The decode loop converts bf16 weights itself, behind
+    small ones (8% of a 16-row step of the demo model); for training and prefill on a CPU see stack_qkv. Weights
+    in the compute dtype are loop-invariant, so XLA stacks them once per decode call. Layers that multiply in a
+    narrower `products` dtype (bf16 models on a CPU) stack their converted weights. int8 and LoRA layers (einsum
+    form) run one by one, as do weights stored narrower than x where they arrive unconverted. (The decode loop converts bf16 weights itself, behind
     loop_weights' barrier, so there they are stacked each step along with the conversion: bf16 decode speed
     did not move measurably either way.)"""
-    if not all(type(m) is Linear and not m.einsum_form and m.weight[...].dtype == x.dtype for m in layers):
+    if not all(type(m) is Linear and not m.einsum_form and m.products == layers[0].products for m in layers):
         return tuple(m(x) for m in layers)
+    p = layers[0].products
     weights = [m.weight[...] for m in layers]
-    y = layers[0].multiply(x, jnp.concatenate(weights))
+    if p is not None and x.dtype != p:  # as Linear.__call__: products in `products`, the result in x's dtype
+        y = layers[0].multiply(x.astype(p), jnp.concatenate([w.astype(p) for w in weights]), x.dtype)
+    elif all(w.dtype == x.dtype for w in weights):
+        y = layers[0].multiply(x, jnp.concatenate(weights))
+    else:
+        return tuple(m(x) for m in layers)
     return tuple(jnp.split(y, np.cumsum([w.shape[0] for w in weights[:-1]]).tolist(), axis=-1))
 
 
@@ -253,10 +273,12 @@ class CausalSelfAttention(nnx.Module):
         )
 
     def qkv(self, x, ve, cos, sin, fused=False):
+        """fused: q, k and v from one product over their stacked weights (stacked_matmul). Decode steps ask for
+        it; on a CPU every call takes it while no mesh axis splits the model (see stack_qkv)."""
         B, T, _ = x.shape
         heads, kv_heads = ("batch", None, "heads", None), ("batch", None, "kv_heads", None)
         layers = (self.c_q, self.c_k, self.c_v)
-        q, k, v = stacked_matmul(x, layers) if fused else (m(x) for m in layers)
+        q, k, v = stacked_matmul(x, layers) if fused or stack_qkv() else (m(x) for m in layers)
         q = sharding.constrain(q.reshape(B, T, self.n_head, self.head_dim), heads)  # (B, T, H, D)
         k = sharding.constrain(k.reshape(B, T, self.n_kv_head, self.head_dim), kv_heads)  # (B, T, Hkv, D)
         v = sharding.constrain(v.reshape(B, T, self.n_kv_head, self.head_dim), kv_heads)

@@ -166,6 +166,8 @@ BATCH_AXES = dict(LOGICAL_RULES)["batch"]
 # Batch axes that no parameter is split over: parameters are whole copies along them (pure data parallelism).
 REPLICA_AXES = tuple(a for a in BATCH_AXES if not any(
     a == m or (isinstance(m, tuple) and a in m) for name, m in LOGICAL_RULES if name != "batch"))
+# Mesh axes that split the model (FSDP, tensor parallelism): the others' devices hold whole copies of it.
+MODEL_AXES = tuple(a for a in MESH_AXES if a not in REPLICA_AXES)
 
 
 def logical_to_spec(axes) -> P:

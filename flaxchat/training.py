@@ -40,7 +40,7 @@ def sub_batches(rows: int, seq_len: int, backend: str | None = None, splits_mode
 def sub_batch_note(rows: int, seq_len: int, mesh) -> str:
     """The training loops' note on sub-batches for their micro-batch line ("" when a micro-batch runs whole). The
     mesh splits the model when an axis other than the replica axes has devices, as _accumulate_grads sees it."""
-    splits = any(mesh.shape[a] > 1 for a in sharding.MESH_AXES if a not in sharding.REPLICA_AXES)
+    splits = any(mesh.shape[a] > 1 for a in sharding.MODEL_AXES)
     k = sub_batches(rows, seq_len, splits_model=splits)
     return (f" | on this CPU each device's {rows} rows run as {k} sub-batches of {rows // k} "
             "(training.CPU_SUB_BATCH_TOKENS)") if k > 1 else ""
