@@ -180,11 +180,11 @@ def stack_qkv() -> bool:
     CPU, unless a mesh axis splits the model (FSDP would gather the stack, tensor parallelism split it anew).
 
     One (tokens, C) x (C, 3C) product instead of three of (C, C): XLA:CPU's GEMMs run square C x C weights
-    below their rate (the laptop demo's model at C=256: forward 347, weight gradient 308 GFLOP/s, against
+    below their rate (at C=256, the laptop demo's width: forward 347, weight gradient 308 GFLOP/s, against
     430-490 for the wider ones), and the stacked weight is wide, so its gradient takes cpu_matmul's
-    copy-free form instead of a transposed copy of each of the three (tokens, C) gradients. The demo's
-    training step, interleaved in one process: 376 against 392 ms, at 2 accumulation steps 705 against 723.
-    Same sums per output."""
+    copy-free form instead of a transposed copy of each of the three (tokens, C) gradients. Interleaved in one
+    process on two cores: d4 at 16 rows of 256, 376 against 392 ms a step (705 against 723 at 2 accumulation
+    steps); the demo's model at 32 rows, 678 against 692. Same sums per output."""
     return row_products() and not sharding.free_axes(sharding.MODEL_AXES)
 
 
@@ -224,9 +224,9 @@ def stacked_matmul(x, layers):
     small ones (8% of a 16-row step of the demo model); for training and prefill on a CPU see stack_qkv. Weights
     in the compute dtype are loop-invariant, so XLA stacks them once per decode call. Layers that multiply in a
     narrower `products` dtype (bf16 models on a CPU) stack their converted weights. int8 and LoRA layers (einsum
-    form) run one by one, as do weights stored narrower than x where they arrive unconverted. (The decode loop converts bf16 weights itself, behind
-    loop_weights' barrier, so there they are stacked each step along with the conversion: bf16 decode speed
-    did not move measurably either way.)"""
+    form) run one by one, as do weights stored narrower than x where they arrive unconverted. (The decode loop
+    converts bf16 weights itself, behind loop_weights' barrier, so there they are stacked each step along with
+    the conversion: bf16 decode speed did not move measurably either way.)"""
     if not all(type(m) is Linear and not m.einsum_form and m.products == layers[0].products for m in layers):
         return tuple(m(x) for m in layers)
     p = layers[0].products

@@ -205,7 +205,8 @@ def test_a_cpu_takes_q_k_v_as_one_product_unless_the_mesh_splits_the_model(monke
     rows = 4 if mesh_shape is None else 16
     xs, ys = _micro_batches(2, rows, 32, 128)
     mesh = sharding.make_mesh(*mesh_shape) if mesh_shape else None
-    put = (lambda a: a) if mesh is None else (lambda a: jax.device_put(a, NamedSharding(mesh, P(None, ("data", "fsdp")))))
+    rows_spec = NamedSharding(mesh, P(None, ("data", "fsdp"))) if mesh is not None else None
+    put = (lambda a: a) if mesh is None else (lambda a: jax.device_put(a, rows_spec))
 
     def run(stack):
         monkeypatch.setattr(gpt, "stack_qkv", (lambda: False) if not stack else stack_qkv)
