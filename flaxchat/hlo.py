@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import re
 
+
 def jaxpr_equations(jaxpr, times: int = 1):
     """(equation, executions per call) for every equation of a jaxpr and of the jaxprs inside it (a scan's body
     runs `length` times; lax.map and the accumulation loop are scans)."""

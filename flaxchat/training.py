@@ -74,9 +74,9 @@ def _accumulate_grads(model, xs, ys, wrt=nnx.Param):
         # gradients would round away small contributions (and XLA's CPU compiler rejects bf16 all-reduces)
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.promote_types(p.dtype, jnp.float32)), params)
         n, batch, T = xs.shape
-        # n * k loop turns, each with its micro-batch's count. Not under FSDP or tensor parallelism (mesh axes still
-        # free in here), whose weight gathers and activation sums would then run once per sub-batch
-        k = sub_batches(batch, T, splits_model=bool(sharding.free_axes(sharding.MESH_AXES)))
+        # n * k loop turns, each with its micro-batch's count. Not under FSDP or tensor parallelism, whose weight
+        # gathers and activation sums would then run once per sub-batch
+        k = sub_batches(batch, T, splits_model=bool(sharding.free_axes(sharding.MODEL_AXES)))
         split = lambda a: a.reshape(n * k, batch // k, T)
         grads, losses = jax.lax.scan(micro, zeros, (split(xs), split(ys), jnp.repeat(counts, k)))
         losses = losses.reshape(n, k).sum(axis=1)

@@ -142,6 +142,20 @@ def _micro_batches(A, B, T, vocab, seed=0):
     return xs, jnp.asarray(ys, jnp.int32)
 
 
+def _accumulated(config, mesh, xs, ys):
+    """_accumulate_grads of a fresh fp32 model of `config` over xs, ys (their rows spread over the mesh's batch axes
+    when there is one): (loss, gradient leaves, the traced jaxpr)."""
+    make = lambda: GPT(config, rngs=nnx.Rngs(0), dtype=jnp.float32)
+    model = make() if mesh is None else sharding.create_sharded(make, mesh)
+    if mesh is not None:
+        xs, ys = (jax.device_put(a, NamedSharding(mesh, P(None, ("data", "fsdp")))) for a in (xs, ys))
+    f = lambda x, y: _accumulate_grads(model, x, y)
+    with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+        jaxpr = jax.make_jaxpr(f)(xs, ys).jaxpr
+        loss, grads = jax.jit(f)(xs, ys)
+    return float(loss), jax.tree.leaves(grads), jaxpr
+
+
 def _scan_lengths(jaxpr) -> list[int]:
     """The lengths of every lax.scan in a jaxpr, nested ones (inside shard_map, jit, checkpoint) included."""
     return [eqn.params["length"] for eqn, _ in jaxpr_equations(jaxpr) if eqn.primitive.name == "scan"]
@@ -157,17 +171,11 @@ def test_sub_batched_micro_steps_sum_to_the_whole_micro_batch(monkeypatch, mesh_
     rows = 4 if mesh_shape is None else 32  # 4 rows on each device
     xs, ys = _micro_batches(2, rows, 32, 128)
     mesh = sharding.make_mesh(*mesh_shape) if mesh_shape else None
-    put = (lambda a: a) if mesh is None else (lambda a: jax.device_put(a, NamedSharding(mesh, P(None, "data"))))
 
     def run(budget):
         monkeypatch.setattr(training, "CPU_SUB_BATCH_TOKENS", budget)
-        make = lambda: GPT(config, rngs=nnx.Rngs(0), dtype=jnp.float32)
-        model = make() if mesh is None else sharding.create_sharded(make, mesh)
-        f = lambda x, y: _accumulate_grads(model, x, y)
-        with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
-            loops = [n for n in _scan_lengths(jax.make_jaxpr(f)(put(xs), put(ys)).jaxpr) if n in (2, 8)]
-            loss, grads = jax.jit(f)(put(xs), put(ys))
-        return float(loss), jax.tree.leaves(grads), loops
+        loss, grads, jaxpr = _accumulated(config, mesh, xs, ys)
+        return loss, grads, [n for n in _scan_lengths(jaxpr) if n in (2, 8)]
 
     whole, whole_grads, whole_loops = run(10**9)
     split, split_grads, split_loops = run(32)
@@ -205,23 +213,14 @@ def test_a_cpu_takes_q_k_v_as_one_product_unless_the_mesh_splits_the_model(monke
     rows = 4 if mesh_shape is None else 16
     xs, ys = _micro_batches(2, rows, 32, 128)
     mesh = sharding.make_mesh(*mesh_shape) if mesh_shape else None
-    rows_spec = NamedSharding(mesh, P(None, ("data", "fsdp"))) if mesh is not None else None
-    put = (lambda a: a) if mesh is None else (lambda a: jax.device_put(a, rows_spec))
 
-    def run(stack):
-        monkeypatch.setattr(gpt, "stack_qkv", (lambda: False) if not stack else stack_qkv)
-        make = lambda: GPT(config, rngs=nnx.Rngs(0), dtype=jnp.float32)
-        model = make() if mesh is None else sharding.create_sharded(make, mesh)
-        f = lambda x, y: _accumulate_grads(model, x, y)
-        with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
-            jaxpr = jax.make_jaxpr(f)(put(xs), put(ys)).jaxpr
-            loss, grads = jax.jit(f)(put(xs), put(ys))
-        products = sum(n for eqn, n in jaxpr_equations(jaxpr) if eqn.primitive.name == "dot_general")
-        return float(loss), jax.tree.leaves(grads), products
+    def run():
+        loss, grads, jaxpr = _accumulated(config, mesh, xs, ys)
+        return loss, grads, sum(n for eqn, n in jaxpr_equations(jaxpr) if eqn.primitive.name == "dot_general")
 
-    stack_qkv = gpt.stack_qkv
-    stacked, stacked_grads, stacked_products = run(True)
-    apart, apart_grads, apart_products = run(False)
+    stacked, stacked_grads, stacked_products = run()
+    monkeypatch.setattr(gpt, "stack_qkv", lambda: False)
+    apart, apart_grads, apart_products = run()
     splits_model = mesh_shape is not None and max(mesh_shape[1:]) > 1
     assert apart_products - stacked_products == (0 if splits_model else 6 * config.n_layer * 2)
     assert abs(stacked - apart) <= 1e-6 * abs(apart)
