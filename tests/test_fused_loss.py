@@ -43,6 +43,8 @@ def test_chunked_loss_gradients_equal_autodiff(monkeypatch, chunk_rows, users_co
     results = re.findall(r"= f32\[(\d+),(\d+)\]\{1,0\} (?:dot|fusion)\([^\n]*dot_general", program)  # products' shapes
     assert ((str(C), str(Vp)) in results) == (chunk_rows % 2 == 0)
     assert ((str(Vp), str(C)) in results) == (chunk_rows % 2 == 1)
+    # the logits stay Vp wide, padded columns masked: no crop to V and pad back to Vp (a copy of every chunk)
+    assert not re.search(rf"f32\[\d+,{Vp}\]\S* pad\(", program)
 
 
 def test_bf16_logits_are_rounded_to_bf16_before_the_fp32_softcap_as_nanochats_head():
