@@ -229,14 +229,12 @@ def stacked_matmul(x, layers):
     the conversion: bf16 decode speed did not move measurably either way.)"""
     if not all(type(m) is Linear and not m.einsum_form and m.products == layers[0].products for m in layers):
         return tuple(m(x) for m in layers)
-    p = layers[0].products
-    weights = [m.weight[...] for m in layers]
+    p, weights, out_dtype = layers[0].products, [m.weight[...] for m in layers], None
     if p is not None and x.dtype != p:  # as Linear.__call__: products in `products`, the result in x's dtype
-        y = layers[0].multiply(x.astype(p), jnp.concatenate([w.astype(p) for w in weights]), x.dtype)
-    elif all(w.dtype == x.dtype for w in weights):
-        y = layers[0].multiply(x, jnp.concatenate(weights))
-    else:
+        x, weights, out_dtype = x.astype(p), [w.astype(p) for w in weights], x.dtype
+    elif any(w.dtype != x.dtype for w in weights):
         return tuple(m(x) for m in layers)
+    y = layers[0].multiply(x, jnp.concatenate(weights), out_dtype)
     return tuple(jnp.split(y, np.cumsum([w.shape[0] for w in weights[:-1]]).tolist(), axis=-1))
 
 
