@@ -294,8 +294,13 @@ class CausalSelfAttention(nnx.Module):
         chunked on a CPU; the fused GPU/TPU kernels are left to training, whose lengths they are tuned for)."""
         B, T, _ = x.shape
         q, k, v = self.qkv(x, ve, cos, sin, fused=cache is not None and not fresh)  # decode steps: stacked
-        new_cache = None
+        new_cache, out_dtype = None, None
         if cache is None:
+            if self.c_proj.products is not None and attention_impl == "chunked":
+                # a CPU keeps a bf16 model's activations in fp32: attention over q, k and v rounded to bf16, as
+                # nanochat's bf16 attention (attention.BF16_CHUNK_SCORE_BYTES), its bf16 output c_proj's operand
+                q, k, v = (t.astype(self.c_proj.products) for t in (q, k, v))
+                out_dtype = x.dtype
             y = sharding.constrain(attention(q, k, v, window, attention_impl), ("batch", None, "heads", None))
         elif fresh:
             y = attention(q, k, v, window, "chunked" if attention_impl == "chunked" else "xla")
@@ -304,7 +309,7 @@ class CausalSelfAttention(nnx.Module):
         if cache is not None:
             k_cache, v_cache, pos = cache
             new_cache = (write_cache(k_cache, k, pos, 2, after=y), write_cache(v_cache, v, pos, 3, after=y))
-        return self.c_proj(y.reshape(B, T, -1)), new_cache
+        return self.c_proj(y.reshape(B, T, -1), out_dtype=out_dtype), new_cache
 
 
 class MLP(nnx.Module):

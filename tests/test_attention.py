@@ -74,6 +74,45 @@ def test_chunked_attention_equals_reference_forward_and_backward(window, T, scor
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=5e-5)
 
 
+# bf16 on a CPU: the flash-style path. 64 KB of scores a chunk: one row, several chunks (lax.map); T=99: the last
+# query block has an odd length (its key and value gradients contract the query axis whole)
+@pytest.mark.parametrize(("window", "T", "score_bytes"), [(40, 128, 2**16), (1000, 99, 2**16), (16, 128, 2**21)])
+@pytest.mark.parametrize("Hkv", [2, 4])
+def test_bf16_chunked_attention_on_a_cpu_equals_fp32_attention(window, T, score_bytes, Hkv, monkeypatch):
+    """bf16 q, k and v on a CPU take the flash-style path (its own backward, bf16 products into fp32): values and
+    gradients as fp32 attention over the same bf16-rounded inputs, up to bf16's rounding of the probabilities and
+    score gradients."""
+    if jax.default_backend() != "cpu":
+        pytest.skip("the bf16 path is the CPU's")
+    monkeypatch.setattr(attn, "BF16_CHUNK_SCORE_BYTES", score_bytes)
+    q, k, v = (x.astype(jnp.bfloat16) for x in qkv_example(B=4, T=T, Hkv=Hkv))
+    out = attention(q, k, v, window, "chunked")
+    assert out.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(out, np.float32), reference_attention(q, k, v, window), atol=2e-2)
+    w = jax.random.normal(jax.random.key(1), out.shape)  # a loss that weighs every output differently
+    loss = lambda q, k, v: jnp.sum(attention(q, k, v, window, "chunked").astype(jnp.float32) * w)
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    want = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*(x.astype(jnp.float32) for x in (q, k, v)))
+    for g, r in zip(grads, want):
+        assert g.dtype == jnp.bfloat16
+        g, r = np.asarray(g, np.float32), np.asarray(r)
+        assert np.linalg.norm(g - r) <= 0.02 * np.linalg.norm(r)
+
+
+def test_bf16_chunked_attention_multiplies_bf16_into_fp32():
+    """Every product of the bf16 path, forward and backward, takes bf16 operands and an fp32 result (XLA:CPU's bf16
+    kernels); the key and value gradients contract the query axis as two axes (common.split_in_two)."""
+    if jax.default_backend() != "cpu":
+        pytest.skip("the bf16 path is the CPU's")
+    from flaxchat.hlo import dot_types
+
+    q, k, v = (x.astype(jnp.bfloat16) for x in qkv_example(B=2, T=128, Hkv=4))
+    f = jax.jit(jax.grad(lambda q, k, v: jnp.sum(attention(q, k, v, 40, "chunked").astype(jnp.float32) ** 2),
+                         argnums=(0, 1, 2)))
+    dots = dot_types(f.lower(q, k, v).compile().as_text())
+    assert len(dots) >= 5 * 2 and {(lhs, rhs) for lhs, rhs, _ in dots} == {("bf16", "bf16")}
+
+
 @pytest.mark.eight_devices
 @pytest.mark.parametrize("impl", ["chunked", "splash"])
 def test_attention_kernels_on_a_mesh_run_per_shard(impl):

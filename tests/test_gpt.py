@@ -419,15 +419,14 @@ def test_a_bfloat16_train_step_adds_embedding_gradients_in_float32(bf16_train_pr
 
 
 def test_a_bfloat16_train_step_multiplies_bfloat16_on_a_cpu(bf16_train_program):
-    """Every sizeable product with a weight in a bf16 model's compiled CPU train step (forward, backward, fused
-    loss, Muon) takes bf16 operands: XLA:CPU runs a product its bf16 kernels do not take (a bf16 result, a weight
-    gradient over the rows, a stacked Gram matrix) in fp32, at half the rate. Attention's products stay fp32 with
-    the fp32 activations (common.activation_dtype), as do the smear and value-embedding gates' tiny ones."""
+    """Every sizeable product in a bf16 model's compiled CPU train step (forward, backward, attention, fused loss,
+    Muon) takes bf16 operands: XLA:CPU runs a product its bf16 kernels do not take (a bf16 result, a weight
+    gradient over the rows, a stacked Gram matrix, attention's key and value gradients over the queries) in fp32,
+    at half the rate. Only the smear and value-embedding gates' tiny products stay fp32, with the fp32
+    activations (common.activation_dtype)."""
     from flaxchat.hlo import dot_types
 
     config, B, program = bf16_train_program
-    H, T, D = config.n_head, config.sequence_len, config.head_dim
     dots = dot_types(program)
-    assert sum(lhs == rhs == "bf16" for lhs, rhs, _ in dots) >= 20
-    wide = [flops for lhs, rhs, flops in dots if (lhs, rhs) != ("bf16", "bf16") and flops > 10**5]
-    assert len(wide) >= 4 * config.n_layer and set(wide) == {2 * B * H * T * T * D}  # scores and their uses
+    assert sum(lhs == rhs == "bf16" for lhs, rhs, _ in dots) >= 30
+    assert [flops for lhs, rhs, flops in dots if (lhs, rhs) != ("bf16", "bf16") and flops > 10**5] == []
