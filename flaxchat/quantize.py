@@ -53,6 +53,7 @@ class Int8Linear(Linear):
         self.weight = nnx.Param(q.qvalue, out_sharding=axes, eager_sharding=False)  # (out, in) int8
         self.scale = nnx.Param(q.scale[:, 0], out_sharding=axes[:1], eager_sharding=False)  # (out,) fp32
         self.einsum_form = linear.einsum_form
+        self.products = None  # multiplies in the activations' dtype (Linear.products)
 
     def __call__(self, x, out_dtype=None):
         y = self.multiply(x, self.weight[...].astype(x.dtype), out_dtype)
