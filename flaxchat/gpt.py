@@ -298,7 +298,7 @@ class CausalSelfAttention(nnx.Module):
         if cache is None:
             if self.c_proj.products is not None and attention_impl == "chunked":
                 # a CPU keeps a bf16 model's activations in fp32: attention over q, k and v rounded to bf16, as
-                # nanochat's bf16 attention (attention.BF16_CHUNK_SCORE_BYTES), its bf16 output c_proj's operand
+                # nanochat's bf16 attention (attention._bf16_chunks), its bf16 output c_proj's operand
                 q, k, v = (t.astype(self.c_proj.products) for t in (q, k, v))
                 out_dtype = x.dtype
             y = sharding.constrain(attention(q, k, v, window, attention_impl), ("batch", None, "heads", None))
