@@ -62,6 +62,21 @@ def _query_block(T: int, head_dim: int) -> int:
     return min(T, 64 if head_dim <= 64 else 128)
 
 
+def _query_blocks(T: int, head_dim: int, window: int):
+    """(start, stop, lo) of each query block: queries [start, stop) over the keys they can see, [lo, stop)."""
+    block = _query_block(T, head_dim)
+    return [(a, min(T, a + block), max(0, a - window)) for a in range(0, T, block)]
+
+
+def _rows_per_chunk(rows: int, heads: int, T: int, head_dim: int, window: int, score_bytes: int) -> int:
+    """The most rows (a divisor of `rows`) whose fp32 scores for one query block fit in score_bytes."""
+    block = _query_block(T, head_dim)
+    n = max(1, min(rows, score_bytes // (4 * heads * block * min(T, window + block))))
+    while rows % n:
+        n -= 1
+    return n
+
+
 def _visible(start, stop, lo, window):
     """(stop - start, stop - lo) mask: which of the keys [lo, stop) queries [start, stop) may see (causal, within
     the window)."""
@@ -75,11 +90,10 @@ def _window_softmax(s, start, stop, lo, window, dtype):
     return jax.nn.softmax(s, axis=-1).astype(dtype)
 
 
-def _attend_block(q, k, v, window, start, stop, heads_major=False):
-    """Queries [start, stop) over the keys they can see, [max(0, start - window), stop); GQA by grouping.
+def _attend_block(q, k, v, window, start, stop, lo, heads_major=False):
+    """Queries [start, stop) over the keys they can see, [lo, stop) (_query_blocks); GQA by grouping.
     q, k, v: (B, T, H, D), or one row's (T, H, D); the output likewise. heads_major: they come as (B, H, T, D) or
     (H, T, D) (no GQA), the output too."""
-    lo = max(0, start - window)
     b = "b" if q.ndim == 4 else ""  # a batch of rows, or one row without a row axis
     if heads_major:
         s = einsum(f"{b}ktd,{b}ksd->{b}kts", q[..., start:stop, :], k[..., lo:stop, :], jnp.float32)
@@ -108,21 +122,18 @@ def chunked_attention(q, k, v, window):
     if widened_products(q, k, v):
         return _per_shard_heads(functools.partial(_bf16_chunks, window=window), q, k, v)
     B, T, H, D = q.shape
-    block = _query_block(T, D)
     # heads-major without GQA: q, k and v transposed once per layer instead of every block's key and value
     # slices once per block (window 128 at T=256, forward and backward of a layer on two cores: 26 -> 21 ms; d6's
     # full-window layers, one row a chunk: the whole step +8%; the small shape's full-window layers: no change)
     heads_major = H == k.shape[2]
 
     def rows(q, k, v):
-        blocks = [_attend_block(q, k, v, window, a, min(T, a + block), heads_major) for a in range(0, T, block)]
+        blocks = [_attend_block(q, k, v, window, *span, heads_major) for span in _query_blocks(T, D, window)]
         return jnp.concatenate(blocks, axis=-2 if heads_major else -3)
 
     def local(q, k, v):
-        b, h = q.shape[0], q.shape[2]
-        n = max(1, min(b, CHUNK_SCORE_BYTES // (4 * h * block * min(T, window + block))))
-        while b % n:
-            n -= 1
+        b = q.shape[0]
+        n = _rows_per_chunk(b, q.shape[2], T, D, window, CHUNK_SCORE_BYTES)
         if heads_major:
             q, k, v = (x.transpose(0, 2, 1, 3) for x in (q, k, v))
         # one row a chunk goes without a row axis: XLA:CPU's fused reductions over a size-1 axis run several times
@@ -150,10 +161,7 @@ def _bf16_chunks(q, k, v, window):
     """The bf16 path's chunks of rows: (B, T, H, D) q and (B, T, Hkv, D) k, v in bf16 -> (B, T, H, D) bf16."""
     B, T, H, D = q.shape
     Hkv = k.shape[2]
-    block = _query_block(T, D)
-    n = max(1, min(B, BF16_CHUNK_SCORE_BYTES // (4 * H * block * min(T, window + block))))
-    while B % n:
-        n -= 1
+    n = _rows_per_chunk(B, H, T, D, window, BF16_CHUNK_SCORE_BYTES)
     # heads-major, each chunk's rows and kv heads on one axis; GQA's query heads grouped under their kv head (no
     # group axis without GQA: XLA:CPU's reductions over a size-1 axis are slow, see _attend_block)
     group = (H // Hkv,) if H != Hkv else ()
@@ -166,14 +174,14 @@ def _bf16_chunks(q, k, v, window):
     return out.reshape(B, H, T, D).transpose(0, 2, 1, 3)
 
 
-def _bf16_blocks(T: int, D: int, window: int):
-    """(start, stop, lo) of each query block: queries [start, stop) over the keys [lo, stop)."""
-    block = _query_block(T, D)
-    return [(a, min(T, a + block), max(0, a - window)) for a in range(0, T, block)]
-
-
 def _widened(spec, a, b):
     return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+
+
+def _bf16_scores(q, k, start, stop, lo):
+    """Queries [start, stop)'s scaled fp32 scores over keys [lo, stop): (N, [G,] stop - start, stop - lo)."""
+    g = "g" if q.ndim == 4 else ""
+    return _widened(f"n{g}td,nsd->n{g}ts", q[..., start:stop, :], k[:, lo:stop]) * q.shape[-1] ** -0.5
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -187,9 +195,8 @@ def _bf16_flash_fwd(q, k, v, window):
     T, D = q.shape[-2:]
     g = "g" if q.ndim == 4 else ""
     outs, lses = [], []
-    for start, stop, lo in _bf16_blocks(T, D, window):
-        s = _widened(f"n{g}td,nsd->n{g}ts", q[..., start:stop, :], k[:, lo:stop]) * D**-0.5
-        s = jnp.where(_visible(start, stop, lo, window), s, -jnp.inf)
+    for start, stop, lo in _query_blocks(T, D, window):
+        s = jnp.where(_visible(start, stop, lo, window), _bf16_scores(q, k, start, stop, lo), -jnp.inf)
         m = jnp.max(s, axis=-1, keepdims=True)
         p = jnp.exp(s - m)
         total = jnp.sum(p, axis=-1, keepdims=True)
@@ -207,9 +214,9 @@ def _bf16_flash_bwd(window, res, dout):
     dout = dout.astype(q.dtype)
     delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1, keepdims=True)  # rowsum(dO * O)
     dq, dk, dv = [], jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)
-    for start, stop, lo in _bf16_blocks(T, D, window):
+    for start, stop, lo in _query_blocks(T, D, window):
         rows = slice(start, stop)
-        s = _widened(f"n{g}td,nsd->n{g}ts", q[..., rows, :], k[:, lo:stop]) * D**-0.5
+        s = _bf16_scores(q, k, start, stop, lo)
         p = jnp.where(_visible(start, stop, lo, window), jnp.exp(s - lse[..., rows, :]), 0.0)
         dp = _widened(f"n{g}td,nsd->n{g}ts", dout[..., rows, :], v[:, lo:stop])
         ds = (p * (dp - delta[..., rows, :]) * D**-0.5).astype(q.dtype)
