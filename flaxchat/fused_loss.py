@@ -20,7 +20,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from flaxchat import sharding
-from flaxchat.common import einsum, split_in_two
+from flaxchat.common import einsum, split_in_two, widened_products
 
 SOFTCAP = 15.0  # nanochat's logit soft-cap: SOFTCAP * tanh(logits / SOFTCAP), in (-15, 15)
 
@@ -46,9 +46,39 @@ def softcapped_logits(x, w, vocab_size=None):
     The product comes out in the compute dtype, as nanochat's lm_head does: a bf16 run rounds its logits to bf16
     before the fp32 soft-cap (the same numbers as nanochat's), and on a GPU the largest tensor of the step is
     written and read back at half the bytes."""
-    logits = einsum("nc,vc->nv", x, w.astype(x.dtype)).astype(jnp.float32)
+    w = w.astype(x.dtype)
+    if widened_products(x, w):  # bf16 on a CPU: fp32 product, rounded to bf16's values in fp32 (_bf16_grid)
+        # a logit beyond +-2**100 soft-caps to +-SOFTCAP either way (tanh is +-1 there): the clip keeps _bf16_grid
+        # inside its range and changes no soft-capped value (NaN stays NaN)
+        logits = _bf16_grid(jnp.clip(einsum("nc,vc->nv", x, w, out_dtype=jnp.float32), -(2.0**100), 2.0**100))
+    else:
+        logits = einsum("nc,vc->nv", x, w).astype(jnp.float32)
     logits = logits if vocab_size is None else logits[:, :vocab_size]
     return SOFTCAP * jnp.tanh(logits / SOFTCAP)
+
+
+@jax.custom_jvp
+def _bf16_grid(x):
+    """fp32 x rounded to the nearest bf16 value (ties to even), kept in fp32: the same numbers as
+    x.astype(bf16).astype(fp32) for 0 and every normal |x| < 2**111 (checked for each such fp32 value; NaN stays
+    NaN; a subnormal keeps 8 significant bits instead of bf16's subnormal grid, and 2**111 or more gives NaN).
+
+    Veltkamp's split with sigma = 2**16 + 1 leaves 24 - 16 = 8 significant bits: two products and two sums, which
+    XLA:CPU runs at the speed of the fusion around them. Its own conversion to bf16 (convert, reduce_precision
+    or the same rounding in integer bit operations) made the loss's soft-cap and gradient passes ~4x slower than
+    in fp32: at the bench shape's vocabulary of 32,768, ~20 ms a chunk of 512 rows. Gradients pass through
+    unchanged (the product's own backward rounds them to bf16, as before)."""
+    t = x * 65537.0
+    return t - (t - x)
+
+
+_bf16_grid.defjvp(lambda primals, tangents: (_bf16_grid(primals[0]), tangents[0]))
+
+
+def _to_bf16(x):
+    """x.astype(bf16) for fp32 x within _bf16_grid's range: its bf16 value's high 16 bits, taken as a bf16 array."""
+    bits = jax.lax.bitcast_convert_type(_bf16_grid(x), jnp.uint32) >> 16
+    return jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.bfloat16)
 
 
 def _token_losses(z, t, lse):
@@ -132,7 +162,9 @@ def _local_loss_and_grads(x, targets, w, vocab_size, axes):
         dlogits = jnp.where(valid, dz * (1.0 - jnp.square(z / SOFTCAP)), 0.0)  # through the tanh soft-cap
         # the two gradient matmuls run in the compute dtype and accumulate in fp32 (as autocast's backward does),
         # so bf16 runs do not pay for fp32 matmuls here
-        dlogits = dlogits.astype(x.dtype)
+        # |dlogits| <= 1, and 0 or at least e**-30 / vocab x 2**-24 (a probability times a soft-cap factor of 0 or
+        # at least 2**-24), far above fp32's subnormals: inside _bf16_grid's range
+        dlogits = _to_bf16(dlogits) if widened_products(x, w.astype(x.dtype)) else dlogits.astype(x.dtype)
         dx = jnp.einsum("nv,vc->nc", dlogits, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
         if transposed:
             dw = dw + jnp.einsum("bnc,bnv->cv", *(split_in_two(a, 0) for a in (xc, dlogits)),
@@ -143,7 +175,9 @@ def _local_loss_and_grads(x, targets, w, vocab_size, axes):
 
     init = (jnp.zeros((), jnp.float32), jnp.zeros(w.shape[::-1] if transposed else w.shape, jnp.float32))
     (total, dw), dxs = jax.lax.scan(step, init, (xs, ts))
-    dw = dw.T if transposed else dw
+    # the barrier keeps XLA from folding the transpose into a lone chunk's product (a scan of one step is unrolled),
+    # which makes a dot XLA:CPU has no bf16 kernel for ("Unsupported element type for DotThunk")
+    dw = jax.lax.optimization_barrier(dw).T if transposed else dw
     dx = dxs.reshape(-1, C)[:n]
     return sharding.psum(total, axes), dx, sharding.psum(dw.astype(w.dtype), axes)
 

@@ -75,3 +75,71 @@ def test_bf16_logits_are_rounded_to_bf16_before_the_fp32_softcap_as_nanochats_he
     np.testing.assert_allclose(logits, model(idx), atol=0.07)  # generation's head rounds the same way
     pre = fl.SOFTCAP * np.arctanh(np.asarray(logits, np.float64) / fl.SOFTCAP)
     assert np.mean(np.abs(pre - pre.astype(jnp.bfloat16).astype(np.float64)) < 1e-4) > 0.98
+
+
+def _normal_floats_below_2_111():
+    """Every sign, exponent (normal, below 2**111) and top 7 mantissa bits of fp32, each with low 16 bits at the
+    rounding boundaries (0, 1, just below a tie, the tie, just above, all ones) and one random pattern."""
+    hi = np.arange(2**16, dtype=np.uint32)
+    exponent = (hi >> 7) & 0xFF
+    hi = hi[(exponent >= 1) & (exponent < 127 + 111)]
+    low = np.array([0, 1, 0x7FFF, 0x8000, 0x8001, 0xFFFF], np.uint32)
+    rand = np.random.default_rng(0).integers(0, 2**16, hi.size, dtype=np.uint32)
+    bits = np.concatenate([(hi[:, None] << 16 | low[None, :]).ravel(), hi << 16 | rand])
+    return bits.view(np.float32)
+
+
+@pytest.mark.parametrize("codegen", ["tests", "users"])
+def test_bf16_grid_rounds_as_a_conversion_to_bf16(codegen, users_codegen):
+    """_bf16_grid (Veltkamp's split, in fp32) and _to_bf16 give the same numbers as XLA's own rounding to bf16
+    (nearest, ties to even) over the normal range below 2**111, ties and near-ties included; 0 keeps its sign and
+    NaN stays NaN. Compiled as the suite compiles and as users' programs are."""
+    x = jnp.asarray(np.concatenate([_normal_floats_below_2_111(), np.array([0.0, -0.0, np.nan], np.float32)]))
+    options = users_codegen if codegen == "users" else None
+    grid = jax.jit(fl._bf16_grid).lower(x).compile(compiler_options=options)(x)
+    as_bf16 = jax.jit(fl._to_bf16).lower(x).compile(compiler_options=options)(x)
+    want = np.asarray(x.astype(jnp.bfloat16))
+    assert as_bf16.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(as_bf16).view(np.uint16)[:-1], want.view(np.uint16)[:-1])
+    np.testing.assert_array_equal(np.asarray(grid).view(np.uint32)[:-1], want.astype(np.float32).view(np.uint32)[:-1])
+    assert np.isnan(np.asarray(grid)[-1]) and np.isnan(np.asarray(as_bf16, np.float32)[-1])
+    # the gradient passes through unrounded (the product's backward rounds it)
+    np.testing.assert_array_equal(jax.grad(lambda v: jnp.sum(fl._bf16_grid(v) * 1.2345678))(x[:5]), np.float32(1.2345678))
+
+
+@pytest.mark.parametrize("n", [512, 40])
+def test_a_bf16_loss_of_one_chunk_runs_on_a_cpu(n):
+    """With no more rows than one chunk the loss's scan is a single step, which XLA unrolls; it folded the
+    transposed lm_head gradient into that step's product, one XLA:CPU has no bf16 kernel for. Values and
+    gradients against the plain soft-capped cross-entropy over the same bf16 operands and bf16 logits."""
+    C, V, Vp = 64, 200, 256
+    kx, kw, kt = jax.random.split(jax.random.key(5), 3)
+    x = jax.random.normal(kx, (n, C)).astype(jnp.bfloat16)
+    w = jax.random.normal(kw, (Vp, C)) * 0.3
+    t = jax.random.randint(kt, (n,), 0, V).at[:3].set(-1)
+
+    def plain(x, w):
+        logits = (x.astype(jnp.float32) @ w.astype(jnp.bfloat16).astype(jnp.float32).T)[:, :V]
+        z = fl.SOFTCAP * jnp.tanh(logits.astype(jnp.bfloat16).astype(jnp.float32) / fl.SOFTCAP)
+        nll = jax.nn.logsumexp(z, axis=-1) - jnp.take_along_axis(z, jnp.maximum(t, 0)[:, None], axis=-1)[:, 0]
+        return jnp.sum(jnp.where(t >= 0, nll, 0.0))
+
+    (got, (gx, gw)) = jax.jit(jax.value_and_grad(lambda x, w: fl.loss_sum(x, w, t, V), argnums=(0, 1)))(x, w)
+    (want, (wx, ww)) = jax.value_and_grad(plain, argnums=(0, 1))(x.astype(jnp.float32), w)
+    np.testing.assert_allclose(float(got), float(want), rtol=1e-3)
+    np.testing.assert_allclose(np.asarray(gx, np.float32), np.asarray(wx), atol=2e-2, rtol=2e-2)
+    np.testing.assert_allclose(np.asarray(gw), np.asarray(ww), atol=2e-2, rtol=2e-2)
+
+
+def test_the_bf16_loss_on_a_cpu_rounds_its_logits_without_xlas_conversion(users_codegen):
+    """XLA:CPU's own conversion to bf16 inside the loss's passes made them ~4x slower than in fp32; the chunk's
+    (rows, Vp) logits and their gradient are rounded by _bf16_grid instead (no f32 -> bf16 convert of that shape)."""
+    n, C, Vp = 1024, 64, 256
+    x = jnp.zeros((n, C), jnp.bfloat16)
+    w = jnp.zeros((Vp, C))
+    t = jnp.zeros((n,), jnp.int32)
+    program = jax.jit(jax.grad(lambda x, w: fl.loss_sum(x, w, t, Vp), argnums=(0, 1))).lower(x, w).compile(
+        compiler_options=users_codegen).as_text()
+    rows = fl._chunk_rows(n, Vp)
+    assert re.search(rf"bf16\[{rows},{Vp}\]", program)  # the gradients' bf16 operand is there
+    assert not re.search(rf"= bf16\[{rows},{Vp}\]\S* convert\(", program)  # but made by bit operations
