@@ -47,10 +47,10 @@ def softcapped_logits(x, w, vocab_size=None):
     before the fp32 soft-cap (the same numbers as nanochat's), and on a GPU the largest tensor of the step is
     written and read back at half the bytes."""
     w = w.astype(x.dtype)
-    if widened_products(x, w):  # bf16 on a CPU: fp32 product, rounded to bf16's values in fp32 (_bf16_grid)
-        # a logit beyond +-2**100 soft-caps to +-SOFTCAP either way (tanh is +-1 there): the clip keeps _bf16_grid
-        # inside its range and changes no soft-capped value (NaN stays NaN)
-        logits = _bf16_grid(jnp.clip(einsum("nc,vc->nv", x, w, out_dtype=jnp.float32), -(2.0**100), 2.0**100))
+    if widened_products(x, w):
+        # bf16 on a CPU: an fp32 product rounded to bf16's values in fp32 (_bf16_grid), the same numbers but for
+        # an infinite logit (an overflowed product), which becomes NaN instead of +-SOFTCAP
+        logits = _bf16_grid(einsum("nc,vc->nv", x, w, out_dtype=jnp.float32))
     else:
         logits = einsum("nc,vc->nv", x, w).astype(jnp.float32)
     logits = logits if vocab_size is None else logits[:, :vocab_size]
@@ -60,23 +60,26 @@ def softcapped_logits(x, w, vocab_size=None):
 @jax.custom_jvp
 def _bf16_grid(x):
     """fp32 x rounded to the nearest bf16 value (ties to even), kept in fp32: the same numbers as
-    x.astype(bf16).astype(fp32) for 0 and every normal |x| < 2**111 (checked for each such fp32 value; NaN stays
-    NaN; a subnormal keeps 8 significant bits instead of bf16's subnormal grid, and 2**111 or more gives NaN).
+    x.astype(bf16).astype(fp32) for 0 and every finite |x| >= 2**-109 (checked for each such fp32 value); NaN
+    stays NaN, +-inf becomes NaN, and a smaller |x| lands within 2**-109 of its bf16 value.
 
-    Veltkamp's split with sigma = 2**16 + 1 leaves 24 - 16 = 8 significant bits: two products and two sums, which
-    XLA:CPU runs at the speed of the fusion around them. Its own conversion to bf16 (convert, reduce_precision
-    or the same rounding in integer bit operations) made the loss's soft-cap and gradient passes ~4x slower than
-    in fp32: at the bench shape's vocabulary of 32,768, ~20 ms a chunk of 512 rows. Gradients pass through
-    unchanged (the product's own backward rounds them to bf16, as before)."""
-    t = x * 65537.0
-    return t - (t - x)
+    Veltkamp's split with sigma = 2**16 + 1 leaves 24 - 16 = 8 significant bits; x is scaled by 2**-17 around it
+    so that sigma * x cannot overflow. Products and sums only, which XLA:CPU runs at the speed of the fusion
+    around them. Its own conversion to bf16 (convert, reduce_precision, or the same rounding in integer bit
+    operations), and as much as a clip or a select beside the soft-cap's tanh, made the loss's soft-cap and
+    gradient passes ~3-4x slower than in fp32: at the bench shape's vocabulary of 32,768, ~20 ms a chunk of 512
+    rows. Gradients pass through unchanged (the product's own backward rounds them to bf16, as before)."""
+    s = x * 2.0**-17
+    t = s * 65537.0
+    return (t - (t - s)) * 2.0**17
 
 
 _bf16_grid.defjvp(lambda primals, tangents: (_bf16_grid(primals[0]), tangents[0]))
 
 
 def _to_bf16(x):
-    """x.astype(bf16) for fp32 x within _bf16_grid's range: its bf16 value's high 16 bits, taken as a bf16 array."""
+    """x.astype(bf16) for fp32 x, 0 or finite with |x| >= 2**-109 (see _bf16_grid): the high 16 bits of its bf16
+    value, taken as a bf16 array."""
     bits = jax.lax.bitcast_convert_type(_bf16_grid(x), jnp.uint32) >> 16
     return jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.bfloat16)
 
@@ -163,7 +166,7 @@ def _local_loss_and_grads(x, targets, w, vocab_size, axes):
         # the two gradient matmuls run in the compute dtype and accumulate in fp32 (as autocast's backward does),
         # so bf16 runs do not pay for fp32 matmuls here
         # |dlogits| <= 1, and 0 or at least e**-30 / vocab x 2**-24 (a probability times a soft-cap factor of 0 or
-        # at least 2**-24), far above fp32's subnormals: inside _bf16_grid's range
+        # at least 2**-24), far above 2**-109: the same bf16 values as a conversion (_to_bf16)
         dlogits = _to_bf16(dlogits) if widened_products(x, w.astype(x.dtype)) else dlogits.astype(x.dtype)
         dx = jnp.einsum("nv,vc->nc", dlogits, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
         if transposed:

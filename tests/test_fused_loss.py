@@ -77,12 +77,12 @@ def test_bf16_logits_are_rounded_to_bf16_before_the_fp32_softcap_as_nanochats_he
     assert np.mean(np.abs(pre - pre.astype(jnp.bfloat16).astype(np.float64)) < 1e-4) > 0.98
 
 
-def _normal_floats_below_2_111():
-    """Every sign, exponent (normal, below 2**111) and top 7 mantissa bits of fp32, each with low 16 bits at the
-    rounding boundaries (0, 1, just below a tie, the tie, just above, all ones) and one random pattern."""
+def _finite_floats_from_2_to_the_minus_109():
+    """Every sign, exponent (finite, 2**-109 and up) and top 7 mantissa bits of fp32, each with low 16 bits at
+    the rounding boundaries (0, 1, just below a tie, the tie, just above, all ones) and one random pattern."""
     hi = np.arange(2**16, dtype=np.uint32)
     exponent = (hi >> 7) & 0xFF
-    hi = hi[(exponent >= 1) & (exponent < 127 + 111)]
+    hi = hi[(exponent >= 127 - 109) & (exponent < 255)]
     low = np.array([0, 1, 0x7FFF, 0x8000, 0x8001, 0xFFFF], np.uint32)
     rand = np.random.default_rng(0).integers(0, 2**16, hi.size, dtype=np.uint32)
     bits = np.concatenate([(hi[:, None] << 16 | low[None, :]).ravel(), hi << 16 | rand])
@@ -92,9 +92,11 @@ def _normal_floats_below_2_111():
 @pytest.mark.parametrize("codegen", ["tests", "users"])
 def test_bf16_grid_rounds_as_a_conversion_to_bf16(codegen, users_codegen):
     """_bf16_grid (Veltkamp's split, in fp32) and _to_bf16 give the same numbers as XLA's own rounding to bf16
-    (nearest, ties to even) over the normal range below 2**111, ties and near-ties included; 0 keeps its sign and
-    NaN stays NaN. Compiled as the suite compiles and as users' programs are."""
-    x = jnp.asarray(np.concatenate([_normal_floats_below_2_111(), np.array([0.0, -0.0, np.nan], np.float32)]))
+    (nearest, ties to even) for every finite magnitude from 2**-109 up, ties, near-ties and the largest fp32 values
+    (which round to inf) included; 0 keeps its sign and NaN stays NaN. Compiled as the suite compiles and as
+    users' programs are."""
+    x = np.concatenate([_finite_floats_from_2_to_the_minus_109(), np.array([0.0, -0.0, np.nan], np.float32)])
+    x = jnp.asarray(x)
     options = users_codegen if codegen == "users" else None
     grid = jax.jit(fl._bf16_grid).lower(x).compile(compiler_options=options)(x)
     as_bf16 = jax.jit(fl._to_bf16).lower(x).compile(compiler_options=options)(x)
