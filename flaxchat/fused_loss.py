@@ -142,6 +142,8 @@ def _local_loss_and_grads(x, targets, w, vocab_size, axes):
     # of the other two products when it is accumulated as (C, Vp) with the rows split in two, after one
     # transposing copy of each chunk; as (Vp, C) over the rows it runs ~1.4x slower (fp32 and bf16 alike)
     transposed = jax.default_backend() == "cpu" and chunk % 2 == 0  # dw accumulated as (C, Vp)
+    wc = w.astype(x.dtype)  # lm_head in the compute dtype, for the logits and x's gradient
+    widened = widened_products(x, wc)  # bf16 on a CPU
 
     def step(carry, a):
         total, dw = carry
@@ -150,7 +152,7 @@ def _local_loss_and_grads(x, targets, w, vocab_size, axes):
         # gradient, e / sum - one-hot, is 0. A crop to the vocab and a pad back to Vp would copy the chunk's
         # logits twice (the laptop demo's vocab of 3,875, padded to 3,904: a real-run step's 8,192 rows, loss
         # and gradients on two cores, 252 -> 228 ms; the same numbers)
-        z = softcapped_logits(xc, w)
+        z = softcapped_logits(xc, wc)
         # |z| < SOFTCAP, so exp(z) cannot overflow (a row sums to at most V * e^15): the log-sum-exp needs no max
         # pass, the softmax reuses exp(z) and the target's one-hot is subtracted in the gradient's pass (no
         # scatter); the laptop demo's loss: its elementwise passes 26 -> 16 ms a step on one core
@@ -167,8 +169,8 @@ def _local_loss_and_grads(x, targets, w, vocab_size, axes):
         # so bf16 runs do not pay for fp32 matmuls here
         # |dlogits| <= 1, and 0 or at least e**-30 / vocab x 2**-24 (a probability times a soft-cap factor of 0 or
         # at least 2**-24), far above 2**-109: the same bf16 values as a conversion (_to_bf16)
-        dlogits = _to_bf16(dlogits) if widened_products(x, w.astype(x.dtype)) else dlogits.astype(x.dtype)
-        dx = jnp.einsum("nv,vc->nc", dlogits, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
+        dlogits = _to_bf16(dlogits) if widened else dlogits.astype(x.dtype)
+        dx = jnp.einsum("nv,vc->nc", dlogits, wc, preferred_element_type=jnp.float32).astype(x.dtype)
         if transposed:
             dw = dw + jnp.einsum("bnc,bnv->cv", *(split_in_two(a, 0) for a in (xc, dlogits)),
                                  preferred_element_type=jnp.float32)
