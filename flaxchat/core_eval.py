@@ -42,6 +42,7 @@ import yaml
 from flax import nnx
 
 from flaxchat.common import get_base_dir, is_main_process, print0, progress_bar, to_host
+from flaxchat.training import in_sub_batches
 
 EVAL_BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"
 
@@ -184,8 +185,9 @@ def _span_mask(idx, starts, ends):
 
 @nnx.jit
 def _span_mean_losses(model, idx, starts, ends):
-    """Mean next-token loss over each row's span. (B, T) -> (B,). Uses the chunked loss: no (B, T, V) logits."""
-    losses = model(idx, jnp.roll(idx, -1, axis=1), loss_reduction="none")
+    """Mean next-token loss over each row's span. (B, T) -> (B,). Uses the chunked loss: no (B, T, V) logits; on a
+    CPU in sub-batches of rows (training.in_sub_batches)."""
+    losses = in_sub_batches(model, lambda m, x, y: m(x, y, loss_reduction="none"), idx, jnp.roll(idx, -1, axis=1))
     span = _span_mask(idx, starts, ends)
     return jnp.sum(jnp.where(span, losses, 0.0), axis=1) / jnp.sum(span, axis=1)
 
@@ -193,7 +195,8 @@ def _span_mean_losses(model, idx, starts, ends):
 @nnx.jit
 def _span_all_argmax(model, idx, starts, ends):
     """Does greedy decoding reproduce every token of each row's span? (B, T) -> (B,) bool."""
-    predictions = jnp.argmax(model(idx), axis=-1)  # first maximum on ties, like torch.argmax
+    # first maximum on ties, like torch.argmax; on a CPU in sub-batches of rows (training.in_sub_batches)
+    predictions = in_sub_batches(model, lambda m, x: jnp.argmax(m(x), axis=-1), idx)
     hits = predictions == jnp.roll(idx, -1, axis=1)
     return jnp.all(jnp.where(_span_mask(idx, starts, ends), hits, True), axis=1)
 

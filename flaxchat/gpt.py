@@ -453,10 +453,12 @@ class GPT(nnx.Module):
         x = x - self.backout_lambda[...].astype(x.dtype) * x_backout
         return rms_norm(x), (new_k, new_v)
 
-    def __call__(self, idx, targets=None, loss_reduction="mean"):
+    def __call__(self, idx, targets=None, loss_reduction="mean", logits_at=None):
         """idx (B, T) int -> logits (B, T, vocab) fp32, or the loss if targets are given (-1 = ignore).
 
         loss_reduction: "mean" over non-ignored targets, "sum", or "none" (per-token (B, T), 0 where ignored).
+        logits_at (B,) int, without targets: only each row's logits at that index of T, (B, vocab), so that a
+        multiple-choice evaluation does not pay for (T, vocab) logits it throws away.
         """
         B, T = idx.shape
         cos, sin = rotary_table(T, self.config.head_dim, self.activation_dtype)
@@ -466,6 +468,9 @@ class GPT(nnx.Module):
         x, _ = self._trunk(idx, x, cos, sin)
         w = self.lm_head.matrix()
         x = x.reshape(B * T, -1).astype(self.dtype)  # the lm_head's products in the compute dtype
+        if targets is None and logits_at is not None:
+            x = jnp.take_along_axis(x.reshape(B, T, -1), logits_at[:, None, None], axis=1)[:, 0]  # (B, C)
+            return softcapped_logits(x, w, self.config.vocab_size)
         if targets is None:
             return softcapped_logits(x, w, self.config.vocab_size).reshape(B, T, -1)
         xf, tf = x, targets.reshape(B * T).astype(jnp.int32)

@@ -14,11 +14,13 @@ import numpy as np
 from flax import nnx
 
 from flaxchat.common import is_main_process, progress_bar
+from flaxchat.training import in_sub_batches
 
 
 @nnx.jit
 def _nats_and_bytes(model, inputs, targets, token_bytes):
-    losses = model(inputs, targets, loss_reduction="none")  # (B, T), 0 where ignored
+    # (B, T), 0 where ignored; on a CPU in sub-batches of rows
+    losses = in_sub_batches(model, lambda m, x, y: m(x, y, loss_reduction="none"), inputs, targets)
     valid = targets >= 0
     nbytes = jnp.where(valid, token_bytes[jnp.maximum(targets, 0)], 0)
     nats = jnp.sum(jnp.where(nbytes > 0, losses, 0.0))
