@@ -42,6 +42,7 @@ import yaml
 from flax import nnx
 
 from flaxchat.common import get_base_dir, is_main_process, print0, progress_bar, to_host
+from flaxchat.loss_eval import token_losses
 from flaxchat.training import in_sub_batches
 
 EVAL_BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"
@@ -186,8 +187,8 @@ def _span_mask(idx, starts, ends):
 @nnx.jit
 def _span_mean_losses(model, idx, starts, ends):
     """Mean next-token loss over each row's span. (B, T) -> (B,). Uses the chunked loss: no (B, T, V) logits; on a
-    CPU in sub-batches of rows (training.in_sub_batches)."""
-    losses = in_sub_batches(model, lambda m, x, y: m(x, y, loss_reduction="none"), idx, jnp.roll(idx, -1, axis=1))
+    CPU in sub-batches of rows (loss_eval.token_losses)."""
+    losses = token_losses(model, idx, jnp.roll(idx, -1, axis=1))
     span = _span_mask(idx, starts, ends)
     return jnp.sum(jnp.where(span, losses, 0.0), axis=1) / jnp.sum(span, axis=1)
 

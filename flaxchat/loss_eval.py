@@ -17,10 +17,15 @@ from flaxchat.common import is_main_process, progress_bar
 from flaxchat.training import in_sub_batches
 
 
+def token_losses(model, inputs, targets):
+    """Per-token losses (B, T), 0 where the target is ignored; on a CPU in sub-batches of rows
+    (training.in_sub_batches)."""
+    return in_sub_batches(model, lambda m, x, y: m(x, y, loss_reduction="none"), inputs, targets)
+
+
 @nnx.jit
 def _nats_and_bytes(model, inputs, targets, token_bytes):
-    # (B, T), 0 where ignored; on a CPU in sub-batches of rows
-    losses = in_sub_batches(model, lambda m, x, y: m(x, y, loss_reduction="none"), inputs, targets)
+    losses = token_losses(model, inputs, targets)
     valid = targets >= 0
     nbytes = jnp.where(valid, token_bytes[jnp.maximum(targets, 0)], 0)
     nats = jnp.sum(jnp.where(nbytes > 0, losses, 0.0))

@@ -47,9 +47,10 @@ def in_sub_batches(model, f, *arrays):
     sub_batches() says so: on accelerators, under FSDP or tensor parallelism, within CPU_SUB_BATCH_TOKENS."""
     rows_total, T = arrays[0].shape[:2]
     axes = sharding.free_axes(sharding.REPLICA_AXES)
-    rows = rows_total // sharding.axes_size(axes)
+    devices = sharding.axes_size(axes)
+    rows = rows_total // devices
     k = sub_batches(rows, T, splits_model=bool(sharding.free_axes(sharding.MODEL_AXES)))
-    if k == 1 or rows * sharding.axes_size(axes) != rows_total:  # (rows the devices do not share evenly: whole)
+    if k == 1 or rows * devices != rows_total:  # (rows the devices do not share evenly: whole)
         return f(model, *arrays)
     graphdef, state = nnx.split(model)
 
