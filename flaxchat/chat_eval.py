@@ -122,21 +122,25 @@ def run_categorical_eval(task, tokenizer, model, batch_size: int = 8, max_proble
 
 def run_generative_eval(task, tokenizer, engine, num_samples: int = 1, max_new_tokens: int = 512,
                         temperature: float = 0.0, top_k: int | None = 50, max_problems: int | None = None,
-                        seed: int = 42, desc: str = "generative") -> float:
-    """pass@num_samples: a problem counts if any of its sampled completions is correct."""
+                        seed: int = 42, desc: str = "generative", rows: int = 8) -> float:
+    """pass@num_samples: a problem counts if any of its sampled completions is correct. Problems are sampled
+    several at once (at most `rows` completions a batch, at least one problem), each as a call of its own would
+    sample it (nanochat: one seed for every problem)."""
     n = len(task) if max_problems is None else min(len(task), max_problems)
     if n == 0:
         raise ValueError(f"{desc}: no problems to evaluate")
-    passed = 0
-    bar = progress_bar(range(n), desc=desc, leave=False, disable=not is_main_process())
-    for i in bar:
-        conversation = task[i]
-        prompt = tokenizer.render_for_completion(conversation)
-        results, _ = engine.generate_batch(prompt, num_samples=num_samples, max_tokens=max_new_tokens,
-                                           temperature=temperature, top_k=top_k, seed=seed)  # nanochat: one seed
-        completions = [tokenizer.decode(tokens[len(prompt):]) for tokens in results]
-        passed += int(any(task.evaluate(conversation, c) for c in completions))
-        bar.set_postfix_str(f"{passed}/{i + 1}")
+    passed, per_batch = 0, max(1, rows // num_samples)
+    with progress_bar(total=n, desc=desc, leave=False, disable=not is_main_process()) as bar:
+        for first in range(0, n, per_batch):
+            conversations = [task[i] for i in range(first, min(first + per_batch, n))]
+            prompts = [tokenizer.render_for_completion(c) for c in conversations]
+            out = engine.generate_batches(prompts, num_samples=num_samples, max_tokens=max_new_tokens,
+                                          temperature=temperature, top_k=top_k, seeds=seed)
+            for conversation, prompt, (results, _) in zip(conversations, prompts, out):
+                completions = [tokenizer.decode(tokens[len(prompt):]) for tokens in results]
+                passed += int(any(task.evaluate(conversation, c) for c in completions))
+            bar.update(len(conversations))
+            bar.set_postfix_str(f"{passed}/{bar.n}")
     return passed / n
 
 
@@ -158,7 +162,7 @@ def run_chat_eval(name: str, model, tokenizer, engine=None, batch_size: int = 8,
         if engine is None:
             raise ValueError(f"{name} is generative and needs an Engine (flaxchat.engine.Engine)")
         acc = run_generative_eval(task, tokenizer, engine, num_samples, max_new_tokens, temperature, top_k,
-                                  max_problems, seed, desc=name)
+                                  max_problems, seed, desc=name, rows=batch_size)
     else:
         raise ValueError(f"{name}: unsupported eval type {task.eval_type!r}")
     result = {"accuracy": acc, "centered": centered(acc, BASELINES[name]), "baseline": BASELINES[name],

@@ -725,40 +725,67 @@ class Engine:
         of a row after its stop token are meaningless. With a draft model, one sample is drawn by speculative
         sampling (the same distribution; several samples use the plain loop).
         """
-        if isinstance(tokens, (str, bytes)) or not all(isinstance(t, numbers.Integral) for t in tokens):
-            raise ValueError("tokens must be a list of token ids (ints)")
-        _check_sampling(temperature, top_k, top_p)
-        tokens, n = [int(t) for t in tokens], num_samples
-        room = self.capacity - len(tokens)
-        max_tokens = room if max_tokens is None else min(max_tokens, room)
-        padded, lengths = pad_prompts([tokens], self.capacity, max(max_tokens, 1))
-        if self.draft_model is not None and n == 1:
+        check_prompt(tokens)
+        if self.draft_model is not None and num_samples == 1:
+            tokens = [int(t) for t in tokens]
+            room = self.capacity - len(tokens)
+            max_tokens = room if max_tokens is None else min(max_tokens, room)
+            padded, lengths = pad_prompts([tokens], self.capacity, max(max_tokens, 1))
             yield from self._speculate(padded[0], lengths[0], max_tokens, temperature, top_k, top_p, seed)
             return
+        for column, mask_column, _ in self.generate_many([tokens], num_samples, max_tokens, temperature, top_k,
+                                                         [seed], top_p):
+            yield column, mask_column
+
+    def generate_many(self, prompts, num_samples=1, max_tokens=None, temperature=1.0, top_k=None, seeds=42,
+                      top_p=None):
+        """`generate` for several prompts in one batch (evaluation, RL rollouts): yield (token_column,
+        mask_column, live) lists, where live[i] says row i had not stopped before this column (else its entry is
+        meaningless). Rows p * num_samples + j are prompt p's samples, drawn as generate(prompts[p],
+        num_samples, seed=seeds[p]) draws them (lane j of seeds[p]; `seeds` may be one int for every prompt).
+        Each row stops at its stop token, after max_tokens tokens, or when its prompt's room in the KV cache is
+        spent; the columns end when every row has stopped. A decode step reads the weights once for all its
+        rows, so one batch of many prompts beats a call per prompt (the laptop demo's model on 2 CPU cores:
+        1,176 tok/s at one row, 4,037 at 16).
+        """
+        for p in prompts:
+            check_prompt(p)
+        _check_sampling(temperature, top_k, top_p)
+        prompts = [[int(t) for t in p] for p in prompts]
+        n = len(prompts) * num_samples
+        seeds = [seeds] * len(prompts) if isinstance(seeds, numbers.Integral) else list(seeds)
+        if len(seeds) != len(prompts):
+            raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
+        padded, lengths = pad_prompts(prompts, self.capacity)  # every prompt leaves room for a token
+        rooms = np.repeat(self.capacity - lengths, num_samples)
+        budget = rooms if max_tokens is None else np.minimum(rooms, max_tokens)
         progs, params = programs(self.model)
-        slots = progs.start(params, padded, lengths, copies=n, rows=n, capacity=self.capacity)
+        slots = progs.start(params, padded, lengths, copies=num_samples, rows=n, capacity=self.capacity)
         replies = [Reply(self.tokenizer, self.run_tool, text=False) for _ in range(n)]
+        row_seeds, lanes = np.repeat(seeds, num_samples), np.tile(np.arange(num_samples), len(prompts))
         pushes: dict[int, list[int]] = {}
-        emitted, chunk = 0, 1  # the first call makes one token: time to first token is one prefill + one step
-        while emitted < max_tokens and not all(r.ended for r in replies):
-            limit = min(emitted + chunk, max_tokens) - emitted
-            ctl = controls(n, active=[not r.ended for r in replies], remaining=max_tokens - emitted, offset=emitted,
-                           seed=seed, lane=np.arange(n), temperature=temperature, top_k=top_k or 0,
+        # the first call makes one token: time to first token is one prefill + one step
+        emitted, chunk, longest = 0, 1, int(lengths.max())
+        going_at = lambda k: [not r.ended and k < b for r, b in zip(replies, budget)]  # rows going at column k
+        while any(going_at(emitted)):
+            limit = min(emitted + chunk, int(budget.max())) - emitted
+            ctl = controls(n, active=going_at(emitted), remaining=np.maximum(budget - emitted, 0), offset=emitted,
+                           seed=row_seeds, lane=lanes, temperature=temperature, top_k=top_k or 0,
                            top_p=top_p or 1.0, pushes=pushes)
-            span = attention_span(len(tokens) + emitted + limit, self.capacity)  # every position this call can write
+            span = attention_span(longest + emitted + limit, self.capacity)  # every position this call can write
             slots, out, forced, steps = progs.decode(
                 params, slots, ctl, np.int32(limit), rows=n, span=span, chunk=self.stream_chunk,
                 stop_tokens=self.stop_tokens, tool_end=self.python_end, tiers=(top_k,) if top_k else ())
             out, forced, steps = jax.device_get((out, forced, steps))
             pushes = {}
             for t in range(int(steps)):
-                column = out[:, t].tolist()
+                column, live = out[:, t].tolist(), going_at(emitted + t)
                 for i, reply in enumerate(replies):
-                    if not reply.ended:
+                    if live[i]:
                         _, push = reply.feed(column[i])
                         if push:  # the loop paused right after the python_end: forced from the next call on
                             pushes[i] = push
-                yield column, (~forced[:, t]).astype(int).tolist()
+                yield column, (~forced[:, t]).astype(int).tolist(), live
             emitted, chunk = emitted + int(steps), min(2 * chunk, self.stream_chunk)
 
     def _speculate(self, prompt, length, max_tokens, temperature, top_k, top_p, seed):
@@ -790,21 +817,44 @@ class Engine:
     def generate_batch(self, tokens, num_samples=1, **kwargs):
         """Non-streaming: (sequences, masks), each sequence = prompt + generated tokens without the terminal
         token (nanochat's return value); decode with tokenizer.decode(seq[len(tokens):]) for the text."""
-        results = [list(tokens) for _ in range(num_samples)]
-        masks = [[0] * len(tokens) for _ in range(num_samples)]
-        completed = [False] * num_samples
-        for column, mask_column in self.generate(tokens, num_samples, **kwargs):
-            for i, (token, mask) in enumerate(zip(column, mask_column)):
-                if completed[i]:
-                    continue
-                if token in self.stop_tokens:
-                    completed[i] = True
-                else:
-                    results[i].append(token)
-                    masks[i].append(mask)
-            if all(completed):
-                break
-        return results, masks
+        if self.draft_model is not None and num_samples == 1:
+            stream = ((column, masks, [True]) for column, masks in self.generate(tokens, 1, **kwargs))
+            return collect(stream, [tokens], 1, self.stop_tokens)[0]
+        return self.generate_batches([tokens], num_samples, seeds=kwargs.pop("seed", 42), **kwargs)[0]
+
+    def generate_batches(self, prompts, num_samples=1, max_tokens=None, temperature=1.0, top_k=None, seeds=42,
+                         top_p=None):
+        """generate_batch for several prompts in one batch (generate_many): [(sequences, masks)] per prompt."""
+        stream = self.generate_many(prompts, num_samples, max_tokens, temperature, top_k, seeds, top_p)
+        return collect(stream, prompts, num_samples, self.stop_tokens)
+
+
+def check_prompt(tokens) -> None:
+    if isinstance(tokens, (str, bytes)) or not all(isinstance(t, numbers.Integral) for t in tokens):
+        raise ValueError("tokens must be a list of token ids (ints)")
+
+
+def collect(stream, prompts, num_samples: int, stop_tokens) -> list[tuple[list[list[int]], list[list[int]]]]:
+    """generate_many's (column, mask column, live) triples as nanochat's generate_batch returns them, grouped by
+    prompt: for each prompt (sequences, masks), a sequence being the prompt and its sample's tokens up to
+    (without) its stop token."""
+    rows = [p for p in prompts for _ in range(num_samples)]
+    results = [[int(t) for t in p] for p in rows]
+    masks = [[0] * len(p) for p in rows]
+    completed = [False] * len(rows)
+    for column, mask_column, live in stream:
+        for i, (token, mask) in enumerate(zip(column, mask_column)):
+            if completed[i] or not live[i]:
+                continue
+            if token in stop_tokens:
+                completed[i] = True
+            else:
+                results[i].append(token)
+                masks[i].append(mask)
+        if all(completed):
+            break
+    return [(results[p * num_samples:(p + 1) * num_samples], masks[p * num_samples:(p + 1) * num_samples])
+            for p in range(len(prompts))]
 
 
 # -----------------------------------------------------------------------------

@@ -53,7 +53,9 @@ def build_parser():
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
     p.add_argument("--tasks", type=str, default="all", help="all | core | bpb | chat | comma list (see the docstring)")
     p.add_argument("--max-per-task", type=int, default=-1, help="at most this many examples per task, and bpb batches (-1 = all)")
-    p.add_argument("--batch-size", type=int, default=16, help="rows per forward pass (CORE choices, chat prompts, bpb sequences)")
+    p.add_argument("--batch-size", type=int, default=16,
+                   help="rows per forward pass (CORE choices, chat prompts, bpb sequences); for generative chat "
+                        "tasks, completions sampled at once (problems x --num-samples)")
     p.add_argument("--bpb-tokens", type=int, default=40 * 524288, help="val tokens for bits per byte (nanochat's default)")
     p.add_argument("--num-samples", type=int, default=1, help="completions per generative problem (pass@k)")
     p.add_argument("--max-new-tokens", type=int, default=512, help="generation limit per completion")

@@ -60,7 +60,12 @@ def build_parser():
     p.add_argument("--num-epochs", type=int, default=1, help="epochs over the training problems")
     p.add_argument("--num-steps", type=int, default=-1, help="optimizer steps (-1 = from --num-epochs)")
     # batch sizes / sampling
-    p.add_argument("--device-batch-size", type=int, default=8, help="rollouts per sampling call and rows per forward pass")
+    p.add_argument("--device-batch-size", type=int, default=8, help="rollouts per training forward pass (micro-batch)")
+    p.add_argument("--sample-rows", type=int, default=0,
+                   help="most rollouts (KV-cache rows) sampled at once, whole groups of --num-samples; several "
+                        "questions share one batch (0 = auto: every rollout of a step, or as many as have their KV "
+                        "cache in a quarter of the free memory; at most 64 on a CPU). Also bounds the pass@k "
+                        "eval's batches")
     p.add_argument("--examples-per-step", type=int, default=16, help="questions per optimizer step")
     p.add_argument("--num-samples", type=int, default=16, help="sampled answers per question (the group)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="most tokens per sampled answer")
@@ -85,6 +90,8 @@ def build_parser():
 
 
 def check_args(parser, args):
+    if args.sample_rows < 0:
+        parser.error(f"--sample-rows must be 0 (auto) or positive, got {args.sample_rows}")
     for name in ("device_batch_size", "examples_per_step", "num_samples", "max_new_tokens", "train_size", "eval_size",
                  "num_epochs", "eval_examples"):
         if getattr(args, name) < 1:
@@ -191,28 +198,57 @@ def build_tasks(args):
     return ArithmeticProblems(args.train_size, "train", args.seed), ArithmeticProblems(args.eval_size, "val", args.seed), which
 
 
-def sample_group(engine, tokenizer, task, conversation, num_samples, device_batch_size, seed, **sampling):
-    """num_samples answers to one question (device_batch_size per Engine call): sequences, masks, rewards."""
-    prompt = tokenizer.render_for_completion(conversation)
-    sequences, masks = [], []
-    for j in range(num_samples // device_batch_size):
-        seqs, ms = engine.generate_batch(prompt, num_samples=device_batch_size, seed=(seed + j) & 0x7FFFFFFF, **sampling)
-        sequences += seqs
-        masks += ms
-    rewards = [task.reward(conversation, tokenizer.decode(s[len(prompt):])) for s in sequences]
-    return sequences, masks, rewards
+CPU_SAMPLE_ROWS = 64  # auto --sample-rows on a CPU: a d4 model decodes 4,037 / 4,075 / 4,569 tok/s at 16 / 64 / 256
+# rows there (2-core Xeon), and a wider batch waits longer for its longest reply: a step's 256 rollouts took
+# 12.0 / 11.9 / 15.7 s as 16 / 64 / 256 at a time
 
 
-def evaluate_pass_at_k(engine, tokenizer, task, num_examples, k, max_new_tokens, temperature, top_k, seed=0) -> dict:
-    """pass@1..k over the first num_examples problems of task, and the mean reward of all samples."""
+def rollout_rows(model, args) -> int:
+    """Rollouts sampled at once: --sample-rows, or (auto) every rollout of a step when their KV cache fits in a
+    quarter of the free memory, else the largest power of two that does; on a CPU at most CPU_SAMPLE_ROWS."""
+    from flaxchat.scheduler import auto_slots
+
+    total = args.examples_per_step * args.num_samples
+    most = 1 << (total - 1).bit_length()
+    if jax.default_backend() == "cpu":
+        most = min(most, CPU_SAMPLE_ROWS)
+    return args.sample_rows or auto_slots(model, most=most)[0]
+
+
+def in_groups(items, size: int):
+    """Consecutive runs of at most `size` items."""
+    return [items[i:i + size] for i in range(0, len(items), size)]
+
+
+def sample_groups(engine, tokenizer, task, conversations, seeds, num_samples, rows, **sampling):
+    """num_samples answers to each question, several questions per Engine batch (at most `rows` rollouts, at
+    least one question): per question (sequences, masks, rewards)."""
+    prompts = [tokenizer.render_for_completion(c) for c in conversations]
+    groups = []
+    for batch in in_groups(list(range(len(prompts))), max(1, rows // num_samples)):
+        out = engine.generate_batches([prompts[i] for i in batch], num_samples, seeds=[seeds[i] for i in batch],
+                                      **sampling)
+        for i, (sequences, masks) in zip(batch, out):
+            rewards = [task.reward(conversations[i], tokenizer.decode(s[len(prompts[i]):])) for s in sequences]
+            groups.append((sequences, masks, rewards))
+    return groups
+
+
+def evaluate_pass_at_k(engine, tokenizer, task, num_examples, k, max_new_tokens, temperature, top_k, seed=0,
+                       rows=64) -> dict:
+    """pass@1..k over the first num_examples problems of task (several problems per Engine batch, at most `rows`
+    samples), and the mean reward of all samples. Problem i samples with seed + i, as one call per problem would."""
     n = min(num_examples, len(task))
     counts = []
-    for i in progress_bar(range(n), desc="pass@k", leave=False, disable=not is_main_process()):
-        conversation = task[i]
-        prompt = tokenizer.render_for_completion(conversation)
-        seqs, _ = engine.generate_batch(prompt, num_samples=k, max_tokens=max_new_tokens, temperature=temperature,
-                                        top_k=top_k, seed=seed + i)
-        counts.append(sum(task.evaluate(conversation, tokenizer.decode(s[len(prompt):])) for s in seqs))
+    with progress_bar(total=n, desc="pass@k", leave=False, disable=not is_main_process()) as bar:
+        for batch in in_groups(list(range(n)), max(1, rows // k)):
+            conversations = [task[i] for i in batch]
+            prompts = [tokenizer.render_for_completion(c) for c in conversations]
+            out = engine.generate_batches(prompts, num_samples=k, max_tokens=max_new_tokens, temperature=temperature,
+                                          top_k=top_k, seeds=[seed + i for i in batch])
+            for conversation, prompt, (seqs, _) in zip(conversations, prompts, out):
+                counts.append(sum(task.evaluate(conversation, tokenizer.decode(s[len(prompt):])) for s in seqs))
+            bar.update(len(batch))
     result = {f"pass@{j}": float(np.mean([pass_at_k(k, c, j) for c in counts])) for j in range(1, k + 1)}
     result["eval_mean_reward"] = float(np.sum(counts) / (k * n))
     return result
@@ -256,11 +292,12 @@ def main(argv=None):
     from flaxchat.engine import Engine
 
     engine = Engine(model, tokenizer)
+    rows = rollout_rows(model, args)
     num_steps = args.num_steps if args.num_steps > 0 else (len(train_task) // args.examples_per_step) * args.num_epochs
     if num_steps < 1:
         parser.error(f"no steps: {len(train_task)} problems make no full step of {args.examples_per_step} examples")
     print0(f"{which}: {len(train_task):,} training problems, {len(eval_task):,} eval problems | {num_steps} steps of "
-           f"{args.examples_per_step} x {args.num_samples} rollouts | from {args.source} {model_tag} step {meta['step']}")
+           f"{args.examples_per_step} x {args.num_samples} rollouts, sampled {rows} at a time | from {args.source} {model_tag} step {meta['step']}")
     with jax.set_mesh(mesh):
         optimizer = build_optimizer(model, unembedding_lr=args.unembedding_lr, embedding_lr=args.embedding_lr,
                                     matrix_lr=args.matrix_lr, weight_decay=args.weight_decay)
@@ -277,9 +314,10 @@ def main(argv=None):
 
     def evaluate(step):
         result = evaluate_pass_at_k(engine, tokenizer, eval_task, args.eval_examples, k, args.max_new_tokens,
-                                    args.eval_temperature, args.top_k or None, seed=10_000_019)
+                                    args.eval_temperature, args.top_k or None, seed=10_000_019, rows=rows)
         if args.eval_greedy:
-            greedy = evaluate_pass_at_k(engine, tokenizer, eval_task, args.eval_examples, 1, args.max_new_tokens, 0.0, None)
+            greedy = evaluate_pass_at_k(engine, tokenizer, eval_task, args.eval_examples, 1, args.max_new_tokens, 0.0,
+                                        None, rows=rows)
             result["greedy@1"] = greedy["pass@1"]
         say(f"step {step} | " + " | ".join(f"{key} {result[key]:.4f}" for key in ("pass@1", f"pass@{k}", "greedy@1")
                                            if key in result))
@@ -313,15 +351,15 @@ def main(argv=None):
 
         t0 = time.perf_counter()
         sequences, masks, advantages, rewards = [], [], [], []
-        for _ in range(args.examples_per_step):
-            index = example % len(train_task)
-            seqs, ms, rs = sample_group(engine, tokenizer, train_task, train_task[index], args.num_samples,
-                                        args.device_batch_size, seed=hash((step, index)), **sampling)
+        indices = [(example + i) % len(train_task) for i in range(args.examples_per_step)]
+        example += args.examples_per_step
+        groups = sample_groups(engine, tokenizer, train_task, [train_task[i] for i in indices],
+                               [hash((step, i)) & 0x7FFFFFFF for i in indices], args.num_samples, rows, **sampling)
+        for seqs, ms, rs in groups:
             sequences += seqs
             masks += ms
             rewards += rs
             advantages += list(group_advantages(rs))
-            example += 1
         t_rollout = time.perf_counter() - t0
         inputs, targets, adv = rollout_arrays(sequences, masks, advantages, pad, args.device_batch_size)
         inputs, targets = jax.device_put(inputs, rows_sharding), jax.device_put(targets, rows_sharding)

@@ -142,13 +142,13 @@ class Demo:
         model, tokenizer, _ = load_model(phase, self.tag)
         engine = Engine(model, tokenizer)
         print(f"\n=== {'chat' if chat else 'samples'}: the {phase} model", flush=True)
-        for i, prompt in enumerate(prompts):
-            if chat:
-                conv = {"messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": ""}]}
-                tokens = tokenizer.render_for_completion(conv)
-            else:
-                tokens = tokenizer.encode(prompt, prepend="<|bos|>")
-            out, _ = engine.generate_batch(tokens, num_samples=1, max_tokens=200, temperature=0.7, top_k=50, seed=i)
+        if chat:
+            convs = [{"messages": [{"role": "user", "content": p}, {"role": "assistant", "content": ""}]} for p in prompts]
+            inputs = [tokenizer.render_for_completion(conv) for conv in convs]
+        else:
+            inputs = [tokenizer.encode(prompt, prepend="<|bos|>") for prompt in prompts]
+        outs = engine.generate_batches(inputs, max_tokens=200, temperature=0.7, top_k=50, seeds=range(len(prompts)))
+        for prompt, tokens, (out, _) in zip(prompts, inputs, outs):  # prompt i samples with seed i
             text = tokenizer.decode(out[0][len(tokens):])
             print(f"\n[{prompt}]\n{text.strip() if chat else prompt + text}", flush=True)
         self.timings[f"{phase} samples"] = time.perf_counter() - t0

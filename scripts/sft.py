@@ -382,28 +382,34 @@ def fitting_prompts(dataset, tokenizer, n: int, max_prompt_tokens: int) -> list[
     return chosen
 
 
-def reply_end_rate(model, tokenizer, conversations, max_tokens: int, seed: int = 0, show: int = 3) -> float:
+def reply_end_rate(model, tokenizer, conversations, max_tokens: int, seed: int = 0, show: int = 3,
+                   rows: int = 64) -> float:
     """Fraction of sampled replies (temperature 1, top-k 50) that end with <|assistant_end|>.
 
     A reply ends when the model writes <|assistant_end|> or <|bos|>, or is cut at max_tokens; only the first
-    counts as a reply that ended. The calculator tool runs as in chat.
+    counts as a reply that ended. The calculator tool runs as in chat. Conversation i samples with seed + i,
+    `rows` conversations a batch.
     """
     from flaxchat.engine import Engine
 
     engine = Engine(model, tokenizer)
     end = tokenizer.encode_special("<|assistant_end|>")
     ended = 0
-    for i, conversation in enumerate(progress_bar(conversations, desc="reply check", leave=False, disable=not is_main_process())):
-        prompt = tokenizer.render_for_completion(conversation)
-        tokens = []
-        for column, _ in engine.generate(prompt, num_samples=1, max_tokens=max_tokens, temperature=1.0, top_k=50,
-                                         seed=seed + i):
-            tokens.append(column[0])
-            if column[0] in engine.stop_tokens:
-                break
-        ended += int(bool(tokens) and tokens[-1] == end)
-        if i < show:
-            print0(f"--- {conversation['messages'][-2]['content'][:120]!r}\n{tokenizer.decode(tokens)}")
+    with progress_bar(total=len(conversations), desc="reply check", leave=False, disable=not is_main_process()) as bar:
+        for first in range(0, len(conversations), rows):
+            batch = conversations[first:first + rows]
+            replies = [[] for _ in batch]
+            for column, _, live in engine.generate_many([tokenizer.render_for_completion(c) for c in batch],
+                                                        max_tokens=max_tokens, temperature=1.0, top_k=50,
+                                                        seeds=[seed + first + i for i in range(len(batch))]):
+                for reply, token, going in zip(replies, column, live):
+                    if going:
+                        reply.append(token)
+            for i, (conversation, tokens) in enumerate(zip(batch, replies), start=first):
+                ended += int(bool(tokens) and tokens[-1] == end)
+                if i < show:
+                    print0(f"--- {conversation['messages'][-2]['content'][:120]!r}\n{tokenizer.decode(tokens)}")
+            bar.update(len(batch))
     return ended / max(len(conversations), 1)
 
 

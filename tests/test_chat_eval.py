@@ -119,14 +119,18 @@ def test_letters_must_be_single_tokens(tok):
 
 
 class ScriptedEngine:
-    """generate_batch like the Engine's: prompt + completion tokens per sample; completions from `reply`."""
+    """generate_batches like the Engine's: per prompt, prompt + completion tokens per sample; completions from
+    `reply`."""
 
     def __init__(self, tokenizer, reply):
         self.tokenizer, self.reply, self.calls = tokenizer, reply, []
 
-    def generate_batch(self, tokens, num_samples=1, max_tokens=None, temperature=0.0, top_k=None, seed=42):
-        self.calls.append({"num_samples": num_samples, "max_tokens": max_tokens, "temperature": temperature,
-                           "top_k": top_k, "seed": seed})
+    def generate_batches(self, prompts, num_samples=1, max_tokens=None, temperature=0.0, top_k=None, seeds=42):
+        self.calls.append({"prompts": len(prompts), "num_samples": num_samples, "max_tokens": max_tokens,
+                           "temperature": temperature, "top_k": top_k, "seeds": seeds})
+        return [self.one(tokens, num_samples) for tokens in prompts]
+
+    def one(self, tokens, num_samples):
         texts = self.reply(self.tokenizer.decode(tokens), num_samples)
         results = [list(tokens) + self.tokenizer.encode(t) for t in texts]
         return results, [[0] * len(tokens) + [1] * (len(r) - len(tokens)) for r in results]
@@ -160,9 +164,11 @@ def test_gsm8k_answers_after_hashes(tok):
     offline.write_jsonl(offline.pack_path("gsm8k", "test"), GSM_ROWS)
     task = GSM8K(source="offline")
     engine = ScriptedEngine(tok, reply_by_question(GSM_REPLIES))
-    acc = chat_eval.run_generative_eval(task, tok, engine, max_new_tokens=64, top_k=50, seed=7)
+    acc = chat_eval.run_generative_eval(task, tok, engine, max_new_tokens=64, top_k=50, seed=7, rows=3)
     assert acc == pytest.approx(3 / 4)  # "#### 5.0" is not "#### 5"
-    assert engine.calls[0] == {"num_samples": 1, "max_tokens": 64, "temperature": 0.0, "top_k": 50, "seed": 7}
+    assert engine.calls == [{"prompts": 3, "num_samples": 1, "max_tokens": 64, "temperature": 0.0, "top_k": 50,
+                             "seeds": 7}, {"prompts": 1, "num_samples": 1, "max_tokens": 64, "temperature": 0.0,
+                                           "top_k": 50, "seeds": 7}]  # 3 problems a batch, one seed for all
     no_answer = ScriptedEngine(tok, reply_by_question({k: "I think it is 36." for k in GSM_REPLIES}))
     assert chat_eval.run_generative_eval(task, tok, no_answer) == 0.0
     assert extract_answer("#### 1,000 and #### 2") == "1000"
@@ -174,7 +180,10 @@ def test_pass_at_k_counts_a_problem_once_any_sample_passes(tok):
     replies = {"Tom": ["#### 7", "#### 1000", "#### 9"], "It is": ["#### 5", "#### 4", "#### 3"]}
     engine = ScriptedEngine(tok, reply_by_question(replies))
     assert chat_eval.run_generative_eval(task, tok, engine, num_samples=3, temperature=1.0) == 0.5
-    assert all(call["num_samples"] == 3 for call in engine.calls)
+    assert [(call["prompts"], call["num_samples"]) for call in engine.calls] == [(2, 3)]  # 8 rows: both problems
+    engine.calls.clear()
+    assert chat_eval.run_generative_eval(task, tok, engine, num_samples=3, temperature=1.0, rows=2) == 0.5
+    assert [(call["prompts"], call["num_samples"]) for call in engine.calls] == [(1, 3), (1, 3)]  # at least one
 
 
 HUMANEVAL_ROW = {
@@ -203,7 +212,7 @@ def test_spellingbee_checks_the_count(tok):
              int(extract_answer("".join(p["text"] for p in task[i]["messages"][-1]["content"]))) for i in range(len(task))}
 
     class Counter(ScriptedEngine):  # answers the true count plus an offset, looked up by the prompt's ids
-        def generate_batch(self, tokens, num_samples=1, **kwargs):
+        def one(self, tokens, num_samples):
             texts = [f"Spelling it out... #### {truth[tuple(tokens)] + self.reply}"] * num_samples
             return [list(tokens) + self.tokenizer.encode(t) for t in texts], None
 
@@ -228,11 +237,12 @@ def test_generative_eval_with_the_real_engine(tiny_gpt, tok):
     engine = Engine(tiny_gpt, tok, capacity=256)
     acc = chat_eval.run_generative_eval(task, tok, engine, max_new_tokens=12, temperature=0.0)
     assert acc == 0.0 and len(seen) == 2  # an untrained model writes no "#### <answer>"
-    prompt = tok.render_for_completion(task[0])
-    tokens, _ = engine.generate_batch(prompt, num_samples=1, max_tokens=12, temperature=0.0, top_k=50)
-    assert seen[0] == tok.decode(tokens[0][len(prompt):]) and len(tokens[0]) - len(prompt) <= 12
-    chat_eval.run_generative_eval(task, tok, engine, max_new_tokens=12, temperature=0.0)
-    assert seen[2:] == seen[:2]  # greedy decoding is deterministic
+    for i in range(2):  # both problems in one batch, each as a call of its own
+        prompt = tok.render_for_completion(task[i])
+        tokens, _ = engine.generate_batch(prompt, num_samples=1, max_tokens=12, temperature=0.0, top_k=50)
+        assert seen[i] == tok.decode(tokens[0][len(prompt):]) and len(tokens[0]) - len(prompt) <= 12
+    chat_eval.run_generative_eval(task, tok, engine, max_new_tokens=12, temperature=0.0, rows=1)
+    assert seen[2:] == seen[:2]  # one problem a batch: the same completions
 
 
 # -----------------------------------------------------------------------------

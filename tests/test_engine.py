@@ -221,6 +221,40 @@ def test_tool_injection_with_mock_model(tok):
     assert tok.decode(results[0][len(prompt):]).endswith("4<|output_end|> The cat")  # no <|assistant_end|>
 
 
+def test_tool_runs_per_row_in_a_batch_of_prompts(tok):
+    """generate_many: two prompts whose tool calls close at different columns; each row's output is forced when
+    its own call closes, and each row is what its prompt gets alone."""
+    sp = tok.encode_special
+    forced = [sp("<|output_start|>"), *tok.encode("4"), sp("<|output_end|>")]
+    prompt, call, after, reply = tool_script(tok, "2+2", len(forced))
+    engine = E.Engine(ScriptedModel(prompt + reply, tok.get_vocab_size()), tok, stream_chunk=4)
+    short = prompt[:-2]  # the script is by position: this row writes prompt[-2:] first, then the same reply
+    together = engine.generate_batches([prompt, short], max_tokens=40, temperature=0.0)
+    assert together == [engine.generate_batch(p, max_tokens=40, temperature=0.0) for p in (prompt, short)]
+    (long_rows, long_masks), (short_rows, short_masks) = together
+    assert long_rows[0] == prompt + call + forced + after[:-1]  # (without its <|assistant_end|>)
+    assert short_rows[0] == short + prompt[-2:] + call + forced + after[:-1]
+    assert short_masks[0] == [0] * len(short) + [1] * (2 + len(call)) + [0] * len(forced) + [1] * (len(after) - 1)
+
+
+def test_many_prompts_sample_as_one_prompt_at_a_time(model, tok):
+    """generate_many: prompts of different lengths, seeds and room in the cache share one batch, and each row is
+    the row its prompt gets alone; a row stops at its own budget (live says when)."""
+    engine = E.Engine(model, tok, stream_chunk=4)
+    prompts = PROMPTS + [list(range(1, 61))]  # the last leaves 4 of the cache's 64 positions
+    seeds = [3, 4, 5, 6]
+    for kwargs in (dict(temperature=1.0, top_k=50, max_tokens=12), dict(temperature=0.0, max_tokens=None)):
+        together = engine.generate_batches(prompts, num_samples=2, seeds=seeds, **kwargs)
+        alone = [engine.generate_batch(p, num_samples=2, seed=seed, **kwargs) for p, seed in zip(prompts, seeds)]
+        assert together == alone
+    stream = list(engine.generate_many(prompts, num_samples=2, seeds=seeds, temperature=0.0))
+    live = np.array([alive for _, _, alive in stream])  # (columns, rows)
+    assert live.shape[1] == 8 and live[:, 6:].sum(axis=0).tolist() == [4, 4]  # the last prompt's rows: 4 tokens
+    assert len(stream) > 4 and live[4:, 6:].sum() == 0
+    with pytest.raises(ValueError, match="2 seeds for 4 prompts"):
+        list(engine.generate_many(prompts, seeds=[1, 2]))
+
+
 def test_speculative_engine_runs_the_tool(tok):
     """With a draft model the Engine streams from speculative sampling, and a tool's output is forced into both
     caches between calls: the same tokens and masks as the plain loop."""

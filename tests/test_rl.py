@@ -111,6 +111,39 @@ def save_tiny_sft(base_dir, tag="d2"):
     ckpt.close()
 
 
+def test_rollouts_of_several_questions_share_a_batch(tiny_base_dir):
+    """sample_groups and the pass@k eval put several questions in one Engine batch (at most `rows` rollouts,
+    at least one question), and each question's samples are those a call of its own draws."""
+    from flaxchat.config import GPTConfig
+    from flaxchat.engine import Engine
+    from flaxchat.gpt import GPT
+    from flaxchat.tokenizer import get_tokenizer
+    from scripts.rl import evaluate_pass_at_k, sample_groups
+
+    tokenizer = get_tokenizer()
+    model = GPT(GPTConfig.from_depth(2, 32, 32, 128, "L", tokenizer.get_vocab_size()), rngs=nnx.Rngs(0))
+    task = ArithmeticProblems(5, "val")
+    conversations, seeds = [task[i] for i in range(5)], [11, 12, 13, 14, 15]
+    engine = Engine(model, tokenizer)
+    calls = []
+    batches = engine.generate_batches
+    engine.generate_batches = lambda prompts, *a, **k: calls.append(len(prompts)) or batches(prompts, *a, **k)
+    sampling = dict(max_tokens=6, temperature=1.0, top_k=50)
+    groups = sample_groups(engine, tokenizer, task, conversations, seeds, 4, 8, **sampling)
+    assert calls == [2, 2, 1]  # 8 rows: two questions of 4 samples a batch
+    for conversation, seed, (sequences, masks, rewards) in zip(conversations, seeds, groups):
+        prompt = tokenizer.render_for_completion(conversation)
+        assert (sequences, masks) == batches([prompt], 4, seeds=[seed], **sampling)[0]
+        assert len(rewards) == 4
+    calls.clear()
+    sample_groups(engine, tokenizer, task, conversations[:2], seeds[:2], 4, 2, **sampling)
+    assert calls == [1, 1]  # fewer rows than a group: one question a batch
+    calls.clear()
+    wide = evaluate_pass_at_k(engine, tokenizer, task, 5, 2, 6, 1.0, 50, seed=3, rows=64)
+    assert calls == [5]
+    assert evaluate_pass_at_k(engine, tokenizer, task, 5, 2, 6, 1.0, 50, seed=3, rows=2) == wide and calls[1:] == [1] * 5
+
+
 @pytest.mark.slow
 def test_tiny_rl_run_writes_metrics_and_checkpoints(tiny_base_dir):
     from flaxchat.checkpoint import load_model
@@ -137,7 +170,8 @@ def test_bad_flags_are_one_line_errors(tiny_base_dir, capsys):
     with pytest.raises(SystemExit, match="no sft checkpoints"):
         main(["--task", "arithmetic"])
     for argv, message in [(["--num-samples", "12", "--device-batch-size", "8"], "multiple of --device-batch-size"),
-                          (["--num-samples", "1", "--device-batch-size", "1"], "at least 2")]:
+                          (["--num-samples", "1", "--device-batch-size", "1"], "at least 2"),
+                          (["--sample-rows", "-1"], "--sample-rows must be 0 (auto) or positive")]:
         with pytest.raises(SystemExit):
             main(argv)
         assert message in capsys.readouterr().err
