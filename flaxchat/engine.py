@@ -49,6 +49,7 @@ STREAM_CHUNK = 16  # most decode steps per jitted call while streaming (a ~50 ms
 FORCED_CAPACITY = 128  # tokens a tool call may force into a row; longer outputs are cut to fit
 MAX_TOP_K = 200  # largest per-row top_k the server's sampler takes (0 = no top-k cut)
 TOP_K_TIERS = (50, MAX_TOP_K)  # the server's static top-k sizes; a chunk uses the smallest covering its rows
+COMPACT_MIN_ROWS = 4  # generate_many packs its rows still going into no fewer slots: each width is a compile
 
 
 def bucket_length(n: int, capacity: int) -> int:
@@ -690,8 +691,12 @@ class Engine:
     """nanochat's Engine on the jitted core: `generate` streams (token column, mask column) per step."""
 
     def __init__(self, model, tokenizer, *, capacity=None, use_sandbox=False, stream_chunk=STREAM_CHUNK,
-                 draft_model=None, draft_steps=4):
+                 draft_model=None, draft_steps=4, compact=False):
         self.model, self.draft_model, self.draft_steps = model, draft_model, draft_steps
+        # compact=True: generate_many packs the rows still going into fewer slots once half of them have stopped.
+        # It pays on a CPU, where a decode step's time grows with its rows, for long jobs (RL): each width is
+        # one more compile (~1 s for the laptop demo's model), which a short job does not earn back
+        self.compact = compact
         self.tokenizer = tokenizer
         lengths = [m.config.sequence_len for m in (model, draft_model) if m is not None]
         self.capacity = capacity or min(lengths)
@@ -763,29 +768,40 @@ class Engine:
         slots = progs.start(params, padded, lengths, copies=num_samples, rows=n, capacity=self.capacity)
         replies = [Reply(self.tokenizer, self.run_tool, text=False) for _ in range(n)]
         row_seeds, lanes = np.repeat(seeds, num_samples), np.tile(np.arange(num_samples), len(prompts))
+        held = np.arange(n)  # held[s]: the row in slot s (-1: none); decode runs over these len(held) slots
+        last = np.zeros(n, np.int64)  # each row's latest token: what a row no slot holds shows in a column
         pushes: dict[int, list[int]] = {}
         # the first call makes one token: time to first token is one prefill + one step
         emitted, chunk, longest = 0, 1, int(lengths.max())
-        going_at = lambda k: [not r.ended and k < b for r, b in zip(replies, budget)]  # rows going at column k
-        while any(going_at(emitted)):
+        going_at = lambda k: np.array([not r.ended and k < b for r, b in zip(replies, budget)])  # rows going at k
+        while (going := going_at(emitted)).any():
+            if self.compact and going.sum() <= len(held) // 2 and len(held) > COMPACT_MIN_ROWS:
+                slots, held = compact(progs, slots, held, going)
+            on = held >= 0
+            slot_row = np.concatenate([np.where(on, held, 0), np.zeros(n - len(held), int)])  # controls: all n slots
+            active = np.concatenate([on & going[slot_row[:len(held)]], np.zeros(n - len(held), bool)])
             limit = min(emitted + chunk, int(budget.max())) - emitted
-            ctl = controls(n, active=going_at(emitted), remaining=np.maximum(budget - emitted, 0), offset=emitted,
-                           seed=row_seeds, lane=lanes, temperature=temperature, top_k=top_k or 0,
-                           top_p=top_p or 1.0, pushes=pushes)
+            ctl = controls(n, active=active, remaining=np.where(active, np.maximum(budget[slot_row] - emitted, 0), 0),
+                           offset=emitted, seed=row_seeds[slot_row], lane=lanes[slot_row], temperature=temperature,
+                           top_k=top_k or 0, top_p=top_p or 1.0,
+                           pushes={int(np.flatnonzero(held == r)[0]): tokens for r, tokens in pushes.items()})
             span = attention_span(longest + emitted + limit, self.capacity)  # every position this call can write
             slots, out, forced, steps = progs.decode(
-                params, slots, ctl, np.int32(limit), rows=n, span=span, chunk=self.stream_chunk,
+                params, slots, ctl, np.int32(limit), rows=len(held), span=span, chunk=self.stream_chunk,
                 stop_tokens=self.stop_tokens, tool_end=self.python_end, tiers=(top_k,) if top_k else ())
             out, forced, steps = jax.device_get((out, forced, steps))
             pushes = {}
             for t in range(int(steps)):
-                column, live = out[:, t].tolist(), going_at(emitted + t)
-                for i, reply in enumerate(replies):
-                    if live[i]:
-                        _, push = reply.feed(column[i])
-                        if push:  # the loop paused right after the python_end: forced from the next call on
-                            pushes[i] = push
-                yield column, (~forced[:, t]).astype(int).tolist(), live
+                live = going_at(emitted + t)
+                last[held[on]] = out[on, t]
+                sampled = np.ones(n, bool)
+                sampled[held[on]] = ~forced[on, t]
+                column = last.tolist()
+                for i in np.flatnonzero(live):
+                    _, push = replies[i].feed(column[i])
+                    if push:  # the loop paused right after the python_end: forced from the next call on
+                        pushes[int(i)] = push
+                yield column, sampled.astype(int).tolist(), live.tolist()
             emitted, chunk = emitted + int(steps), min(2 * chunk, self.stream_chunk)
 
     def _speculate(self, prompt, length, max_tokens, temperature, top_k, top_p, seed):
@@ -827,6 +843,20 @@ class Engine:
         """generate_batch for several prompts in one batch (generate_many): [(sequences, masks)] per prompt."""
         stream = self.generate_many(prompts, num_samples, max_tokens, temperature, top_k, seeds, top_p)
         return collect(stream, prompts, num_samples, self.stop_tokens)
+
+
+def compact(progs, slots: Slots, held: np.ndarray, going: np.ndarray) -> tuple[Slots, np.ndarray]:
+    """Move the slots of the rows still going to the lowest slots; the next decode runs over the smallest power
+    of two holding them, at least COMPACT_MIN_ROWS (on a CPU a decode step costs about its rows, and half of an
+    RL batch's row-steps went to rows that had stopped). -> (slots, held)."""
+    src = np.flatnonzero((held >= 0) & going[np.maximum(held, 0)])
+    if len(src) == 0:
+        return slots, held
+    if (src != np.arange(len(src))).any():
+        pad = np.full(len(held) - len(src), src[0])  # a fixed shape; a repeated (src, dst) pair is harmless
+        slots = progs.move(slots, np.concatenate([src, pad]), np.concatenate([np.arange(len(src)), pad * 0]))
+    width = max(1 << (len(src) - 1).bit_length(), COMPACT_MIN_ROWS)
+    return slots, np.concatenate([held[src], np.full(width - len(src), -1)])
 
 
 def check_prompt(tokens) -> None:

@@ -64,7 +64,7 @@ def build_parser():
     p.add_argument("--sample-rows", type=int, default=0,
                    help="most rollouts (KV-cache rows) sampled at once, whole groups of --num-samples; several "
                         "questions share one batch (0 = auto: every rollout of a step, or as many as have their KV "
-                        "cache in a quarter of the free memory; at most 64 on a CPU). Also bounds the pass@k "
+                        "cache in a quarter of the free memory; at most 16 on a CPU). Also bounds the pass@k "
                         "eval's batches")
     p.add_argument("--examples-per-step", type=int, default=16, help="questions per optimizer step")
     p.add_argument("--num-samples", type=int, default=16, help="sampled answers per question (the group)")
@@ -198,9 +198,10 @@ def build_tasks(args):
     return ArithmeticProblems(args.train_size, "train", args.seed), ArithmeticProblems(args.eval_size, "val", args.seed), which
 
 
-CPU_SAMPLE_ROWS = 64  # auto --sample-rows on a CPU: a d4 model decodes 4,037 / 4,075 / 4,569 tok/s at 16 / 64 / 256
-# rows there (2-core Xeon), and a wider batch waits longer for its longest reply: a step's 256 rollouts took
-# 12.0 / 11.9 / 15.7 s as 16 / 64 / 256 at a time
+CPU_SAMPLE_ROWS = 16  # auto --sample-rows on a CPU. There a decode step's time grows with its rows past ~16 (a d4
+# model: 1,176 / 4,037 / 4,075 / 4,569 tok/s at 1 / 16 / 64 / 256 rows on a 2-core Xeon), and a wider batch waits
+# longer for its longest reply: a step's 256 rollouts took ~9.3 s 16 at a time, ~11.8 s 64 at a time (packing
+# the rows still going, Engine(compact=True)), and 12-13 s 16 at a time without packing
 
 
 def rollout_rows(model, args) -> int:
@@ -291,7 +292,7 @@ def main(argv=None):
         sys.exit(f"error: {e}")
     from flaxchat.engine import Engine
 
-    engine = Engine(model, tokenizer)
+    engine = Engine(model, tokenizer, compact=jax.default_backend() == "cpu")  # a long job: packing earns its compiles
     rows = rollout_rows(model, args)
     num_steps = args.num_steps if args.num_steps > 0 else (len(train_task) // args.examples_per_step) * args.num_epochs
     if num_steps < 1:

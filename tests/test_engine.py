@@ -235,6 +235,21 @@ def test_tool_runs_per_row_in_a_batch_of_prompts(tok):
     assert long_rows[0] == prompt + call + forced + after[:-1]  # (without its <|assistant_end|>)
     assert short_rows[0] == short + prompt[-2:] + call + forced + after[:-1]
     assert short_masks[0] == [0] * len(short) + [1] * (2 + len(call)) + [0] * len(forced) + [1] * (len(after) - 1)
+    # rows that start near the script's end stop within 3 tokens, so the tool rows are packed into other slots
+    # before their calls close
+    enders = [prompt + reply[:-k] for k in (1, 2, 3)]
+    engine = E.Engine(engine.model, tok, stream_chunk=4, compact=True)
+    progs = E.programs(engine.model)[0]
+    move, moves = progs.move, []
+    progs.move = lambda slots, src, dst: moves.append(src.tolist()) or move(slots, src, dst)
+    try:
+        crowded = engine.generate_batches([short, *enders, prompt], num_samples=2, max_tokens=40, temperature=0.0)
+    finally:
+        progs.move = move
+    assert moves[0][:4] == [0, 1, 8, 9]  # short's and prompt's rows, into slots 0-3 of 4
+    assert crowded[0] == engine.generate_batch(short, num_samples=2, max_tokens=40, temperature=0.0)
+    assert crowded[4] == engine.generate_batch(prompt, num_samples=2, max_tokens=40, temperature=0.0)
+    assert crowded[4][0][0] == prompt + call + forced + after[:-1]
 
 
 def test_many_prompts_sample_as_one_prompt_at_a_time(model, tok):
@@ -253,6 +268,32 @@ def test_many_prompts_sample_as_one_prompt_at_a_time(model, tok):
     assert len(stream) > 4 and live[4:, 6:].sum() == 0
     with pytest.raises(ValueError, match="2 seeds for 4 prompts"):
         list(engine.generate_many(prompts, seeds=[1, 2]))
+
+
+def test_rows_still_going_are_packed_into_fewer_slots(model, tok):
+    """Once half of a batch's rows have stopped, the rest move to the lowest slots and decode over a smaller
+    batch: the same tokens as without packing, and as each prompt alone."""
+    prompts = [list(range(1, 61)), list(range(2, 60)), list(range(3, 59)), [5, 6, 7]]  # room 4, 6, 8 and 61
+    kwargs = dict(num_samples=2, seeds=[1, 2, 3, 4], temperature=1.0, top_k=50)
+    moves = []
+    packed, plain = E.Engine(model, tok, stream_chunk=4, compact=True), E.Engine(model, tok, stream_chunk=4, compact=False)
+    progs = E.programs(model)[0]
+    move = progs.move
+    progs.move = lambda slots, src, dst: moves.append((src.tolist(), dst.tolist())) or move(slots, src, dst)
+    try:
+        got = list(packed.generate_many(prompts, **kwargs))
+    finally:
+        progs.move = move
+    want = list(plain.generate_many(prompts, **kwargs))
+    live = np.array([alive for _, _, alive in got])
+    assert [alive for _, _, alive in want] == live.tolist() and live.sum(axis=0).tolist() == [4, 4, 6, 6, 8, 8, 61, 61]
+    for (a, ma, alive), (b, mb, _) in zip(got, want):  # every live entry agrees
+        assert [x for x, on in zip(a, alive) if on] == [x for x, on in zip(b, alive) if on] and ma == mb
+    # 4 rows left of 8: slots 4-7 move to 0-3 (padded with a repeated pair); none go below COMPACT_MIN_ROWS
+    assert E.COMPACT_MIN_ROWS == 4 and moves == [([4, 5, 6, 7, 4, 4, 4, 4], [0, 1, 2, 3, 0, 0, 0, 0])]
+    assert packed.generate_batches(prompts, **kwargs) == [plain.generate_batch(p, num_samples=2, seed=seed,
+                                                                               temperature=1.0, top_k=50)
+                                                          for p, seed in zip(prompts, [1, 2, 3, 4])]
 
 
 def test_speculative_engine_runs_the_tool(tok):
