@@ -298,7 +298,8 @@ def main(argv=None):
     if num_steps < 1:
         parser.error(f"no steps: {len(train_task)} problems make no full step of {args.examples_per_step} examples")
     print0(f"{which}: {len(train_task):,} training problems, {len(eval_task):,} eval problems | {num_steps} steps of "
-           f"{args.examples_per_step} x {args.num_samples} rollouts, sampled {rows} at a time | from {args.source} {model_tag} step {meta['step']}")
+           f"{args.examples_per_step} x {args.num_samples} rollouts, sampled {rows} at a time | "
+           f"from {args.source} {model_tag} step {meta['step']}")
     with jax.set_mesh(mesh):
         optimizer = build_optimizer(model, unembedding_lr=args.unembedding_lr, embedding_lr=args.embedding_lr,
                                     matrix_lr=args.matrix_lr, weight_decay=args.weight_decay)
