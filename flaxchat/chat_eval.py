@@ -14,6 +14,7 @@ ChatCORE is the mean centered accuracy over nanochat's five chat tasks, so 0 is 
 
 from __future__ import annotations
 
+import numbers
 import time
 from collections.abc import Callable
 
@@ -120,6 +121,20 @@ def run_categorical_eval(task, tokenizer, model, batch_size: int = 8, max_proble
 # Generative
 
 
+def sample_problems(engine, tokenizer, conversations, num_samples: int, rows: int, seeds, **sampling):
+    """Yield (conversation, prompt, sequences, masks) per conversation: num_samples completions of each
+    (Engine.generate_batches), several conversations per batch (at most `rows` completions, at least one
+    conversation). seeds: one int for every conversation, or one per conversation."""
+    per_batch = max(1, rows // num_samples)
+    for first in range(0, len(conversations), per_batch):
+        batch = conversations[first:first + per_batch]
+        prompts = [tokenizer.render_for_completion(c) for c in batch]
+        some = seeds if isinstance(seeds, numbers.Integral) else list(seeds[first:first + per_batch])
+        out = engine.generate_batches(prompts, num_samples=num_samples, seeds=some, **sampling)
+        for conversation, prompt, (sequences, masks) in zip(batch, prompts, out):
+            yield conversation, prompt, sequences, masks
+
+
 def run_generative_eval(task, tokenizer, engine, num_samples: int = 1, max_new_tokens: int = 512,
                         temperature: float = 0.0, top_k: int | None = 50, max_problems: int | None = None,
                         seed: int = 42, desc: str = "generative", rows: int = 8) -> float:
@@ -129,18 +144,15 @@ def run_generative_eval(task, tokenizer, engine, num_samples: int = 1, max_new_t
     n = len(task) if max_problems is None else min(len(task), max_problems)
     if n == 0:
         raise ValueError(f"{desc}: no problems to evaluate")
-    passed, per_batch = 0, max(1, rows // num_samples)
+    passed = 0
     with progress_bar(total=n, desc=desc, leave=False, disable=not is_main_process()) as bar:
-        for first in range(0, n, per_batch):
-            conversations = [task[i] for i in range(first, min(first + per_batch, n))]
-            prompts = [tokenizer.render_for_completion(c) for c in conversations]
-            out = engine.generate_batches(prompts, num_samples=num_samples, max_tokens=max_new_tokens,
-                                          temperature=temperature, top_k=top_k, seeds=seed)
-            for conversation, prompt, (results, _) in zip(conversations, prompts, out):
-                completions = [tokenizer.decode(tokens[len(prompt):]) for tokens in results]
-                passed += int(any(task.evaluate(conversation, c) for c in completions))
-            bar.update(len(conversations))
-            bar.set_postfix_str(f"{passed}/{bar.n}")
+        for conversation, prompt, results, _ in sample_problems(
+                engine, tokenizer, [task[i] for i in range(n)], num_samples, rows, seed,
+                max_tokens=max_new_tokens, temperature=temperature, top_k=top_k):
+            completions = [tokenizer.decode(tokens[len(prompt):]) for tokens in results]
+            passed += int(any(task.evaluate(conversation, c) for c in completions))
+            bar.update(1)
+            bar.set_postfix_str(f"{passed}/{bar.n}", refresh=False)
     return passed / n
 
 

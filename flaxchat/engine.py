@@ -778,8 +778,10 @@ class Engine:
             if self.compact and going.sum() <= len(held) // 2 and len(held) > COMPACT_MIN_ROWS:
                 slots, held = compact(progs, slots, held, going)
             on = held >= 0
-            slot_row = np.concatenate([np.where(on, held, 0), np.zeros(n - len(held), int)])  # controls: all n slots
-            active = np.concatenate([on & going[slot_row[:len(held)]], np.zeros(n - len(held), bool)])
+            slot_row = np.zeros(n, int)  # controls cover all n slots; those past len(held) are inactive
+            slot_row[:len(held)] = np.maximum(held, 0)
+            active = np.zeros(n, bool)
+            active[:len(held)] = on & going[slot_row[:len(held)]]
             limit = min(emitted + chunk, int(budget.max())) - emitted
             ctl = controls(n, active=active, remaining=np.where(active, np.maximum(budget[slot_row] - emitted, 0), 0),
                            offset=emitted, seed=row_seeds[slot_row], lane=lanes[slot_row], temperature=temperature,

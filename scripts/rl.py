@@ -31,6 +31,7 @@ import numpy as np
 from flax import nnx
 
 from flaxchat import sharding
+from flaxchat.chat_eval import sample_problems
 from flaxchat.checkpoint import Checkpointer, checkpoint_dir, find_model_tag, git_commit, load_model
 from flaxchat.common import compute_dtype, is_main_process, parse_args, print0, progress_bar
 from flaxchat.optim import build_optimizer
@@ -216,23 +217,12 @@ def rollout_rows(model, args) -> int:
     return args.sample_rows or auto_slots(model, most=most)[0]
 
 
-def in_groups(items, size: int):
-    """Consecutive runs of at most `size` items."""
-    return [items[i:i + size] for i in range(0, len(items), size)]
-
-
 def sample_groups(engine, tokenizer, task, conversations, seeds, num_samples, rows, **sampling):
     """num_samples answers to each question, several questions per Engine batch (at most `rows` rollouts, at
     least one question): per question (sequences, masks, rewards)."""
-    prompts = [tokenizer.render_for_completion(c) for c in conversations]
-    groups = []
-    for batch in in_groups(list(range(len(prompts))), max(1, rows // num_samples)):
-        out = engine.generate_batches([prompts[i] for i in batch], num_samples, seeds=[seeds[i] for i in batch],
-                                      **sampling)
-        for i, (sequences, masks) in zip(batch, out):
-            rewards = [task.reward(conversations[i], tokenizer.decode(s[len(prompts[i]):])) for s in sequences]
-            groups.append((sequences, masks, rewards))
-    return groups
+    return [(sequences, masks, [task.reward(conversation, tokenizer.decode(s[len(prompt):])) for s in sequences])
+            for conversation, prompt, sequences, masks
+            in sample_problems(engine, tokenizer, conversations, num_samples, rows, seeds, **sampling)]
 
 
 def evaluate_pass_at_k(engine, tokenizer, task, num_examples, k, max_new_tokens, temperature, top_k, seed=0,
@@ -242,14 +232,11 @@ def evaluate_pass_at_k(engine, tokenizer, task, num_examples, k, max_new_tokens,
     n = min(num_examples, len(task))
     counts = []
     with progress_bar(total=n, desc="pass@k", leave=False, disable=not is_main_process()) as bar:
-        for batch in in_groups(list(range(n)), max(1, rows // k)):
-            conversations = [task[i] for i in batch]
-            prompts = [tokenizer.render_for_completion(c) for c in conversations]
-            out = engine.generate_batches(prompts, num_samples=k, max_tokens=max_new_tokens, temperature=temperature,
-                                          top_k=top_k, seeds=[seed + i for i in batch])
-            for conversation, prompt, (seqs, _) in zip(conversations, prompts, out):
-                counts.append(sum(task.evaluate(conversation, tokenizer.decode(s[len(prompt):])) for s in seqs))
-            bar.update(len(batch))
+        for conversation, prompt, seqs, _ in sample_problems(
+                engine, tokenizer, [task[i] for i in range(n)], k, rows, [seed + i for i in range(n)],
+                max_tokens=max_new_tokens, temperature=temperature, top_k=top_k):
+            counts.append(sum(task.evaluate(conversation, tokenizer.decode(s[len(prompt):])) for s in seqs))
+            bar.update(1)
     result = {f"pass@{j}": float(np.mean([pass_at_k(k, c, j) for c in counts])) for j in range(1, k + 1)}
     result["eval_mean_reward"] = float(np.sum(counts) / (k * n))
     return result
