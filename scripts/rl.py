@@ -61,7 +61,9 @@ def build_parser():
     p.add_argument("--num-epochs", type=int, default=1, help="epochs over the training problems")
     p.add_argument("--num-steps", type=int, default=-1, help="optimizer steps (-1 = from --num-epochs)")
     # batch sizes / sampling
-    p.add_argument("--device-batch-size", type=int, default=8, help="rollouts per training forward pass (micro-batch)")
+    p.add_argument("--device-batch-size", type=int, default=8,
+                   help="rollouts per training forward pass (micro-batch), padded to their own longest; a micro-batch "
+                        "whose advantages are all zero runs no pass")
     p.add_argument("--sample-rows", type=int, default=0,
                    help="most rollouts (KV-cache rows) sampled at once, whole groups of --num-samples; several "
                         "questions share one batch (0 = auto: every rollout of a step, or as many as have their KV "
@@ -139,45 +141,68 @@ def _pg_loss(model, inputs, targets, advantages):
     return -jnp.sum(logp * advantages[:, None]) / num_valid
 
 
-@nnx.jit(donate_argnums=(0, 1))
-def rl_step(model, optimizer, inputs, targets, advantages):
-    """One optimizer step on rollouts: inputs/targets (P, B, T), advantages (P, B); returns the mean loss.
+@nnx.jit(donate_argnums=1)
+def _add_policy_gradient(model, grads, inputs, targets, advantages):
+    """grads + one micro-batch's policy gradient, and its loss."""
+    loss, g = nnx.value_and_grad(_pg_loss)(model, inputs, targets, advantages)
+    return jax.tree.map(jnp.add, grads, g), loss
 
-    Each of the P micro-batches is normalised by its own valid-token count and the P losses are averaged, as
-    nanochat divides each pass by (valid tokens x passes).
+
+_zeros_like = jax.jit(lambda tree: jax.tree.map(jnp.zeros_like, tree))
+
+
+@nnx.jit(donate_argnums=(0, 1, 2))
+def _apply_policy_gradient(model, optimizer, grads, passes):
+    optimizer.update(model, jax.tree.map(lambda g: g / passes, grads))
+
+
+def rl_step(model, optimizer, batches, mesh=None) -> float:
+    """One optimizer step on rollouts: batches is a list of micro-batches (inputs (B, T), targets (B, T),
+    advantages (B,)), each as wide as its own rollouts need (rollout_batches); returns the mean loss.
+
+    Each of the P micro-batches is normalised by its own valid-token count and the P gradients and losses are
+    averaged, as nanochat divides each pass by (valid tokens x passes). A micro-batch whose advantages are all zero
+    (a group whose samples all earned the same reward) has a zero loss and zero gradients, so it runs no pass at all;
+    it still counts in P. Each width compiles once (widths are multiples of SEQ_BUCKET). With a mesh, rows are
+    split over its data x fsdp devices.
     """
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    def put(a):  # rows over the mesh's data x fsdp devices
+        if mesh is None:
+            return a
+        spec = jax.sharding.PartitionSpec(("data", "fsdp"), *[None] * (a.ndim - 1))
+        return jax.device_put(a, jax.sharding.NamedSharding(mesh, spec))
 
-    def micro(acc, batch):
-        loss, g = jax.value_and_grad(lambda p: _pg_loss(nnx.merge(graphdef, p, rest), *batch))(params)
-        return jax.tree.map(jnp.add, acc, g), loss
+    grads, losses = _zeros_like(nnx.state(model, nnx.Param)), []
+    for inputs, targets, advantages in batches:
+        if np.any(advantages):
+            grads, loss = _add_policy_gradient(model, grads, put(inputs), put(targets), put(advantages))
+            losses.append(loss)
+    _apply_policy_gradient(model, optimizer, grads, jnp.float32(len(batches)))
+    return sum(float(loss) for loss in losses) / len(batches)
 
-    grads, losses = jax.lax.scan(micro, jax.tree.map(jnp.zeros_like, params), (inputs, targets, advantages))
-    grads = jax.tree.map(lambda g: g / inputs.shape[0], grads)
-    optimizer.update(model, grads)
-    return jnp.mean(losses)
 
+def rollout_batches(sequences, masks, advantages, pad_token, device_batch_size, bucket=SEQ_BUCKET):
+    """Rollouts (token lists with the Engine's masks) -> micro-batches of device_batch_size rollouts, in order, each
+    (inputs (B, T), targets (B, T), advantages (B,)) with T its longest rollout rounded up to `bucket`.
 
-def rollout_arrays(sequences, masks, advantages, pad_token, device_batch_size, bucket=SEQ_BUCKET):
-    """Rollouts (token lists with the Engine's masks) -> inputs, targets (P, B, T) and advantages (P, B).
-
-    Targets are -1 where the mask is 0 (prompt, tool outputs, padding), so only sampled tokens are trained.
+    Targets are -1 where the mask is 0 (prompt, tool outputs, padding), so only sampled tokens are trained. With
+    nanochat's group sizes a micro-batch is one question's samples, padded to its own longest, as nanochat pads.
     """
     n = len(sequences)
     if n % device_batch_size:
         raise ValueError(f"{n} rollouts do not split into micro-batches of {device_batch_size}")
-    length = max(len(s) for s in sequences)
-    width = -(-(length - 1) // bucket) * bucket
-    ids = np.full((n, width + 1), pad_token, np.int32)
-    mask = np.zeros((n, width + 1), np.int32)
-    for i, (seq, m) in enumerate(zip(sequences, masks)):
-        ids[i, : len(seq)], mask[i, : len(m)] = seq, m
-    inputs, targets = ids[:, :-1], ids[:, 1:].copy()
-    targets[mask[:, 1:] == 0] = -1
-    P = n // device_batch_size
-    shape = (P, device_batch_size, width)
-    return (inputs.reshape(shape), targets.reshape(shape),
-            np.asarray(advantages, np.float32).reshape(P, device_batch_size))
+    batches = []
+    for start in range(0, n, device_batch_size):
+        seqs, ms = sequences[start: start + device_batch_size], masks[start: start + device_batch_size]
+        width = -(-(max(len(s) for s in seqs) - 1) // bucket) * bucket
+        ids = np.full((len(seqs), width + 1), pad_token, np.int32)
+        mask = np.zeros((len(seqs), width + 1), np.int32)
+        for i, (seq, m) in enumerate(zip(seqs, ms)):
+            ids[i, : len(seq)], mask[i, : len(m)] = seq, m
+        targets = ids[:, 1:].copy()
+        targets[mask[:, 1:] == 0] = -1
+        batches.append((ids[:, :-1], targets, np.asarray(advantages[start: start + device_batch_size], np.float32)))
+    return batches
 
 
 # -----------------------------------------------------------------------------
@@ -319,10 +344,7 @@ def main(argv=None):
     pad = tokenizer.encode_special("<|assistant_end|>")  # any token: padding is never a target
     sampling = dict(max_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k or None)
     bar = progress_bar(total=num_steps, desc="rl", disable=not is_main_process(), dynamic_ncols=True)
-    optimizer_step = nnx.cached_partial(rl_step, model, optimizer)  # skips NNX's walk over both at each call
     say = bar.write if is_main_process() else (lambda _: None)
-    rows_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, ("data", "fsdp"), None))
-    adv_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, ("data", "fsdp")))
     example, saved_once = 0, False
     results = {}
     for step in range(num_steps + 1):
@@ -350,16 +372,15 @@ def main(argv=None):
             rewards += rs
             advantages += list(group_advantages(rs))
         t_rollout = time.perf_counter() - t0
-        inputs, targets, adv = rollout_arrays(sequences, masks, advantages, pad, args.device_batch_size)
-        inputs, targets = jax.device_put(inputs, rows_sharding), jax.device_put(targets, rows_sharding)
-        adv = jax.device_put(adv, adv_sharding)
+        batches = rollout_batches(sequences, masks, advantages, pad, args.device_batch_size)
         lrm = 1.0 - step / num_steps  # nanochat: linear ramp to zero
         lr_var[...] = jnp.asarray(args.init_lr_frac * lrm, lr_var.dtype)
         with jax.set_mesh(mesh):
-            loss = float(optimizer_step(inputs, targets, adv))
+            loss = rl_step(model, optimizer, batches, mesh)
         dt = time.perf_counter() - t0
         row = {"step": step + 1, "reward": float(np.mean(rewards)), "loss": loss, "lrm": lrm, "dt": dt,
-               "rollout_s": t_rollout, "sequence_length": float(np.mean([len(s) for s in sequences]))}
+               "rollout_s": t_rollout, "sequence_length": float(np.mean([len(s) for s in sequences])),
+               "skipped_batches": sum(not np.any(b[2]) for b in batches)}  # all-zero advantages: no pass
         log(row)
         bar.set_postfix(reward=f"{row['reward']:.3f}", len=f"{row['sequence_length']:.0f}", lrm=f"{lrm:.2f}", refresh=False)
         bar.update(1)

@@ -1,5 +1,6 @@
 """RL: rewards, group-relative advantages, pass@k, rollout batches, the policy-gradient step, a tiny run."""
 
+import contextlib
 import json
 
 import jax
@@ -8,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from scripts.rl import _pg_loss, group_advantages, pass_at_k, rl_step, rollout_arrays
+from scripts.rl import _pg_loss, group_advantages, pass_at_k, rl_step, rollout_batches
 from tasks.synthetic_chat import ArithmeticProblems
 
 
@@ -51,17 +52,21 @@ def test_pass_at_k_estimator():
         pass_at_k(2, 1, 3)
 
 
-def test_rollout_arrays_train_only_sampled_tokens():
+def test_rollout_batches_train_only_sampled_tokens():
     # prompt of 3 (mask 0), then sampled (1), forced tool output (0), sampled (1)
     seqs = [[1, 2, 3, 10, 11, 12, 13], [1, 2, 3, 20]]
     masks = [[0, 0, 0, 1, 0, 0, 1], [0, 0, 0, 1]]
-    inputs, targets, adv = rollout_arrays(seqs, masks, [0.5, -0.5], pad_token=99, device_batch_size=1, bucket=4)
-    assert inputs.shape == targets.shape == (2, 1, 8) and adv.shape == (2, 1)
-    assert targets[0, 0].tolist() == [-1, -1, 10, -1, -1, 13, -1, -1]
-    assert targets[1, 0].tolist() == [-1, -1, 20, -1, -1, -1, -1, -1]
-    assert inputs[1, 0].tolist() == [1, 2, 3, 20, 99, 99, 99, 99]
+    (inputs, targets, adv), = rollout_batches(seqs, masks, [0.5, -0.5], pad_token=99, device_batch_size=2, bucket=4)
+    assert inputs.shape == targets.shape == (2, 8) and adv.tolist() == [0.5, -0.5]
+    assert targets[0].tolist() == [-1, -1, 10, -1, -1, 13, -1, -1]
+    assert targets[1].tolist() == [-1, -1, 20, -1, -1, -1, -1, -1]
+    assert inputs[1].tolist() == [1, 2, 3, 20, 99, 99, 99, 99]
     with pytest.raises(ValueError, match="micro-batches"):
-        rollout_arrays(seqs, masks, [0, 0], 99, device_batch_size=3)
+        rollout_batches(seqs, masks, [0, 0], 99, device_batch_size=3)
+    # a micro-batch is as wide as its own longest rollout needs, rounded up to the bucket
+    first, second = rollout_batches(seqs, masks, [0.5, -0.5], pad_token=99, device_batch_size=1, bucket=2)
+    assert first[0].shape == (1, 6) and second[0].shape == (1, 4)
+    assert second[1].tolist() == [[-1, -1, 20, -1]] and second[2].tolist() == [-0.5]
 
 
 @pytest.mark.slow
@@ -86,16 +91,80 @@ def test_rl_step_moves_policy_toward_rewarded_samples():
     adv = group_advantages([1.0, 0.0, 1.0, 0.0])
     gap0 = logp(good) - logp(bad)
     for _ in range(3):
-        inputs, targets, a = rollout_arrays(seqs, masks, adv, pad_token=0, device_batch_size=2, bucket=8)
-        loss = float(rl_step(model, optimizer, inputs, targets, a))
+        loss = rl_step(model, optimizer, rollout_batches(seqs, masks, adv, pad_token=0, device_batch_size=2, bucket=8))
         assert np.isfinite(loss)
     gap = logp(good) - logp(bad)
     assert gap > gap0 + 1.0, (gap0, gap)
 
     # a group whose samples all got the same reward has zero advantages, so its policy gradient is exactly zero
-    inputs, targets, a = rollout_arrays(seqs, masks, group_advantages([1.0] * 4), 0, 2, bucket=8)
-    grads = nnx.grad(_pg_loss)(model, jnp.asarray(inputs[0]), jnp.asarray(targets[0]), jnp.asarray(a[0]))
+    inputs, targets, a = rollout_batches(seqs, masks, group_advantages([1.0] * 4), 0, 2, bucket=8)[0]
+    grads = nnx.grad(_pg_loss)(model, jnp.asarray(inputs), jnp.asarray(targets), jnp.asarray(a))
     assert all(float(jnp.abs(g).max()) == 0.0 for g in jax.tree.leaves(grads))
+
+
+@pytest.mark.slow
+def test_rl_step_skips_zero_advantage_batches_with_the_same_update(monkeypatch):
+    """rl_step runs no pass over micro-batches of all-zero advantages and gives each micro-batch its own width, yet
+    its gradient and loss are those of computing every micro-batch and averaging over all of them (nanochat's
+    passes), on one device and on the 8-device mesh. Plain SGD, so that the step moves the weights by that gradient
+    times the rate (a large rate, so that the move dwarfs the weights' rounding)."""
+    import optax
+
+    import scripts.rl as rl
+    from flaxchat import sharding
+    from flaxchat.config import GPTConfig
+    from flaxchat.gpt import GPT
+
+    def make():  # weights moved off nanochat's init (zero projections), so that every one has a gradient
+        model = GPT(GPTConfig.from_depth(2, 32, 32, 64, "L", 64), rngs=nnx.Rngs(0))
+        params = nnx.state(model, nnx.Param)
+        keys = jax.random.split(jax.random.key(1), len(jax.tree.leaves(params)))
+        noisy = [p + 0.05 * jax.random.normal(k, p.shape, p.dtype) for p, k in zip(jax.tree.leaves(params), keys)]
+        nnx.update(model, jax.tree.unflatten(jax.tree.structure(params), noisy))
+        return model
+
+    rng = np.random.default_rng(0)
+    lengths = np.concatenate([rng.integers(6, 14, size=8), rng.integers(6, 30, size=16)])
+    seqs = [list(rng.integers(1, 64, size=int(n))) for n in lengths]
+    masks = [[0] * 3 + [1] * (len(s) - 3) for s in seqs]
+    # three micro-batches of eight: mixed rewards, all 1, all 0; the last two have zero advantages
+    adv = np.concatenate([group_advantages(r) for r in ([1.0, 0.0] * 4, [1.0] * 8, [0.0] * 8)])
+    batches = rollout_batches(seqs, masks, adv, pad_token=0, device_batch_size=8, bucket=8)
+    assert [np.any(b[2]) for b in batches] == [True, False, False]
+
+    # the reference: every micro-batch padded to the longest rollout of all, every pass computed, as nanochat does
+    width = max(b[0].shape[1] for b in batches)
+    wide = [tuple(np.pad(x, [(0, 0), (0, width - x.shape[1])], constant_values=c) for x, c in ((i, 0), (t, -1)))
+            for i, t, _ in batches]
+    assert batches[0][0].shape[1] < width  # the first micro-batch is narrower than the longest
+    model = make()
+    before = [np.asarray(p) for p in jax.tree.leaves(nnx.state(model, nnx.Param))]
+    grad = nnx.jit(nnx.value_and_grad(_pg_loss))
+    losses, grads = [], None
+    for (inputs, targets), (_, _, a) in zip(wide, batches):
+        lp, g = grad(model, jnp.asarray(inputs), jnp.asarray(targets), jnp.asarray(a))
+        losses.append(float(lp))
+        grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
+    assert losses[1:] == [0.0, 0.0]
+    want = [np.asarray(g) / 3 for g in jax.tree.leaves(grads)]
+    assert all(np.abs(g).max() > 0 for g in want)
+    atol = 1e-5 * max(np.abs(g).max() for g in want)  # a scalar's gradient sums terms that nearly cancel
+
+    passes = []
+    add = rl._add_policy_gradient
+    monkeypatch.setattr(rl, "_add_policy_gradient", lambda *a: passes.append(a[2].shape) or add(*a))
+    mesh = sharding.make_mesh(8, 1, 1)
+    for on_mesh in (False, True):
+        passes.clear()
+        model = sharding.create_sharded(make, mesh) if on_mesh else make()
+        optimizer = nnx.Optimizer(model, optax.sgd(1e3), wrt=nnx.Param)
+        with jax.set_mesh(mesh) if on_mesh else contextlib.nullcontext():
+            loss = rl_step(model, optimizer, batches, mesh if on_mesh else None)
+        assert loss == pytest.approx(np.mean(losses), rel=1e-6)
+        assert passes == [batches[0][0].shape]  # one pass, at the first micro-batch's own width
+        after = jax.tree.leaves(nnx.state(model, nnx.Param))
+        for b, p, g in zip(before, after, want):
+            np.testing.assert_allclose((b - np.asarray(p)) / 1e3, g, rtol=1e-4, atol=atol, err_msg=f"mesh: {on_mesh}")
 
 
 def save_tiny_sft(base_dir, tag="d2"):
