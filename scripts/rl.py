@@ -6,7 +6,7 @@ nanochat calls it "GRPO" in quotes; it is closer to plain REINFORCE:
     not a z-score;
   - the policy-gradient loss is normalised per token (DAPO), not per sequence.
 
-CPU / laptop (generated arithmetic problems, pass@k on a held-out generated set; ~25 min on 2 cores):
+CPU / laptop (generated arithmetic problems, pass@k on a held-out generated set; ~11 min on 2 cores):
     python -m scripts.rl --config configs/rl_cpu.yaml
     python -m scripts.rl --task arithmetic --num-steps 30 --examples-per-step 16 --num-samples 16 \
         --device-batch-size 16 --max-new-tokens 160 --init-lr-frac 0.1 --eval-every 15 --eval-samples 8
