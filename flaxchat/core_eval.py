@@ -255,8 +255,7 @@ def score_rows(model, rows: list[list[int]], starts, ends, lm: bool, batch_size:
             idx[r, : len(rows[i])], s[r], e[r] = rows[i], starts[i], ends[i]
         arrays = (idx, s, e)
         if mesh is not None:
-            rows_sharding = batch_sharding(mesh)
-            vec_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(rows_sharding.spec[0]))
+            rows_sharding, vec_sharding = batch_sharding(mesh), batch_sharding(mesh, ndim=1)
             arrays = (jax.device_put(idx, rows_sharding), jax.device_put(s, vec_sharding), jax.device_put(e, vec_sharding))
         result = to_host(fn(model, *arrays))
         out[members] = result[: len(members)]

@@ -856,7 +856,7 @@ def compact(progs, slots: Slots, held: np.ndarray, going: np.ndarray) -> tuple[S
         return slots, held
     if (src != np.arange(len(src))).any():
         pad = np.full(len(held) - len(src), src[0])  # a fixed shape; a repeated (src, dst) pair is harmless
-        slots = progs.move(slots, np.concatenate([src, pad]), np.concatenate([np.arange(len(src)), pad * 0]))
+        slots = progs.move(slots, np.concatenate([src, pad]), np.concatenate([np.arange(len(src)), np.zeros_like(pad)]))
     width = max(1 << (len(src) - 1).bit_length(), COMPACT_MIN_ROWS)
     return slots, np.concatenate([held[src], np.full(width - len(src), -1)])
 

@@ -275,9 +275,10 @@ def per_shard(f, axes, in_specs, out_specs):
     return jax.shard_map(f, in_specs=in_specs, out_specs=out_specs, axis_names=set(axes), check_vma=False)
 
 
-def batch_sharding(mesh) -> NamedSharding:
-    """Sharding of (B, T) token batches: rows over data x fsdp."""
-    return NamedSharding(mesh, P(("data", "fsdp"), None))
+def batch_sharding(mesh, ndim: int = 2) -> NamedSharding:
+    """Sharding of (B, T) token batches, or of any array of ndim axes with one row per sequence: rows over
+    data x fsdp."""
+    return NamedSharding(mesh, P(("data", "fsdp"), *[None] * (ndim - 1)))
 
 
 @contextlib.contextmanager

@@ -166,11 +166,7 @@ def rl_step(model, optimizer, batches, mesh=None) -> float:
     it still counts in P. Each width compiles once (widths are multiples of SEQ_BUCKET). With a mesh, rows are
     split over its data x fsdp devices.
     """
-    def put(a):  # rows over the mesh's data x fsdp devices
-        if mesh is None:
-            return a
-        spec = jax.sharding.PartitionSpec(("data", "fsdp"), *[None] * (a.ndim - 1))
-        return jax.device_put(a, jax.sharding.NamedSharding(mesh, spec))
+    put = (lambda a: a) if mesh is None else (lambda a: jax.device_put(a, sharding.batch_sharding(mesh, a.ndim)))
 
     grads, losses = _zeros_like(nnx.state(model, nnx.Param)), []
     for inputs, targets, advantages in batches:
