@@ -269,7 +269,7 @@ class StepProfiler:
         buffers off for the process (trace.COMMAND_BUFFERS_OFF; no effect on a CPU or TPU), unless XLA_FLAGS sets
         that flag already, so every kernel shows; the steps then run a little slower (d12 on one H200: 136.5
         instead of 132.1 ms a step). Returns whether XLA_FLAGS changed."""
-        from flaxchat.trace import COMMAND_BUFFERS_OFF
+        from flaxchat.perf.trace import COMMAND_BUFFERS_OFF
 
         flags = os.environ.get("XLA_FLAGS", "")
         if not steps or COMMAND_BUFFERS_OFF.rstrip("=") in flags:

@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export FLAXCHAT_BASE_DIR=${FLAXCHAT_BASE_DIR:-$HOME/.cache/flaxchat/cpu}
 
-python -m flaxchat.dataset --source synthetic-stories --num-shards 8
+python -m flaxchat.data.dataset --source synthetic-stories --num-shards 8
 python -m scripts.tok_train --vocab-size 4096
 python -m scripts.tok_eval
 python -m tasks.offline --fetch
@@ -21,4 +21,4 @@ python -m scripts.eval --model sft --tasks chat --max-per-task 100
 python -m scripts.rl --config configs/rl_cpu.yaml
 python -m scripts.eval --model rl --tasks gsm8k --max-per-task 100
 
-python -c "from flaxchat.report import Report; print(Report().generate())"
+python -c "from flaxchat.eval.report import Report; print(Report().generate())"

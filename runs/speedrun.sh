@@ -15,8 +15,8 @@ GPU="--expect-backend gpu"   # stop at once if JAX fell back to the CPU (a broke
 pip install -e ".[gpu]"
 
 # data + tokenizer (the bulk of the shards download while the tokenizer trains)
-python -m flaxchat.dataset --source parquet-download --num-shards 8
-python -m flaxchat.dataset --source parquet-download --num-shards 170 &
+python -m flaxchat.data.dataset --source parquet-download --num-shards 8
+python -m flaxchat.data.dataset --source parquet-download --num-shards 170 &
 DOWNLOAD=$!
 python -m scripts.tok_train --vocab-size 32768
 python -m scripts.tok_eval
@@ -32,5 +32,5 @@ python -m scripts.sft --run "$WANDB_RUN" $GPU
 python -m scripts.eval --model sft --tasks chat
 # python -m scripts.rl --run "$WANDB_RUN" $GPU && python -m scripts.eval --model rl --tasks gsm8k
 
-python -c "from flaxchat.report import Report; print(Report().generate())"
+python -c "from flaxchat.eval.report import Report; print(Report().generate())"
 echo "chat: python -m scripts.chat_web -i sft   (or scripts.chat_cli)"

@@ -24,7 +24,7 @@ The CPU suite (the shapes compared with nanochat; one JSON line per shape; the "
 shards in $FLAXCHAT_BASE_DIR):
     python -m scripts.bench --what train --suite cpu
 Side by side with nanochat (a checkout of github.com/karpathy/nanochat and PyTorch installed): each row first
-times nanochat's own step (its GPT, MuonAdamW and torch.compile, in a process of its own; flaxchat.nanochat_bench),
+times nanochat's own step (its GPT, MuonAdamW and torch.compile, in a process of its own; flaxchat.perf.nanochat_bench),
 then flaxchat's, and adds "nanochat" and "vs_nanochat" (flaxchat tok/s over nanochat's) to the JSON:
     python -m scripts.bench --what train --suite cpu --nanochat ~/src/nanochat
     nanochat's record gives the rate of its PyTorch's own matmul (matmul_peak_flops); on an AMD CPU, where the stock
@@ -69,12 +69,12 @@ from jax.extend import source_info_util
 from flaxchat import sharding
 from flaxchat.common import (MachineLoad, StepProfiler, compute_dtype, get_base_dir, huge_pages_active,
                              malloc_library, parse_args, peak_flops_per_device, quiet_library_logs, without_huge_pages)
-from flaxchat.config import GPTConfig, add_model_flags, config_from_flags
-from flaxchat.gpt import GPT, add_kernel_flags
-from flaxchat.hlo import jaxpr_equations, source_line
-from flaxchat.quantize import add_quantize_flag, quantize_for_generation, weight_bytes
-from flaxchat.speculative import add_draft_flags, measure_speculative
-from flaxchat.training import IN_FLIGHT_CHOICES, in_flight_depth
+from flaxchat.model.config import GPTConfig, add_model_flags, config_from_flags
+from flaxchat.model.gpt import GPT, add_kernel_flags
+from flaxchat.perf.hlo import jaxpr_equations, source_line
+from flaxchat.model.quantize import add_quantize_flag, quantize_for_generation, weight_bytes
+from flaxchat.generate.speculative import add_draft_flags, measure_speculative
+from flaxchat.train.step import IN_FLIGHT_CHOICES, in_flight_depth
 
 
 def build_parser():
@@ -170,7 +170,7 @@ CPU_SUITE = {
 
 def real_batches(args, mesh, tokenizer):
     """(next_micro_batches(), loader): the Grain loader over the base dir's shards, tokenized by `tokenizer`."""
-    from flaxchat.dataloader import make_loader
+    from flaxchat.data.dataloader import make_loader
 
     dp = mesh.shape["data"] * mesh.shape["fsdp"]
     loader = make_loader(tokenizer, args.device_batch_size * dp, args.max_seq_len, "train", mesh=mesh)
@@ -229,12 +229,12 @@ def nanochat_env(args) -> dict:
 
 
 def time_nanochat(args, config, batch_size: int) -> dict:
-    """nanochat's step for the same model and batch, in a process of its own (flaxchat.nanochat_bench), run before
+    """nanochat's step for the same model and batch, in a process of its own (flaxchat.perf.nanochat_bench), run before
     flaxchat's so neither runs beside the other. nanochat runs as it would on its own: the compute dtype through
     NANOCHAT_DTYPE, and without the glibc huge-pages tunable flaxchat sets for itself."""
     env = nanochat_env(args)
     env["NANOCHAT_DTYPE"] = jnp.dtype(compute_dtype(args.dtype)).name
-    cmd = [sys.executable, "-m", "flaxchat.nanochat_bench", "--dir", args.nanochat, "--batch-size", str(batch_size),
+    cmd = [sys.executable, "-m", "flaxchat.perf.nanochat_bench", "--dir", args.nanochat, "--batch-size", str(batch_size),
            "--config", json.dumps(config.to_dict()), "--grad-accum", str(args.grad_accum), "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--device", "cuda" if jax.default_backend() == "gpu" else "cpu"]
     if args.profile_steps:  # as many steps of nanochat's under torch.profiler, after its timed ones
@@ -251,14 +251,14 @@ def bench_train(args, mesh) -> dict:
     """flaxchat's training step: the median of --steps timed steps after compilation and --warmup steps, in
     --rounds rounds. With --nanochat, each round first times nanochat's step on the same shape (time_nanochat),
     so every pair of numbers comes from the same minutes of a machine whose speed may drift."""
-    from flaxchat.optim import build_optimizer
-    from flaxchat.trace import format_summary
-    from flaxchat.training import FlatStep, InFlight, profile_summary
+    from flaxchat.train.optim import build_optimizer
+    from flaxchat.perf.trace import format_summary
+    from flaxchat.train.step import FlatStep, InFlight, profile_summary
 
     dp = mesh.shape["data"] * mesh.shape["fsdp"]
     B, T, A = args.device_batch_size * dp, args.max_seq_len, args.grad_accum
     if args.real_data:
-        from flaxchat.tokenizer import get_tokenizer
+        from flaxchat.data.tokenizer import get_tokenizer
 
         tokenizer = get_tokenizer()
         args.vocab_size = tokenizer.get_vocab_size()
@@ -380,7 +380,7 @@ def bench_train(args, mesh) -> dict:
 
 
 def _source(eqn) -> str:
-    """Where a jaxpr equation came from, named as hlo.source_line names a compiled op's: "flaxchat/gpt.py:165
+    """Where a jaxpr equation came from, named as hlo.source_line names a compiled op's: "flaxchat/model/gpt.py:165
     Linear.multiply (transpose(jvp()))" (file, line, function, then the transformations it was made under)."""
     where = source_info_util.summarize(eqn.source_info)
     m = re.match(r"(.*):(\d+):\d+ \((.*)\)$", where)
@@ -435,7 +435,7 @@ def product_census(model, optimizer, batch, mesh, repeats: int = 10) -> dict:
     those shapes in isolation; beside the step's time it says how much of the step the products are (the rest:
     elementwise passes, copies, reductions, overlap). One device: on a mesh the partitioner's products and Muon's
     shared-out stacks are not the jaxpr's."""
-    from flaxchat.training import train_step
+    from flaxchat.train.step import train_step
 
     graphdef, state = nnx.split((model, optimizer))
 
@@ -489,8 +489,8 @@ def format_census(census: dict, step_s: float) -> str:
 
 def bench_comms(args, mesh) -> dict:
     """Compile the train step from abstract arrays and read its collectives and per-device FLOPs."""
-    from flaxchat.hlo import program_stats
-    from flaxchat.training import compile_train_step
+    from flaxchat.perf.hlo import program_stats
+    from flaxchat.train.step import compile_train_step
 
     config = make_config(args)
     dp = mesh.shape["data"] * mesh.shape["fsdp"]
@@ -511,8 +511,8 @@ def bench_comms(args, mesh) -> dict:
 
 
 def bench_generate(args, mesh) -> dict:
-    from flaxchat.checkpoint import load_named_model
-    from flaxchat.engine import measure_generation
+    from flaxchat.train.checkpoint import load_named_model
+    from flaxchat.generate.engine import measure_generation
 
     if args.checkpoint:
         model = load_named_model(args.checkpoint, "sft", "--checkpoint", dtype=compute_dtype(args.dtype))
@@ -521,7 +521,7 @@ def bench_generate(args, mesh) -> dict:
     model = quantize_for_generation(model, args.quantize)
     info = {"quantize": args.quantize, "weight_mb": weight_bytes(model) / 2**20, "checkpoint": args.checkpoint}
     if args.draft_model:
-        from flaxchat.tokenizer import get_tokenizer
+        from flaxchat.data.tokenizer import get_tokenizer
 
         source = args.checkpoint.rpartition(":")[0] or "sft"
         draft = load_named_model(args.draft_model, source, "--draft-model", dtype=compute_dtype(args.dtype))
@@ -538,8 +538,8 @@ def bench_generate(args, mesh) -> dict:
 
 
 def bench_data(args, mesh) -> dict:
-    from flaxchat.dataloader import measure_throughput
-    from flaxchat.tokenizer import get_tokenizer
+    from flaxchat.data.dataloader import measure_throughput
+    from flaxchat.data.tokenizer import get_tokenizer
 
     tokenizer = get_tokenizer()
     out = measure_throughput(tokenizer, batch_size=args.device_batch_size, seq_len=args.max_seq_len)
@@ -607,7 +607,7 @@ def link(target: str, name: str) -> None:
 def run_base_dir(run_dir: str) -> str:
     """A base dir of flaxchat's own for the benchmark's run: the tokenizer and shards of $FLAXCHAT_BASE_DIR linked
     in, and its checkpoints, report and compiled programs kept apart from your runs' (checkpoints cleared first)."""
-    from flaxchat.dataset import default_data_dir
+    from flaxchat.data.dataset import default_data_dir
 
     base = os.path.join(run_dir, "flaxchat_base")
     os.makedirs(base, exist_ok=True)
@@ -623,8 +623,8 @@ def nanochat_base_dir(run_dir: str, tokenizer) -> tuple[str, str | None]:
     imports it even when it does not log), else None."""
     import importlib.util
 
-    from flaxchat.dataset import default_data_dir
-    from flaxchat.interop import save_nanochat_tokenizer
+    from flaxchat.data.dataset import default_data_dir
+    from flaxchat.export.nanochat import save_nanochat_tokenizer
 
     base = os.path.join(run_dir, "nanochat_base")
     save_nanochat_tokenizer(tokenizer, os.path.join(base, "tokenizer"))
@@ -666,8 +666,8 @@ def run_nanochat(args, flags, run_dir, tokenizer, first, tokens) -> dict:
 def run_flaxchat(args, flags, run_dir, base, first, tokens) -> dict:
     """scripts.pretrain with `flags` in `base`, a base dir of its own (run_base_dir); the steps' times from its
     metrics.jsonl."""
-    from flaxchat.checkpoint import checkpoint_dir
-    from flaxchat.report import read_jsonl
+    from flaxchat.train.checkpoint import checkpoint_dir
+    from flaxchat.eval.report import read_jsonl
 
     cmd = [sys.executable, "-m", "scripts.pretrain", *flags, "--in-flight", args.in_flight]
     cmd += ["--dtype", args.dtype] if args.dtype else []
@@ -684,8 +684,8 @@ def bench_run(args) -> dict:
     """A real scripts.pretrain run of --steps steps (and nanochat's base_train first with --nanochat), each in a
     process of its own, one after the other: the median step after the first and --warmup more, tok/s, the
     timed steps' total minutes, the whole process's seconds (start-up and compilation included)."""
-    from flaxchat.dataset import default_data_dir, list_parquet_files
-    from flaxchat.tokenizer import get_tokenizer
+    from flaxchat.data.dataset import default_data_dir, list_parquet_files
+    from flaxchat.data.tokenizer import get_tokenizer
 
     tokenizer = get_tokenizer()  # FileNotFoundError where there is none, before either run starts
     if len(list_parquet_files()) < 2:

@@ -9,7 +9,7 @@
 
 In the chat, /clear starts a new conversation and /quit (or Ctrl-D) leaves. Tool calls appear dimmed as
 [python: ...] and their results as [output: ...]; the tool is the calculator, as in training and evaluation
-(--sandbox also runs other Python the model writes, in flaxchat.execution's sandbox). The same command runs on
+(--sandbox also runs other Python the model writes, in flaxchat.generate.sandbox's sandbox). The same command runs on
 a CPU or a GPU (JAX picks the device); the model is loaded from
 <base_dir>/{base,chatsft,chatrl}_checkpoints/<model_tag>/.
 """
@@ -21,8 +21,8 @@ import os
 import sys
 
 from flaxchat.common import parse_args
-from flaxchat.quantize import add_quantize_flag
-from flaxchat.speculative import add_draft_flags
+from flaxchat.model.quantize import add_quantize_flag
+from flaxchat.generate.speculative import add_draft_flags
 
 DIM, RESET = "\033[2m", "\033[0m"
 # How each part of an assistant message is shown; the brackets stand for the special tokens around it.
@@ -83,7 +83,7 @@ class ReplyPrinter:
     call and its output appear, dimmed, once complete."""
 
     def __init__(self, tokenizer, out, color: bool):
-        from flaxchat.engine import Reply
+        from flaxchat.generate.engine import Reply
 
         self.reply, self.out, self.color = Reply(tokenizer), out, color
 
@@ -194,10 +194,10 @@ def run_chat(engine, tokenizer, args, read_line=input, out=None) -> list[dict]:
 
 def main(argv=None) -> int:
     args = get_args(argv)
-    from flaxchat.checkpoint import load_model, load_named_model
+    from flaxchat.train.checkpoint import load_model, load_named_model
     from flaxchat.common import enable_compilation_cache, get_base_dir
-    from flaxchat.engine import Engine
-    from flaxchat.quantize import quantize_for_generation
+    from flaxchat.generate.engine import Engine
+    from flaxchat.model.quantize import quantize_for_generation
 
     # compiled prefill/decode programs survive restarts, so a second session starts answering at once (also on CPU)
     enable_compilation_cache(os.path.join(get_base_dir(), "jax_cache"))

@@ -14,7 +14,7 @@ The same commands run on a GPU or TPU host (JAX picks the device). The API speak
     curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
          -d '{"messages": [{"role": "user", "content": "Why is the sky blue?"}], "stream": true}'
 
-WebSocket protocol and limits: see flaxchat/serve.py.
+WebSocket protocol and limits: see flaxchat/serve/app.py.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from flaxchat.common import parse_args
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from flaxchat.quantize import add_quantize_flag
-    from flaxchat.speculative import add_draft_flags
+    from flaxchat.model.quantize import add_quantize_flag
+    from flaxchat.generate.speculative import add_draft_flags
 
     p = argparse.ArgumentParser(description="Serve a flaxchat model in the browser and over HTTP",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -109,11 +109,11 @@ def build_model(args):
     """(model, tokenizer, name): a checkpoint, or a fresh model of --depth sized to the base dir's tokenizer."""
     from flax import nnx
 
-    from flaxchat.config import GPTConfig
-    from flaxchat.gpt import GPT
-    from flaxchat.tokenizer import get_tokenizer
+    from flaxchat.model.config import GPTConfig
+    from flaxchat.model.gpt import GPT
+    from flaxchat.data.tokenizer import get_tokenizer
 
-    from flaxchat.quantize import quantize_for_generation
+    from flaxchat.model.quantize import quantize_for_generation
 
     weights = "" if args.quantize == "none" else f"-{args.quantize}"
     if args.random_init:
@@ -121,7 +121,7 @@ def build_model(args):
         config = GPTConfig.from_depth(args.depth, vocab_size=tokenizer.get_vocab_size(), max_seq_len=args.seq_len)
         model = quantize_for_generation(GPT(config, rngs=nnx.Rngs(args.seed)), args.quantize)
         return model, tokenizer, f"d{args.depth}-random-init{weights}"
-    from flaxchat.checkpoint import find_model_tag, load_model
+    from flaxchat.train.checkpoint import find_model_tag, load_model
 
     tag = args.model_tag or find_model_tag(args.source)
     model, tokenizer, meta = load_model(args.source, tag, args.step)
@@ -133,8 +133,8 @@ def build_draft(args, model):
     """The --draft-model checkpoint ([SOURCE:]TAG, SOURCE defaulting to -i), quantized like the model; or None."""
     if not args.draft_model:
         return None
-    from flaxchat.checkpoint import load_named_model
-    from flaxchat.quantize import quantize_for_generation
+    from flaxchat.train.checkpoint import load_named_model
+    from flaxchat.model.quantize import quantize_for_generation
 
     draft = load_named_model(args.draft_model, args.source, "--draft-model")
     if draft.config.vocab_size != model.config.vocab_size:
@@ -204,8 +204,8 @@ def main(argv=None) -> int:
 
     from flaxchat.common import enable_compilation_cache, get_base_dir
 
-    from flaxchat.scheduler import Scheduler, SpeculativeScheduler, auto_slots
-    from flaxchat.serve import BackgroundServer, ServeConfig, create_app, uvicorn_config
+    from flaxchat.generate.scheduler import Scheduler, SpeculativeScheduler, auto_slots
+    from flaxchat.serve.app import BackgroundServer, ServeConfig, create_app, uvicorn_config
 
     try:
         model, tokenizer, name = build_model(args)

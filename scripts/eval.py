@@ -31,10 +31,12 @@ import time
 
 import jax
 
-from flaxchat import chat_eval, core_eval
-from flaxchat.checkpoint import find_model_tag, load_model
+from flaxchat.eval import chat as chat_eval
+
+from flaxchat.eval import core as core_eval
+from flaxchat.train.checkpoint import find_model_tag, load_model
 from flaxchat.common import compute_dtype, get_base_dir, is_main_process, is_out_of_memory, parse_args, print0
-from flaxchat.quantize import add_quantize_flag, quantize_for_generation
+from flaxchat.model.quantize import add_quantize_flag, quantize_for_generation
 from tasks import offline
 
 CHAT_NAMES = {"mmlu": "MMLU", "arc-easy": "ARC-Easy", "arc-challenge": "ARC-Challenge", "gsm8k": "GSM8K",
@@ -98,9 +100,9 @@ def parse_tasks(spec: str) -> list[str]:
 
 
 def eval_bpb(model, tokenizer, args, mesh) -> dict:
-    from flaxchat.dataloader import make_val_loader
-    from flaxchat.loss_eval import evaluate_bpb
-    from flaxchat.tokenizer import get_token_bytes
+    from flaxchat.data.dataloader import make_val_loader
+    from flaxchat.eval.bpb import evaluate_bpb
+    from flaxchat.data.tokenizer import get_token_bytes
 
     t0 = time.perf_counter()
     seq_len = model.config.sequence_len
@@ -134,7 +136,7 @@ def eval_core(model, tokenizer, args, mesh) -> tuple[dict, dict]:
 def make_engine(model, tokenizer, task, max_problems: int, max_new_tokens: int):
     """An Engine whose KV cache holds the longest prompt plus max_new_tokens: nanochat's engine never cuts a
     prompt (its cache grows as needed), so neither does this one. Calculator only, as nanochat's tool."""
-    from flaxchat.engine import Engine
+    from flaxchat.generate.engine import Engine
 
     longest = max(len(tokenizer.render_for_completion(task[i])) for i in range(max_problems))
     capacity = max(model.config.sequence_len, -(-(longest + max_new_tokens) // 256) * 256)
@@ -208,7 +210,7 @@ def summary_lines(core: dict | None, rows: dict) -> list[str]:
 def write_outputs(args, meta: dict, model_tag: str, rows: dict, failures: dict, core: dict | None,
                   out_of_memory: dict | None = None) -> tuple[str, str]:
     """<base_dir>/eval/<phase>_<tag>_<step>.json, and the run report's "<phase>-eval" section."""
-    from flaxchat.report import Report
+    from flaxchat.eval.report import Report
 
     step = meta.get("step", 0)
     json_path = os.path.join(get_base_dir(), "eval", f"{args.model}_{model_tag}_{step}.json")

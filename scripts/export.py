@@ -3,13 +3,13 @@
     python -m scripts.export -i sft --format safetensors --out exports/d4-sft          # any framework
     python -m scripts.export -i base --model-tag d20 --format nanochat --out ~/.cache/nanochat/base_checkpoints/d20
     python -m scripts.export -i sft --format litert --litert-quantize int8 --out exports/d4-litert   # needs flaxchat[export]
-    python -m flaxchat.litert_chat exports/d4-litert -p "Tell me a story"                  # run it, no JAX needed
+    python -m flaxchat.export.litert_chat exports/d4-litert -p "Tell me a story"                  # run it, no JAX needed
 
 The nanochat format writes `model_<step>.pt` + `meta_<step>.json` (and, with --with-tokenizer, `tokenizer.pkl` +
 `token_bytes.pt` into --tokenizer-out) so nanochat's scripts can load flaxchat models; it needs `flaxchat[torch]`.
 
 The litert format writes `model.tflite` (signatures `prefill` and `decode`, the KV cache as explicit inputs and
-outputs; see flaxchat/litert.py), `tokenizer/` and `litert_config.json` (shapes, special-token ids). It converts
+outputs; see flaxchat/export/litert.py), `tokenizer/` and `litert_config.json` (shapes, special-token ids). It converts
 through jax2tf -> SavedModel -> the TFLite converter, so it needs `pip install -e ".[export]"` (TensorFlow).
 """
 
@@ -20,16 +20,16 @@ import sys
 
 import jax.numpy as jnp
 
-from flaxchat.checkpoint import load_model
+from flaxchat.train.checkpoint import load_model
 from flaxchat.common import quiet_library_logs, get_base_dir, parse_args, print0
-from flaxchat.interop import save_nanochat_checkpoint, save_nanochat_tokenizer, save_safetensors
-from flaxchat.litert import QUANTIZE, LiteRTExportError, export_litert
+from flaxchat.export.nanochat import save_nanochat_checkpoint, save_nanochat_tokenizer, save_safetensors
+from flaxchat.export.litert import QUANTIZE, LiteRTExportError, export_litert
 
 
 def build_parser():
     p = argparse.ArgumentParser(description="Export a flaxchat checkpoint to safetensors, nanochat format or LiteRT "
                                 "(model.tflite with prefill + KV-cache decode signatures; run it with "
-                                "`python -m flaxchat.litert_chat OUT`).")
+                                "`python -m flaxchat.export.litert_chat OUT`).")
     p.add_argument("-i", "--source", choices=["base", "sft", "rl"], default="sft", help="which training phase")
     p.add_argument("--model-tag", type=str, default=None, help="model tag (default: the largest model of the phase)")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")

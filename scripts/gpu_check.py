@@ -184,7 +184,7 @@ def pseudo_text(n_words, n_types, seed=0):
 
 
 def cmd_tokenizer(args):
-    from flaxchat.tokenizer import Tokenizer, get_tokenizer
+    from flaxchat.data.tokenizer import Tokenizer, get_tokenizer
 
     target = os.path.join(args.base_dir, "tokenizer")
     try:
@@ -339,7 +339,7 @@ def generate_row(r) -> list[str]:
 def profile_lines(steps) -> list[str]:
     """`--profile`: per training shape, each program's step time by kind of op, its slowest ops, then flaxchat's
     lines by the time of their ops."""
-    from flaxchat.trace import KINDS
+    from flaxchat.perf.trace import KINDS
 
     lines = []
     for s in steps:
@@ -374,7 +374,7 @@ def profile_lines(steps) -> list[str]:
                       + ", ".join(f"{k} {ms:.2f}" for k, ms in t["kinds"].items()) for t in ours["by_source"]]
     if lines:
         lines = ["", "## Where the time goes", "", "`--profile`: a few timed steps under the profilers (jax.profiler, "
-                 "and torch.profiler for nanochat), self time of every op by kind (`flaxchat.trace`); on a GPU "
+                 "and torch.profiler for nanochat), self time of every op by kind (`flaxchat.perf.trace`); on a GPU "
                  "device time, on a CPU each op's time on the thread that ran it. Traces in profile/."] + lines
     return lines
 

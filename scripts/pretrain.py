@@ -11,7 +11,7 @@ Many devices / hosts (same script; the mesh spans every device of every process)
 Resume a run from its latest checkpoint (exactly: model, optimizer, data position, loop state):
     python -m scripts.pretrain --depth 4 ... --resume
 
-Data: parquet shards under $FLAXCHAT_BASE_DIR/base_data (python -m flaxchat.dataset --help).
+Data: parquet shards under $FLAXCHAT_BASE_DIR/base_data (python -m flaxchat.data.dataset --help).
 Tokenizer: $FLAXCHAT_BASE_DIR/tokenizer (python -m scripts.tok_train).
 Outputs: $FLAXCHAT_BASE_DIR/base_checkpoints/d<depth>/ with checkpoints, metrics.jsonl and training.png.
 """
@@ -30,19 +30,19 @@ import numpy as np
 from flax import nnx
 
 from flaxchat import sharding
-from flaxchat.checkpoint import Checkpointer, checkpoint_dir, git_commit
+from flaxchat.train.checkpoint import Checkpointer, checkpoint_dir, git_commit
 from flaxchat.common import (HUGE_PAGES_TUNABLE, StepProfiler, compute_dtype, cpu_bf16_instructions, huge_pages_active,
                              is_main_process, parse_args, peak_flops_per_device, print0, progress_bar,
                              quiet_library_logs)
-from flaxchat.config import GPTConfig, add_model_flags, config_from_flags, derive_training
-from flaxchat.dataloader import make_loader, make_val_loader
-from flaxchat.gpt import GPT, add_kernel_flags
-from flaxchat.loss_eval import evaluate_bpb
-from flaxchat.optim import Schedule, build_optimizer, optimizer_stats, skip_report
-from flaxchat.report import Report, metrics_logger, plot_training, read_jsonl
-from flaxchat.tokenizer import get_token_bytes, get_tokenizer
-from flaxchat.trace import format_summary
-from flaxchat.training import FlatStep, InFlight, add_in_flight_flag, in_flight_depth, profile_summary, sub_batch_note
+from flaxchat.model.config import GPTConfig, add_model_flags, config_from_flags, derive_training
+from flaxchat.data.dataloader import make_loader, make_val_loader
+from flaxchat.model.gpt import GPT, add_kernel_flags
+from flaxchat.eval.bpb import evaluate_bpb
+from flaxchat.train.optim import Schedule, build_optimizer, optimizer_stats, skip_report
+from flaxchat.eval.report import Report, metrics_logger, plot_training, read_jsonl
+from flaxchat.data.tokenizer import get_token_bytes, get_tokenizer
+from flaxchat.perf.trace import format_summary
+from flaxchat.train.step import FlatStep, InFlight, add_in_flight_flag, in_flight_depth, profile_summary, sub_batch_note
 
 SAMPLE_PROMPTS = [
     "The capital of France is",
@@ -249,7 +249,7 @@ def main(argv=None):
             val_loader.close()
 
     def sample():
-        from flaxchat.engine import generate, stop_tokens
+        from flaxchat.generate.engine import generate, stop_tokens
 
         prompts = [tokenizer.encode(prompt, prepend="<|bos|>") for prompt in SAMPLE_PROMPTS]
         stops = stop_tokens(tokenizer)
@@ -323,7 +323,7 @@ def main(argv=None):
                 bar.write(f"step {step:05d} | val bpb {loop['val_bpb']:.4f}")
             log({"step": step, "val_bpb": loop["val_bpb"]})
         if do_core:
-            from flaxchat.core_eval import evaluate_core
+            from flaxchat.eval.core import evaluate_core
 
             core = evaluate_core(model, tokenizer, max_per_task=args.core_metric_max_per_task)
             log({"step": step, "core_metric": core["core_metric"]})

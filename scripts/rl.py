@@ -31,11 +31,11 @@ import numpy as np
 from flax import nnx
 
 from flaxchat import sharding
-from flaxchat.chat_eval import sample_problems
-from flaxchat.checkpoint import Checkpointer, checkpoint_dir, find_model_tag, git_commit, load_model
+from flaxchat.eval.chat import sample_problems
+from flaxchat.train.checkpoint import Checkpointer, checkpoint_dir, find_model_tag, git_commit, load_model
 from flaxchat.common import compute_dtype, is_main_process, parse_args, print0, progress_bar
-from flaxchat.optim import build_optimizer
-from flaxchat.report import metrics_logger, plot_panels, read_jsonl
+from flaxchat.train.optim import build_optimizer
+from flaxchat.eval.report import metrics_logger, plot_panels, read_jsonl
 
 SEQ_BUCKET = 32  # rollout batches are padded to a multiple of this many tokens: a few shapes, a few compiles
 
@@ -229,7 +229,7 @@ CPU_SAMPLE_ROWS = 16  # auto --sample-rows on a CPU. There a decode step's time 
 def rollout_rows(model, args) -> int:
     """Rollouts sampled at once: --sample-rows, or (auto) every rollout of a step when their KV cache fits in a
     quarter of the free memory, else the largest power of two that does; on a CPU at most CPU_SAMPLE_ROWS."""
-    from flaxchat.scheduler import auto_slots
+    from flaxchat.generate.scheduler import auto_slots
 
     total = args.examples_per_step * args.num_samples
     most = 1 << (total - 1).bit_length()
@@ -298,7 +298,7 @@ def main(argv=None):
         train_task, eval_task, which = build_tasks(args)
     except (FileNotFoundError, ValueError) as e:
         sys.exit(f"error: {e}")
-    from flaxchat.engine import Engine
+    from flaxchat.generate.engine import Engine
 
     engine = Engine(model, tokenizer, compact=jax.default_backend() == "cpu")  # a long job: packing earns its compiles
     rows = rollout_rows(model, args)

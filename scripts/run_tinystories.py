@@ -98,7 +98,7 @@ class Demo:
         flags = ["--source", source, "--num-shards", self.size["num_shards"], "--overwrite"]
         if source == "synthetic-stories":
             flags += ["--docs-per-shard", self.size["docs_per_shard"]]
-        self.run("data", "flaxchat.dataset", *flags)
+        self.run("data", "flaxchat.data.dataset", *flags)
 
     def tokenizer(self):
         if self.done("tokenizer", self.path("tokenizer", "tokenizer.json")):
@@ -115,7 +115,7 @@ class Demo:
                  "--warmup-steps", 10, "--eval-every", max(s["pretrain_iterations"] // 3, 1), "--eval-tokens", 65536,
                  "--sample-every", -1, "--save-every", max(s["pretrain_iterations"] // 3, 1), "--model-tag", self.tag,
                  "--no-hparam-scaling"]  # small batches: nanochat's sqrt(B) LR rule would stall a run this short
-        from flaxchat.checkpoint import Checkpointer
+        from flaxchat.train.checkpoint import Checkpointer
 
         ckpt_dir = self.path("base_checkpoints", self.tag)
         if not self.args.fresh and os.path.isdir(ckpt_dir) and Checkpointer(ckpt_dir, async_save=False).latest_step():
@@ -134,8 +134,8 @@ class Demo:
                  "--reply-check", 16)
 
     def samples(self, phase, prompts, chat):
-        from flaxchat.checkpoint import load_model
-        from flaxchat.engine import Engine
+        from flaxchat.train.checkpoint import load_model
+        from flaxchat.generate.engine import Engine
 
         os.environ["FLAXCHAT_BASE_DIR"] = self.args.base_dir
         t0 = time.perf_counter()
@@ -169,7 +169,7 @@ def main(argv=None):
     demo.samples("sft", CHAT_PROMPTS, chat=True)
     total = time.perf_counter() - t0
 
-    from flaxchat.report import Report
+    from flaxchat.eval.report import Report
 
     report = Report(args.base_dir)
     report.log("demo", {"mode": "quick" if args.quick else "full", "total minutes": total / 60,

@@ -41,18 +41,18 @@ import jax.numpy as jnp
 from flax import nnx
 
 from flaxchat import sharding
-from flaxchat.chat_data import make_sft_loader
-from flaxchat.checkpoint import Checkpointer, checkpoint_dir, find_model_tag, git_commit
+from flaxchat.data.chat_data import make_sft_loader
+from flaxchat.train.checkpoint import Checkpointer, checkpoint_dir, find_model_tag, git_commit
 from flaxchat.common import agree_max, compute_dtype, is_main_process, parse_args, peak_flops_per_device, print0, progress_bar
-from flaxchat.config import GPTConfig
-from flaxchat.gpt import GPT, add_kernel_flags
-from flaxchat.lora import (DEFAULT_TARGETS, LoraConfig, adapter_modules, apply_lora, build_lora_optimizer, count_params,
+from flaxchat.model.config import GPTConfig
+from flaxchat.model.gpt import GPT, add_kernel_flags
+from flaxchat.model.lora import (DEFAULT_TARGETS, LoraConfig, adapter_modules, apply_lora, build_lora_optimizer, count_params,
                            merge_checkpoint, merge_lora)
-from flaxchat.loss_eval import evaluate_bpb
-from flaxchat.optim import Schedule, build_optimizer
-from flaxchat.report import metrics_logger, plot_training, read_jsonl
-from flaxchat.tokenizer import get_token_bytes, get_tokenizer
-from flaxchat.training import FlatStep, InFlight, add_in_flight_flag, in_flight_depth, sub_batch_note
+from flaxchat.eval.bpb import evaluate_bpb
+from flaxchat.train.optim import Schedule, build_optimizer
+from flaxchat.eval.report import metrics_logger, plot_training, read_jsonl
+from flaxchat.data.tokenizer import get_token_bytes, get_tokenizer
+from flaxchat.train.step import FlatStep, InFlight, add_in_flight_flag, in_flight_depth, sub_batch_note
 
 # flag -> (fallback, where the base checkpoint keeps it): None means "inherit from the base model"
 INHERITED = {
@@ -390,7 +390,7 @@ def reply_end_rate(model, tokenizer, conversations, max_tokens: int, seed: int =
     counts as a reply that ended. The calculator tool runs as in chat. Conversation i samples with seed + i,
     `rows` conversations a batch.
     """
-    from flaxchat.engine import Engine
+    from flaxchat.generate.engine import Engine
 
     engine = Engine(model, tokenizer)
     end = tokenizer.encode_special("<|assistant_end|>")
@@ -414,9 +414,9 @@ def reply_end_rate(model, tokenizer, conversations, max_tokens: int, seed: int =
 
 
 def run_chatcore(model, tokenizer, args, source: str) -> dict:
-    """ChatCORE over --chatcore-tasks (flaxchat.chat_eval); {"chatcore", "chatcore_tasks", per-task accuracy}."""
-    from flaxchat import chat_eval
-    from flaxchat.engine import Engine
+    """ChatCORE over --chatcore-tasks (flaxchat.eval.chat); {"chatcore", "chatcore_tasks", per-task accuracy}."""
+    from flaxchat.eval import chat as chat_eval
+    from flaxchat.generate.engine import Engine
 
     engine = Engine(model, tokenizer)
     accuracies = {}

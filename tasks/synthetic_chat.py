@@ -11,7 +11,7 @@ ArithmeticProblems(split="train") and measures pass@k on the held-out Arithmetic
 
 Every example is a pure function of (seed, split, index). Train and val are disjoint by construction: an
 example's user text hashes (crc32, stable across processes) to one split, and an example is redrawn from
-its own random stream until it lands in the split asked for. Stories come from flaxchat.stories' own split,
+its own random stream until it lands in the split asked for. Stories come from flaxchat.data.stories' own split,
 whose val stories never equal a train story.
 """
 
@@ -23,9 +23,9 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from flaxchat import story_words as W
-from flaxchat.execution import use_calculator
-from flaxchat.stories import generate_story, split_index
+from flaxchat.data import story_words as W
+from flaxchat.generate.sandbox import use_calculator
+from flaxchat.data.stories import generate_story, split_index
 from tasks.common import Task, completion_text
 from tasks.gsm8k import extract_answer
 
@@ -499,9 +499,9 @@ def story_request(rng: random.Random, facts: dict) -> str:
 
 
 class StoryRequests(Task):
-    """A request for a story, answered with a story from flaxchat.stories that fits it.
+    """A request for a story, answered with a story from flaxchat.data.stories that fits it.
 
-    Train examples use train stories and val examples val stories (flaxchat.stories keeps those apart);
+    Train examples use train stories and val examples val stories (flaxchat.data.stories keeps those apart);
     stories longer than max_words are skipped so the reply fits a small model's context whole.
     """
 

@@ -156,9 +156,9 @@ def tiny_corpus(tmp_path_factory):
 
     Built once per session; tests link to it through `tiny_base_dir` and never write into it.
     """
-    from flaxchat.dataset import write_shards
-    from flaxchat.stories import generate_stories
-    from flaxchat.tokenizer import Tokenizer
+    from flaxchat.data.dataset import write_shards
+    from flaxchat.data.stories import generate_stories
+    from flaxchat.data.tokenizer import Tokenizer
 
     root = tmp_path_factory.mktemp("corpus")
     train = generate_stories(600, split="train", seed=0)
@@ -181,7 +181,7 @@ def tiny_base_dir(tiny_corpus, tmp_path, monkeypatch):
     return base
 
 
-# A stand-in for a nanochat checkout (tests run offline): nanochat/gpt.py with the interface flaxchat.nanochat_bench
+# A stand-in for a nanochat checkout (tests run offline): nanochat/gpt.py with the interface flaxchat.perf.nanochat_bench
 # uses (GPTConfig, GPT built on the meta device, init_weights, setup_optimizer, forward(idx, targets) -> loss,
 # COMPUTE_DTYPE), a one-layer model, and a note of the environment it ran in.
 STAND_IN = '''

@@ -1,4 +1,4 @@
-"""The attention kernels (flaxchat.attention): dispatch, and every kernel against a plain reference."""
+"""The attention kernels (flaxchat.model.attention): dispatch, and every kernel against a plain reference."""
 
 import jax
 import jax.numpy as jnp
@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from flaxchat import attention as attn
+from flaxchat.model import attention as attn
 from flaxchat import sharding
-from flaxchat.attention import attention, resolve_attention
-from flaxchat.config import GPTConfig
-from flaxchat.gpt import GPT
+from flaxchat.model.attention import attention, resolve_attention
+from flaxchat.model.config import GPTConfig
+from flaxchat.model.gpt import GPT
 
 TINY = GPTConfig(sequence_len=64, vocab_size=300, n_layer=2, n_head=2, n_kv_head=2, n_embd=64)
 
@@ -104,7 +104,7 @@ def test_bf16_chunked_attention_multiplies_bf16_into_fp32():
     kernels); the key and value gradients contract the query axis as two axes (common.split_in_two)."""
     if jax.default_backend() != "cpu":
         pytest.skip("the bf16 path is the CPU's")
-    from flaxchat.hlo import dot_types
+    from flaxchat.perf.hlo import dot_types
 
     q, k, v = (x.astype(jnp.bfloat16) for x in qkv_example(B=2, T=128, Hkv=4))
     f = jax.jit(jax.grad(lambda q, k, v: jnp.sum(attention(q, k, v, 40, "chunked").astype(jnp.float32) ** 2),

@@ -95,10 +95,10 @@ def test_in_flight_times_every_step_with_the_next_dispatched_first(capsys):
 def test_generate_times_speculative_sampling_between_checkpoints(capsys, tiny_base_dir):
     from flax import nnx
 
-    from flaxchat.checkpoint import Checkpointer, checkpoint_dir
-    from flaxchat.config import GPTConfig
-    from flaxchat.gpt import GPT
-    from flaxchat.tokenizer import get_tokenizer
+    from flaxchat.train.checkpoint import Checkpointer, checkpoint_dir
+    from flaxchat.model.config import GPTConfig
+    from flaxchat.model.gpt import GPT
+    from flaxchat.data.tokenizer import get_tokenizer
 
     vocab = get_tokenizer().get_vocab_size()
     for tag, layers in (("d2", 2), ("d1", 1)):
@@ -140,7 +140,7 @@ def test_nanochat_is_timed_before_us_each_round_on_the_same_shape(capsys, monkey
     assert ours["steps"] == 2 and ours["device"] == "cpu" and ours["trace"].startswith(str(tmp_path / "prof"))
     assert ours["by_kind"]["matmul"]["ms"] > 0 and ours["op_ms_per_step"] > 0
     assert "other" not in {t["kind"] for t in ours["top"]}  # every op of the step has its kind from the program
-    modules = ("flaxchat/gpt.py:", "flaxchat/fused_loss.py:", "flaxchat/attention.py:", "flaxchat/optim.py:")
+    modules = ("flaxchat/model/gpt.py:", "flaxchat/model/loss.py:", "flaxchat/model/attention.py:", "flaxchat/train/optim.py:")
     assert any(t.get("source", "").startswith(modules) for t in ours["top"])  # and its source line
     assert theirs["steps"] == 2 and theirs["by_kind"]["matmul"]["ms"] > 0  # the stand-in's lm_head
     assert any(t["op"].startswith("aten::") for t in theirs["top"])
@@ -216,7 +216,7 @@ def test_nanochat_on_a_gpu_needs_one(nanochat_checkout):
 
     if torch.cuda.is_available():
         pytest.skip("this PyTorch sees a CUDA GPU")
-    r = subprocess.run([sys.executable, "-m", "flaxchat.nanochat_bench", "--dir", str(nanochat_checkout), "--config",
+    r = subprocess.run([sys.executable, "-m", "flaxchat.perf.nanochat_bench", "--dir", str(nanochat_checkout), "--config",
                         json.dumps({"sequence_len": 8, "vocab_size": 16}), "--batch-size", "1", "--device", "cuda"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and r.stdout == ""
@@ -232,7 +232,7 @@ def test_run_times_a_real_pretrain_run_beside_nanochats_base_train(capsys, monke
                                                                   nanochat_checkout, xla_flags):
     """--what run: nanochat's base_train (the stand-in) first, on our tokenizer and shards in its own base dir, with
     the same flags; then scripts.pretrain for real; each run's median step after the first and --warmup more."""
-    from flaxchat.tokenizer import get_tokenizer
+    from flaxchat.data.tokenizer import get_tokenizer
 
     monkeypatch.setenv("XLA_FLAGS", xla_flags(1))  # one device, as nanochat's base_train runs in one process
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.hugetlb=1")
@@ -309,10 +309,10 @@ def test_product_census_counts_every_product_the_compiled_step_runs():
     from flax import nnx
 
     from flaxchat import sharding
-    from flaxchat.gpt import GPT, GPTConfig
-    from flaxchat.hlo import program_stats
-    from flaxchat.optim import build_optimizer
-    from flaxchat.training import train_step
+    from flaxchat.model.gpt import GPT, GPTConfig
+    from flaxchat.perf.hlo import program_stats
+    from flaxchat.train.optim import build_optimizer
+    from flaxchat.train.step import train_step
     from scripts.bench import format_census, product_census
 
     mesh = sharding.make_mesh(data=1, devices=jax.devices()[:1])
@@ -340,7 +340,7 @@ def test_product_census_counts_every_product_the_compiled_step_runs():
     assert sum(p["gflop"] for p in by_line) == pytest.approx(census["gflop"])
     assert sum(p["ms"] for p in by_line) == pytest.approx(1e3 * census["alone_s"])
     assert [p["ms"] for p in by_line] == sorted((p["ms"] for p in by_line), reverse=True)
-    assert any(p["source"].startswith("flaxchat/attention.py:") for p in by_line)
+    assert any(p["source"].startswith("flaxchat/model/attention.py:") for p in by_line)
     assert all(" (" not in p["source"] for p in by_line)  # one entry per line, whatever transformation made it
 
 

@@ -15,11 +15,11 @@ import pytest
 import websockets
 from flax import nnx
 
-from flaxchat.config import GPTConfig
-from flaxchat.gpt import GPT, rms_norm
-from flaxchat.scheduler import Scheduler
-from flaxchat.serve import BackgroundServer, ServeConfig, create_app
-from flaxchat.tokenizer import Tokenizer
+from flaxchat.model.config import GPTConfig
+from flaxchat.model.gpt import GPT, rms_norm
+from flaxchat.generate.scheduler import Scheduler
+from flaxchat.serve.app import BackgroundServer, ServeConfig, create_app
+from flaxchat.data.tokenizer import Tokenizer
 
 CHROMIUM = os.environ.get("FLAXCHAT_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",

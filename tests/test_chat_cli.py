@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from flaxchat.config import GPTConfig
-from flaxchat.engine import Engine
-from flaxchat.gpt import GPT, KVCache
-from flaxchat.tokenizer import Tokenizer
+from flaxchat.model.config import GPTConfig
+from flaxchat.generate.engine import Engine
+from flaxchat.model.gpt import GPT, KVCache
+from flaxchat.data.tokenizer import Tokenizer
 from scripts import chat_cli
 
 TEXT = ["Hello there! The cat sat on the mat. 2+2 is 4. Café, naïve.\n" * 20]
@@ -173,8 +173,8 @@ def compile_cache_restored():
 
 
 def test_main_loads_a_checkpoint(tok, capsys, monkeypatch, compile_cache_restored):
-    import flaxchat.engine
-    from flaxchat.checkpoint import Checkpointer, checkpoint_dir
+    import flaxchat.generate.engine
+    from flaxchat.train.checkpoint import Checkpointer, checkpoint_dir
     from flaxchat.common import get_base_dir
 
     engines = []
@@ -184,7 +184,7 @@ def test_main_loads_a_checkpoint(tok, capsys, monkeypatch, compile_cache_restore
             super().__init__(*args, **kwargs)
             engines.append(self)
 
-    monkeypatch.setattr(flaxchat.engine, "Engine", Recorded)
+    monkeypatch.setattr(flaxchat.generate.engine, "Engine", Recorded)
     assert chat_cli.main(["-i", "sft", "-p", "hi"]) == 1
     assert "no sft checkpoints" in capsys.readouterr().err  # one clear line, no traceback
     config = GPTConfig(sequence_len=64, vocab_size=tok.get_vocab_size(), n_layer=1, n_head=1, n_kv_head=1, n_embd=32)

@@ -1,4 +1,4 @@
-"""Chat-task evaluation (flaxchat/chat_eval.py): categorical by letter logits, generative via an Engine.
+"""Chat-task evaluation (flaxchat/eval/chat.py): categorical by letter logits, generative via an Engine.
 
 The categorical path runs the tiny GPT and must pick, for every question, the same letter as a forward pass
 of that prompt alone restricted to its letters. The generative path runs the real tasks (GSM8K, HumanEval,
@@ -14,9 +14,9 @@ import pytest
 from flax import nnx
 
 import tasks.common as common
-from flaxchat import chat_eval
-from flaxchat.engine import Engine
-from flaxchat.tokenizer import Tokenizer
+from flaxchat.eval import chat as chat_eval
+from flaxchat.generate.engine import Engine
+from flaxchat.data.tokenizer import Tokenizer
 from tasks import offline
 from tasks.common import Task, render_mc
 from tasks.gsm8k import GSM8K, extract_answer
@@ -31,8 +31,8 @@ def tok(tiny_corpus):
 
 @pytest.fixture(scope="module")
 def tiny_gpt(tok):
-    from flaxchat.config import GPTConfig
-    from flaxchat.gpt import GPT
+    from flaxchat.model.config import GPTConfig
+    from flaxchat.model.gpt import GPT
 
     config = GPTConfig(sequence_len=128, vocab_size=tok.get_vocab_size(), n_layer=2, n_head=2, n_kv_head=2, n_embd=64)
     model = GPT(config, rngs=nnx.Rngs(0))

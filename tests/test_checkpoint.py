@@ -11,10 +11,10 @@ import pytest
 from flax import nnx
 
 from flaxchat import sharding
-from flaxchat.checkpoint import Checkpointer, checkpoint_dir, find_model_tag, load_model
-from flaxchat.config import GPTConfig
-from flaxchat.gpt import GPT
-from flaxchat.interop import to_nanochat_state_dict
+from flaxchat.train.checkpoint import Checkpointer, checkpoint_dir, find_model_tag, load_model
+from flaxchat.model.config import GPTConfig
+from flaxchat.model.gpt import GPT
+from flaxchat.export.nanochat import to_nanochat_state_dict
 
 CFG = GPTConfig(sequence_len=32, vocab_size=128, n_layer=2, n_head=2, n_kv_head=2, n_embd=64)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -74,9 +74,9 @@ KILLER = textwrap.dedent("""
     import os, signal, sys, time
     import jax.numpy as jnp
     from flax import nnx
-    from flaxchat.checkpoint import Checkpointer
-    from flaxchat.config import GPTConfig
-    from flaxchat.gpt import GPT
+    from flaxchat.train.checkpoint import Checkpointer
+    from flaxchat.model.config import GPTConfig
+    from flaxchat.model.gpt import GPT
     cfg = GPTConfig(sequence_len=32, vocab_size=32768, n_layer=2, n_head=2, n_kv_head=2, n_embd=256)
     model = GPT(cfg, rngs=nnx.Rngs(0))
     ckpt = Checkpointer(sys.argv[1], keep=5)
@@ -115,7 +115,7 @@ def test_load_model_and_errors(tmp_path, tiny_base_dir):
         find_model_tag("base")
     with pytest.raises(ValueError, match="phase"):
         checkpoint_dir("nope", "d2")
-    from flaxchat.tokenizer import get_tokenizer
+    from flaxchat.data.tokenizer import get_tokenizer
 
     cfg = GPTConfig(sequence_len=32, vocab_size=get_tokenizer().get_vocab_size(), n_layer=2, n_head=2, n_kv_head=2, n_embd=64)
     for tag, seed in [("d2", 0), ("d10", 1)]:

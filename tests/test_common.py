@@ -194,7 +194,7 @@ def test_bf16_einsum_rounds_one_fp32_sum_and_its_gradients_multiply_bf16():
     import jax.numpy as jnp
     import numpy as np
 
-    from flaxchat.hlo import dot_types
+    from flaxchat.perf.hlo import dot_types
 
     bf, f32 = jnp.bfloat16, jnp.float32
     rng = np.random.default_rng(0)

@@ -1,6 +1,6 @@
 import pytest
 
-from flaxchat.config import GPTConfig
+from flaxchat.model.config import GPTConfig
 
 
 def nanochat_dims(depth, aspect_ratio=64, head_dim=128):

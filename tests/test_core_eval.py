@@ -1,4 +1,4 @@
-"""CORE evaluation (flaxchat/core_eval.py): prompts, spans, batched scoring, centering, bundles.
+"""CORE evaluation (flaxchat/eval/core.py): prompts, spans, batched scoring, centering, bundles.
 
 A "teacher" mock model knows the right answer of each hand-made example (it predicts the next token of a
 known token sequence while a row follows it, uniform elsewhere), so each task type must score it correct,
@@ -25,8 +25,8 @@ import pytest
 import yaml
 from flax import nnx
 
-from flaxchat import core_eval as ce
-from flaxchat.tokenizer import Tokenizer
+from flaxchat.eval import core as ce
+from flaxchat.data.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -209,8 +209,8 @@ def test_centering_math():
 
 @pytest.fixture(scope="module")
 def tiny_gpt(tok):
-    from flaxchat.config import GPTConfig
-    from flaxchat.gpt import GPT
+    from flaxchat.model.config import GPTConfig
+    from flaxchat.model.gpt import GPT
 
     config = GPTConfig(sequence_len=64, vocab_size=tok.get_vocab_size(), n_layer=2, n_head=2, n_kv_head=2, n_embd=64,
                        window_pattern="L")

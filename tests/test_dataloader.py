@@ -8,10 +8,10 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from flaxchat.dataloader import (BestFitPacker, make_loader, make_val_loader, measure_throughput, numpy_loader,
+from flaxchat.data.dataloader import (BestFitPacker, make_loader, make_val_loader, measure_throughput, numpy_loader,
                                  pack_documents, reader_for_rows, reader_shard, batch_sharding)
-from flaxchat.dataset import iter_documents, list_parquet_files, split_files, write_shards
-from flaxchat.tokenizer import Tokenizer
+from flaxchat.data.dataset import iter_documents, list_parquet_files, split_files, write_shards
+from flaxchat.data.tokenizer import Tokenizer
 
 BOS = 256
 SMALL = dict(buffer_size=48, tokenizer_batch_size=16)  # small buffers keep the tests fast
@@ -82,7 +82,7 @@ def reference_best_fit(chunks, B, T, buffer_size, max_batches=None):
 
 def nanochat_chunks(files, tokenize, tokenizer_batch_size, rank=0, world=1):
     """nanochat's document batches, forever: each file in turn, row groups rank, rank + world, ..., each row
-    group cut into tokenizer batches (read with pyarrow directly, not through flaxchat.dataset)."""
+    group cut into tokenizer batches (read with pyarrow directly, not through flaxchat.data.dataset)."""
     while True:
         for path in files:
             pf = pq.ParquetFile(path)
@@ -369,7 +369,7 @@ def test_batch_must_split_over_the_mesh(data_dir):
 
 
 def test_missing_data_names_the_command(tmp_path):
-    with pytest.raises(FileNotFoundError, match="python -m flaxchat.dataset"):
+    with pytest.raises(FileNotFoundError, match="python -m flaxchat.data.dataset"):
         make_loader(ByteTokenizer(), 2, 16, data_dir=str(tmp_path))
 
 

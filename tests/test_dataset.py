@@ -10,8 +10,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from flaxchat import dataset
-from flaxchat.dataset import (ParquetDocuments, download, iter_documents, list_parquet_files, main, split_files,
+from flaxchat.data import dataset
+from flaxchat.data.dataset import (ParquetDocuments, download, iter_documents, list_parquet_files, main, split_files,
                               text_documents, write_shards)
 
 DOCS = [f"doc{i}: " + "word " * (i % 37) for i in range(500)]
@@ -96,7 +96,7 @@ def test_textless_parquet_error_names_the_file(data_dir):
 
 
 def test_missing_data_says_which_command_gets_it(tmp_path):
-    with pytest.raises(FileNotFoundError, match="python -m flaxchat.dataset --source"):
+    with pytest.raises(FileNotFoundError, match="python -m flaxchat.data.dataset --source"):
         list(iter_documents(data_dir=str(tmp_path / "nothing")))
     with pytest.raises(ValueError, match="split must be"):
         list(iter_documents(split="test", data_dir=str(tmp_path)))
@@ -189,7 +189,7 @@ def test_tinystories_converts_the_hub_dataset(tmp_path, monkeypatch):
 
 
 # -----------------------------------------------------------------------------
-# Synthetic stories (flaxchat/stories.py)
+# Synthetic stories (flaxchat/data/stories.py)
 
 
 def test_synthetic_source_is_deterministic_and_splits_disjoint():

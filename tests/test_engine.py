@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from flaxchat import engine as E
-from flaxchat import speculative as S
-from flaxchat.config import GPTConfig
-from flaxchat.gpt import GPT, KVCache
-from flaxchat.tokenizer import Tokenizer
+from flaxchat.generate import engine as E
+from flaxchat.generate import speculative as S
+from flaxchat.model.config import GPTConfig
+from flaxchat.model.gpt import GPT, KVCache
+from flaxchat.data.tokenizer import Tokenizer
 
 TEXT = ["The cat sat on the mat. 2+2 is 4 and 6*7 is 42. print(6*7) gives 42.\n" * 20]
 

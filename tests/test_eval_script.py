@@ -12,11 +12,11 @@ import pytest
 from flax import nnx
 
 import tasks.common as common
-from flaxchat import core_eval
-from flaxchat.checkpoint import Checkpointer, checkpoint_dir
-from flaxchat.config import GPTConfig
-from flaxchat.gpt import GPT
-from flaxchat.tokenizer import get_tokenizer
+from flaxchat.eval import core as core_eval
+from flaxchat.train.checkpoint import Checkpointer, checkpoint_dir
+from flaxchat.model.config import GPTConfig
+from flaxchat.model.gpt import GPT
+from flaxchat.data.tokenizer import get_tokenizer
 from scripts import eval as eval_script
 from tasks import offline
 from tasks.spellingbee import load_words
@@ -185,7 +185,7 @@ def test_missing_checkpoint_is_a_clear_error(tiny_base_dir, capsys):
 
 
 def test_engine_capacity_fits_the_longest_prompt(eval_base):
-    from flaxchat.checkpoint import load_model
+    from flaxchat.train.checkpoint import load_model
 
     model, tokenizer, _ = load_model("base")
     task = eval_script.chat_eval.make_task("GSM8K", "offline")

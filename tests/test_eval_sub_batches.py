@@ -12,10 +12,18 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from flaxchat import chat_eval, core_eval, loss_eval, sharding, training
-from flaxchat.config import GPTConfig
-from flaxchat.gpt import GPT
-from flaxchat.hlo import jaxpr_equations
+from flaxchat import sharding
+
+from flaxchat.eval import chat as chat_eval
+
+from flaxchat.eval import core as core_eval
+
+from flaxchat.eval import bpb as loss_eval
+
+from flaxchat.train import step as training
+from flaxchat.model.config import GPTConfig
+from flaxchat.model.gpt import GPT
+from flaxchat.perf.hlo import jaxpr_equations
 
 VOCAB, T = 128, 32
 

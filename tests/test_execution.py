@@ -1,4 +1,4 @@
-"""The sandbox (flaxchat.execution.execute_code) and the calculator tool (use_calculator).
+"""The sandbox (flaxchat.generate.sandbox.execute_code) and the calculator tool (use_calculator).
 
 Every dangerous program here runs only inside the sandbox, and each must be stopped within its limit.
 """
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from flaxchat.execution import ExecutionResult, execute_code, use_calculator
+from flaxchat.generate.sandbox import ExecutionResult, execute_code, use_calculator
 
 
 def test_runs_code_and_captures_output():

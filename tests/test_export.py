@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from flaxchat.checkpoint import Checkpointer, checkpoint_dir
-from flaxchat.config import GPTConfig
-from flaxchat.gpt import GPT
-from flaxchat.interop import load_nanochat_checkpoint, load_safetensors, to_nanochat_state_dict
-from flaxchat.tokenizer import get_tokenizer
+from flaxchat.train.checkpoint import Checkpointer, checkpoint_dir
+from flaxchat.model.config import GPTConfig
+from flaxchat.model.gpt import GPT
+from flaxchat.export.nanochat import load_nanochat_checkpoint, load_safetensors, to_nanochat_state_dict
+from flaxchat.data.tokenizer import get_tokenizer
 from scripts.export import main
 
 
@@ -79,7 +79,7 @@ def litert_checkpoint(tiny_corpus, tmp_path_factory):
     _needs_litert()
     import jax
 
-    from flaxchat.tokenizer import Tokenizer
+    from flaxchat.data.tokenizer import Tokenizer
 
     base = tmp_path_factory.mktemp("litert") / "base"
     base.mkdir()
@@ -118,8 +118,8 @@ def litert_exports(litert_checkpoint):
 def test_litert_greedy_and_logits_match_the_model(litert_exports):
     import jax.numpy as jnp
 
-    from flaxchat.engine import generate as engine_generate
-    from flaxchat.litert_chat import LiteRTModel, generate
+    from flaxchat.generate.engine import generate as engine_generate
+    from flaxchat.export.litert_chat import LiteRTModel, generate
 
     model, tokenizer, dirs = litert_exports
     prompt = tokenizer.encode(LITERT_PROMPT, prepend="<|bos|>")
@@ -142,12 +142,12 @@ def test_litert_greedy_and_logits_match_the_model(litert_exports):
 
 
 def test_litert_quantized_exports_are_smaller_and_close(litert_checkpoint, litert_exports, tmp_path):
-    from flaxchat.litert_chat import LiteRTModel
+    from flaxchat.export.litert_chat import LiteRTModel
 
     _, tokenizer, base = litert_checkpoint
     dirs = {"none": litert_exports[2]["none"], **{q: _litert_export(base, q, tmp_path / q) for q in ("fp16", "int8")}}
     size = {q: os.path.getsize(d / "model.tflite") for q, d in dirs.items()}
-    # int8 (dynamic range) covers the matmul weights only: the embedding tables stay float32 (see flaxchat.litert)
+    # int8 (dynamic range) covers the matmul weights only: the embedding tables stay float32 (see flaxchat.export.litert)
     assert size["fp16"] < 0.6 * size["none"] and size["int8"] < 0.75 * size["none"], size
     prompt = tokenizer.encode(LITERT_PROMPT, prepend="<|bos|>")
     reference = LiteRTModel(str(dirs["none"])).feed(prompt)  # == the JAX model's (the test above)
@@ -164,13 +164,13 @@ def test_litert_runner_needs_no_jax(litert_exports):
     import subprocess
     import sys
 
-    from flaxchat.litert_chat import LiteRTModel, generate
+    from flaxchat.export.litert_chat import LiteRTModel, generate
 
     _, tokenizer, dirs = litert_exports
     code = ("import runpy, sys\n"
             "for name in ('jax', 'jaxlib', 'flax', 'tensorflow', 'orbax', 'rustbpe'): sys.modules[name] = None\n"
             f"sys.argv = ['litert_chat', {str(dirs['none'])!r}, '-p', {LITERT_PROMPT!r}, '--complete', '-m', '12']\n"
-            "runpy.run_module('flaxchat.litert_chat', run_name='__main__')\n")
+            "runpy.run_module('flaxchat.export.litert_chat', run_name='__main__')\n")
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=repo, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]

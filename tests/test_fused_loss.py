@@ -1,4 +1,4 @@
-"""The fused, chunked loss (flaxchat.fused_loss): chunk sizes, and values and gradients against autodiff."""
+"""The fused, chunked loss (flaxchat.model.loss): chunk sizes, and values and gradients against autodiff."""
 
 import re
 
@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flaxchat import fused_loss as fl
+from flaxchat.model import loss as fl
 
 
 def test_cpu_loss_chunks_are_at_most_512_rows_within_the_byte_budget():
@@ -50,8 +50,8 @@ def test_chunked_loss_gradients_equal_autodiff(monkeypatch, chunk_rows, users_co
 def test_bf16_logits_are_rounded_to_bf16_before_the_fp32_softcap_as_nanochats_head():
     """nanochat's lm_head returns bf16 logits in a bf16 run (then .float() and the soft-cap): so do the training
     loss's and the generation head's."""
-    from flaxchat.config import GPTConfig
-    from flaxchat.gpt import GPT
+    from flaxchat.model.config import GPTConfig
+    from flaxchat.model.gpt import GPT
     from flax import nnx
 
     kx, kw = jax.random.split(jax.random.key(0))

@@ -5,9 +5,9 @@ import pytest
 from flax import nnx
 
 from flaxchat import sharding
-from flaxchat.config import GPTConfig
-from flaxchat.gpt import GPT, CausalSelfAttention, init_table, rotary_cos_sin, stacked_matmul
-from flaxchat.interop import from_nanochat_state_dict, to_nanochat_state_dict
+from flaxchat.model.config import GPTConfig
+from flaxchat.model.gpt import GPT, CausalSelfAttention, init_table, rotary_cos_sin, stacked_matmul
+from flaxchat.export.nanochat import from_nanochat_state_dict, to_nanochat_state_dict
 
 TINY = GPTConfig(sequence_len=64, vocab_size=300, n_layer=2, n_head=2, n_kv_head=2, n_embd=64)
 
@@ -61,7 +61,7 @@ def test_fused_loss_and_grads_equal_naive():
 def test_cpu_matmul_gradients_equal_autodiff_without_a_transposed_copy_of_the_output_gradient(users_codegen):
     """A wide weight's gradient on a CPU is taken as (x^T dy)^T: the same gradients as autodiff's, and the
     compiled backward never holds the (out, tokens) transposed gradient that autodiff's form makes XLA write."""
-    from flaxchat.gpt import cpu_matmul
+    from flaxchat.model.gpt import cpu_matmul
 
     x = jax.random.normal(jax.random.key(0), (4, 64, 32))
     w = jax.random.normal(jax.random.key(1), (128, 32)) * 0.2
@@ -258,8 +258,8 @@ def test_remat_keeps_loss_and_gradients(remat):
 @pytest.mark.slow
 def test_bfloat16_model_stores_embeddings_in_bfloat16_and_trains():
     """As nanochat: wte and value embeddings in the compute dtype, AdamW math in fp32 with bf16 moments."""
-    from flaxchat.optim import build_optimizer
-    from flaxchat.training import train_step
+    from flaxchat.train.optim import build_optimizer
+    from flaxchat.train.step import train_step
 
     config = GPTConfig(sequence_len=32, vocab_size=300, n_layer=2, n_head=2, n_kv_head=2, n_embd=64)
     model = GPT(config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
@@ -334,7 +334,7 @@ def test_a_bfloat16_model_on_a_cpu_multiplies_bfloat16_and_keeps_activations_flo
 
 
 def test_rotary_table_constants_equal_the_traced_tables():
-    from flaxchat.gpt import rotary_table
+    from flaxchat.model.gpt import rotary_table
 
     for head_dim in (32, 64, 128):
         table = rotary_table(4096, head_dim, jnp.float32)
@@ -347,7 +347,7 @@ def test_rotary_table_constants_equal_the_traced_tables():
 def test_stacked_matmul_equals_the_layers_one_by_one():
     """Decode steps run q, k and v as one matmul over stacked weights; plain fp32 layers stack, the others run
     one by one, and either way each output is its own layer's."""
-    from flaxchat.quantize import quantize_for_generation
+    from flaxchat.model.quantize import quantize_for_generation
 
     config = GPTConfig(sequence_len=32, vocab_size=128, n_layer=1, n_head=4, n_kv_head=2, n_embd=64)
     x = jax.random.normal(jax.random.key(0), (3, 1, 64))
@@ -367,8 +367,8 @@ def test_stacked_matmul_equals_the_layers_one_by_one():
 def test_a_few_rows_are_multiplied_one_row_at_a_time_on_a_cpu():
     """Up to split_rows rows (float 2, int8 8) go through one-row products on a CPU: the same numbers as the whole
     matmul, and more rows (a prefill, a training batch) stay one matmul."""
-    from flaxchat.gpt import Linear, row_products
-    from flaxchat.quantize import quantize_for_generation
+    from flaxchat.model.gpt import Linear, row_products
+    from flaxchat.model.quantize import quantize_for_generation
 
     assert row_products() == (jax.default_backend() == "cpu")
     config = GPTConfig(sequence_len=32, vocab_size=128, n_layer=1, n_head=4, n_kv_head=2, n_embd=64)
@@ -387,7 +387,7 @@ def test_a_few_rows_are_multiplied_one_row_at_a_time_on_a_cpu():
 def test_a_bfloat16_embedding_sums_its_gradient_in_float32():
     """A token that fills a batch gets the whole sum of its gradients, rounded to bf16 once (as torch's embedding
     backward): a scatter-add into the bf16 table rounded after every add and stalled at 256."""
-    from flaxchat.gpt import Embedding
+    from flaxchat.model.gpt import Embedding
 
     table = Embedding(8, 4, init=lambda key, shape: jnp.zeros(shape), axes=("vocab", "embed"), rngs=nnx.Rngs(0),
                       dtype=jnp.bfloat16)
@@ -400,7 +400,7 @@ def test_a_bfloat16_embedding_sums_its_gradient_in_float32():
 
 @pytest.fixture(scope="module")
 def bf16_train_program(users_codegen):
-    from flaxchat.training import compile_train_step
+    from flaxchat.train.step import compile_train_step
 
     B, T, H, D = 8, 64, 2, 64
     config = GPTConfig(sequence_len=T, vocab_size=512, n_layer=2, n_head=H, n_kv_head=H, n_embd=H * D)
@@ -411,7 +411,7 @@ def bf16_train_program(users_codegen):
 def test_a_bfloat16_train_step_adds_embedding_gradients_in_float32(bf16_train_program):
     """The compiled step's scatter-adds (wte's and the value embeddings' gradients) are lone fp32 adds, which a GPU
     runs as atomic adds; an add rounded through bf16 is a compare-and-swap loop there, slow where tokens repeat."""
-    from flaxchat.hlo import scatter_combiners
+    from flaxchat.perf.hlo import scatter_combiners
 
     *_, program = bf16_train_program
     combiners = scatter_combiners(program)
@@ -424,7 +424,7 @@ def test_a_bfloat16_train_step_multiplies_bfloat16_on_a_cpu(bf16_train_program):
     gradient over the rows, a stacked Gram matrix, attention's key and value gradients over the queries) in fp32,
     at half the rate. Only the smear and value-embedding gates' tiny products stay fp32, with the fp32
     activations (common.activation_dtype)."""
-    from flaxchat.hlo import dot_types
+    from flaxchat.perf.hlo import dot_types
 
     config, B, program = bf16_train_program
     dots = dot_types(program)

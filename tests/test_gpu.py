@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from flaxchat.attention import attention
-from flaxchat.config import GPTConfig
-from flaxchat.gpt import GPT
+from flaxchat.model.attention import attention
+from flaxchat.model.config import GPTConfig
+from flaxchat.model.gpt import GPT
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -95,8 +95,8 @@ def same_weights(model, reference):
 
 def check_train_steps(fused, steps=8, B=8, seed=0):
     """Losses of `steps` optimizer steps: bf16 with `fused` attention vs float32 with XLA attention, same init."""
-    from flaxchat.optim import build_optimizer
-    from flaxchat.training import train_step
+    from flaxchat.train.optim import build_optimizer
+    from flaxchat.train.step import train_step
 
     # Two layers: at four, bf16 and fp32 part after the first step on any backend (the bf16 rounding noise in
     # x0_lambdas' gradient, exactly zero in exact arithmetic at init, becomes a full Adam step): a known issue of
@@ -343,7 +343,7 @@ def test_gpu_check_cpu_smoke(tmp_path, request):
     assert "2 accumulation steps, random tokens, new arrays every step)" in summary
     assert "| matmul | " in summary and "flaxchat's slowest ops" in summary
     assert "flaxchat's scatters (element type, combiner): " in summary
-    assert "flaxchat's lines of the program by the time of their ops" in summary and "`flaxchat/gpt.py:" in summary
+    assert "flaxchat's lines of the program by the time of their ops" in summary and "`flaxchat/model/gpt.py:" in summary
     assert ("nanochat's slowest ops" in summary) == nanochat
     assert f"{report['train'][0]['result']['tok_per_s']:,.0f}" in summary
     if nanochat:

@@ -1,4 +1,4 @@
-"""LoRA (flaxchat.lora through qwix) and your own chat JSONL (tasks.customjson) in scripts.sft.
+"""LoRA (flaxchat.model.lora through qwix) and your own chat JSONL (tasks.customjson) in scripts.sft.
 
 Invariants: a fresh adapter (B = 0) is the base model; merged weights are the adapted model; only adapters
 train; a resumed LoRA run is the uninterrupted run; the adapter checkpoint is small and loads as the merged
@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from flaxchat.config import GPTConfig
-from flaxchat.gpt import GPT
+from flaxchat.model.config import GPTConfig
+from flaxchat.model.gpt import GPT
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:qwix")  # qwix 0.1.8 reads Variable.value
 
@@ -57,7 +57,7 @@ def write_chats(path, n=30, bad_line=None):
 
 
 def test_fresh_adapters_are_the_base_and_merging_is_exact():
-    from flaxchat.lora import LoraConfig, adapter_modules, apply_lora, count_params, merge_lora, target_paths
+    from flaxchat.model.lora import LoraConfig, adapter_modules, apply_lora, count_params, merge_lora, target_paths
 
     model, x = tiny_model(), tokens()
     config = LoraConfig(rank=4, alpha=8.0)
@@ -83,8 +83,8 @@ def test_fresh_adapters_are_the_base_and_merging_is_exact():
 
 
 def test_only_the_adapters_and_the_full_parameters_train():
-    from flaxchat.lora import LoraConfig, apply_lora, build_lora_optimizer
-    from flaxchat.training import train_step
+    from flaxchat.model.lora import LoraConfig, apply_lora, build_lora_optimizer
+    from flaxchat.train.step import train_step
 
     config = LoraConfig(rank=4, alpha=8.0, full=("lm_head",))  # sft's default: the lm_head trains in full too
     lora = apply_lora(tiny_model(), config)
@@ -158,8 +158,8 @@ def test_a_malformed_line_stops_sft_before_training(tmp_path, tiny_base_dir, cap
 def lora_run(tiny_corpus, tmp_path_factory):
     """A d2 base checkpoint and a 4-step LoRA SFT run on the offline mixture + a chat JSONL (weight 2) with
     checkpoints at steps 2 and 4, in a base dir of its own. Tests copy what they change."""
-    from flaxchat.checkpoint import Checkpointer, checkpoint_dir
-    from flaxchat.tokenizer import Tokenizer
+    from flaxchat.train.checkpoint import Checkpointer, checkpoint_dir
+    from flaxchat.data.tokenizer import Tokenizer
     from scripts.sft import main
 
     root = tmp_path_factory.mktemp("lora_run")
@@ -214,7 +214,7 @@ def test_lora_resume_is_exact(lora_run, monkeypatch):
 def test_adapter_checkpoint_is_small_and_loads_merged(lora_run, monkeypatch):
     import orbax.checkpoint as ocp
 
-    from flaxchat.checkpoint import load_model
+    from flaxchat.train.checkpoint import load_model
     from scripts.sft import main
 
     root, _, result = lora_run

@@ -82,7 +82,7 @@ def test_two_processes_data_parallel_read_disjoint_data(tiny_base_dir, xla_flags
     r = rows(tiny_base_dir, "dp")
     losses = [x["loss"] for x in r if "loss" in x]
     assert len(losses) == 4 and losses[-1] < losses[0]
-    from flaxchat.checkpoint import Checkpointer
+    from flaxchat.train.checkpoint import Checkpointer
 
     ckpt = Checkpointer(str(tiny_base_dir / "base_checkpoints" / "dp"), async_save=False)
     states = ckpt.read_data_states(4)
@@ -173,10 +173,10 @@ def sft_base_dir(tiny_base_dir):
     its meta says it was pretrained on 64-token rows, which SFT inherits."""
     from flax import nnx
 
-    from flaxchat.checkpoint import Checkpointer, checkpoint_dir
-    from flaxchat.config import GPTConfig
-    from flaxchat.gpt import GPT
-    from flaxchat.tokenizer import get_tokenizer
+    from flaxchat.train.checkpoint import Checkpointer, checkpoint_dir
+    from flaxchat.model.config import GPTConfig
+    from flaxchat.model.gpt import GPT
+    from flaxchat.data.tokenizer import get_tokenizer
 
     model = GPT(GPTConfig.from_depth(2, 32, 32, 128, "L", get_tokenizer().get_vocab_size()), rngs=nnx.Rngs(0))
     ckpt = Checkpointer(checkpoint_dir("base", "d2"), async_save=False)
@@ -187,7 +187,7 @@ def sft_base_dir(tiny_base_dir):
 
 def epoch_steps(dataset, tokenizer, reader) -> int:
     """Steps until this reader's SFT loader (4 rows of 64 tokens a step, as each process has) ends its epoch."""
-    from flaxchat.chat_data import SFTLoader
+    from flaxchat.data.chat_data import SFTLoader
 
     loader, steps = SFTLoader(dataset, tokenizer, 4, 64, reader=reader), 0
     while not loader.last_step:
@@ -201,7 +201,7 @@ def test_two_process_sft_agrees_on_its_last_step(sft_base_dir, xla_flags):
     """Mesh data=8: each process reads its own conversations and, on its own, would end the epoch at a different
     step. Both stop at the first process's end (MAX of last_step, as nanochat), train with one LR schedule, save
     the same checkpoint and run the reply check together; only process 0 prints and logs."""
-    from flaxchat.tokenizer import get_tokenizer
+    from flaxchat.data.tokenizer import get_tokenizer
     from scripts.sft import build_mixtures, build_parser
 
     train, _, _ = build_mixtures(build_parser().parse_args(SFT[2:]))

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from flaxchat import optim
-from flaxchat.config import GPTConfig, derive_training
-from flaxchat.gpt import GPT
+from flaxchat.train import optim
+from flaxchat.model.config import GPTConfig, derive_training
+from flaxchat.model.gpt import GPT
 
 # -----------------------------------------------------------------------------
 # numpy references, written from nanochat's optim.py formulas
@@ -239,7 +239,7 @@ KW = dict(unembedding_lr=0.008, embedding_lr=0.3, matrix_lr=0.02, weight_decay=0
 
 
 def reference_groups(n_embd, unembedding_lr, embedding_lr, matrix_lr, weight_decay, scalar_lr):
-    """nanochat's setup_optimizer table, typed out independently of flaxchat.optim."""
+    """nanochat's setup_optimizer table, typed out independently of flaxchat.train.optim."""
     s = (n_embd / 768) ** -0.5
     return {
         "lm_head": ("adamw", unembedding_lr * s, (0.8, 0.96), 0.01),
@@ -611,7 +611,7 @@ def test_derive_training_rejects_bad_flags():
 def test_bfloat16_gram_matrices_are_bfloat16_products_of_the_same_sums():
     """optim._gram splits the long side in two for bf16 on a CPU (one bf16 product instead of an fp32 one); the
     result is the plain Gram matrix, and the orthogonalisation compiles to bf16 products only."""
-    from flaxchat.hlo import dot_types
+    from flaxchat.perf.hlo import dot_types
 
     rng = np.random.default_rng(3)
     mm = lambda a, b: jnp.einsum("...ij,...jk->...ik", a, b, preferred_element_type=jnp.float32)
@@ -629,8 +629,8 @@ def test_the_orthogonalisation_dtype_follows_the_models(monkeypatch):
     dtype is fp32 (a CPU run with --dtype bfloat16)."""
     from flax import nnx
 
-    from flaxchat.config import GPTConfig
-    from flaxchat.gpt import GPT
+    from flaxchat.model.config import GPTConfig
+    from flaxchat.model.gpt import GPT
 
     seen = []
     original = optim.muon_adamw
@@ -648,7 +648,7 @@ def test_long_fp32_matrices_orthogonalise_in_the_gram_form_with_fewer_products(m
     """An fp32 matrix at least GRAM_FORM_MIN_ASPECT times as long as it is wide takes polar_express_gram: the
     same iterates (checked against the direct iteration in float64, as close as the direct fp32 form gets)
     for fewer matmul FLOPs: about half at nanochat's 4:1 MLP matrices."""
-    from flaxchat.hlo import program_stats
+    from flaxchat.perf.hlo import program_stats
 
     x = rand(np.random.default_rng(31), *shape)
     exact = np_polar(x.astype(np.float64))

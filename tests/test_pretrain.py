@@ -56,8 +56,8 @@ def test_pretrain_smoke_loss_goes_down(tiny_base_dir, capsys):
 @pytest.mark.slow
 def test_resume_after_hard_kill_is_bit_identical(tiny_base_dir):
     """N straight steps == N/2 steps, SIGKILL, resume, N/2 steps: identical losses and parameters."""
-    from flaxchat.checkpoint import load_model
-    from flaxchat.interop import to_nanochat_state_dict
+    from flaxchat.train.checkpoint import load_model
+    from flaxchat.export.nanochat import to_nanochat_state_dict
     from scripts.pretrain import main
 
     args = TINY + ["--num-iterations", "6", "--eval-every", "-1", "--save-every", "3"]
@@ -85,7 +85,7 @@ def test_resume_after_hard_kill_is_bit_identical(tiny_base_dir):
 
 def _documents(base, tag, step):
     """Documents trained on so far, summed over the run's readers, from the checkpoint's loader states."""
-    from flaxchat.checkpoint import Checkpointer
+    from flaxchat.train.checkpoint import Checkpointer
 
     ckpt = Checkpointer(str(base / "base_checkpoints" / tag), async_save=False)
     states = {tuple(s["shard"]): s for s in ckpt.read_data_states(step)}.values()
@@ -151,7 +151,7 @@ def test_resume_without_checkpoint_says_so(tiny_base_dir):
 def test_a_fresh_run_replaces_an_earlier_runs_checkpoints(tiny_base_dir, capsys):
     """Rerunning without --resume under the same tag (the demo's --fresh does) replaces the earlier model: the
     step both runs save does not clash and the earlier run's later step is not left to be picked as the latest."""
-    from flaxchat.checkpoint import Checkpointer
+    from flaxchat.train.checkpoint import Checkpointer
     from scripts.pretrain import main
 
     args = TINY + ["--eval-every", "-1", "--model-tag", "again"]

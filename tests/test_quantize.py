@@ -9,12 +9,12 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from flaxchat import engine as E
+from flaxchat.generate import engine as E
 from flaxchat import sharding
-from flaxchat.config import GPTConfig
-from flaxchat.gpt import GPT, Linear
-from flaxchat.quantize import MODES, Int8Linear, quantize_for_generation, weight_bytes
-from flaxchat.tokenizer import Tokenizer
+from flaxchat.model.config import GPTConfig
+from flaxchat.model.gpt import GPT, Linear
+from flaxchat.model.quantize import MODES, Int8Linear, quantize_for_generation, weight_bytes
+from flaxchat.data.tokenizer import Tokenizer
 
 CONFIG = GPTConfig(sequence_len=128, vocab_size=512, n_layer=2, n_head=2, n_kv_head=2, n_embd=64)
 
@@ -160,7 +160,7 @@ def test_int8_decode_loop_reads_int8_weights(users_codegen):
 def test_int8_speculative_loop_reads_int8_weights(users_codegen):
     """Speculative sampling with an int8 model and an int8 draft: the rounds convert the weights inside the loop
     too, and greedy speculative decoding equals the int8 model's own greedy tokens."""
-    from flaxchat import speculative as S
+    from flaxchat.generate import speculative as S
 
     model = quantize_for_generation(make_model(), "int8")
     draft = quantize_for_generation(make_model(GPTConfig(**{**CONFIG.to_dict(), "n_layer": 1}), seed=3), "int8")

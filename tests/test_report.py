@@ -1,6 +1,6 @@
 import os
 
-from flaxchat.report import Report, append_jsonl, plot_training, read_jsonl
+from flaxchat.eval.report import Report, append_jsonl, plot_training, read_jsonl
 
 
 def test_metrics_jsonl_and_chart(tmp_path):

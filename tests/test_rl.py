@@ -71,9 +71,9 @@ def test_rollout_batches_train_only_sampled_tokens():
 
 @pytest.mark.slow
 def test_rl_step_moves_policy_toward_rewarded_samples():
-    from flaxchat.config import GPTConfig
-    from flaxchat.gpt import GPT
-    from flaxchat.optim import build_optimizer
+    from flaxchat.model.config import GPTConfig
+    from flaxchat.model.gpt import GPT
+    from flaxchat.train.optim import build_optimizer
 
     model = GPT(GPTConfig.from_depth(2, 32, 32, 64, "L", 64), rngs=nnx.Rngs(0))
     optimizer = build_optimizer(model)
@@ -112,8 +112,8 @@ def test_rl_step_skips_zero_advantage_batches_with_the_same_update(monkeypatch):
 
     import scripts.rl as rl
     from flaxchat import sharding
-    from flaxchat.config import GPTConfig
-    from flaxchat.gpt import GPT
+    from flaxchat.model.config import GPTConfig
+    from flaxchat.model.gpt import GPT
 
     def make():  # weights moved off nanochat's init (zero projections), so that every one has a gradient
         model = GPT(GPTConfig.from_depth(2, 32, 32, 64, "L", 64), rngs=nnx.Rngs(0))
@@ -168,10 +168,10 @@ def test_rl_step_skips_zero_advantage_batches_with_the_same_update(monkeypatch):
 
 
 def save_tiny_sft(base_dir, tag="d2"):
-    from flaxchat.checkpoint import Checkpointer, checkpoint_dir
-    from flaxchat.config import GPTConfig
-    from flaxchat.gpt import GPT
-    from flaxchat.tokenizer import get_tokenizer
+    from flaxchat.train.checkpoint import Checkpointer, checkpoint_dir
+    from flaxchat.model.config import GPTConfig
+    from flaxchat.model.gpt import GPT
+    from flaxchat.data.tokenizer import get_tokenizer
 
     # context 128: a generated question (~70 tokens with the tests' 512-token vocabulary) plus an answer must fit
     model = GPT(GPTConfig.from_depth(2, 32, 32, 128, "L", get_tokenizer().get_vocab_size()), rngs=nnx.Rngs(0))
@@ -183,10 +183,10 @@ def save_tiny_sft(base_dir, tag="d2"):
 def test_rollouts_of_several_questions_share_a_batch(tiny_base_dir):
     """sample_groups and the pass@k eval put several questions in one Engine batch (at most `rows` rollouts,
     at least one question), and each question's samples are those a call of its own draws."""
-    from flaxchat.config import GPTConfig
-    from flaxchat.engine import Engine
-    from flaxchat.gpt import GPT
-    from flaxchat.tokenizer import get_tokenizer
+    from flaxchat.model.config import GPTConfig
+    from flaxchat.generate.engine import Engine
+    from flaxchat.model.gpt import GPT
+    from flaxchat.data.tokenizer import get_tokenizer
     from scripts.rl import evaluate_pass_at_k, sample_groups
 
     tokenizer = get_tokenizer()
@@ -215,7 +215,7 @@ def test_rollouts_of_several_questions_share_a_batch(tiny_base_dir):
 
 @pytest.mark.slow
 def test_tiny_rl_run_writes_metrics_and_checkpoints(tiny_base_dir):
-    from flaxchat.checkpoint import load_model
+    from flaxchat.train.checkpoint import load_model
     from scripts.rl import main
 
     save_tiny_sft(tiny_base_dir)

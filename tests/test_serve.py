@@ -14,11 +14,11 @@ import pytest
 import websockets
 from flax import nnx
 
-from flaxchat.config import GPTConfig
-from flaxchat.gpt import GPT
-from flaxchat.scheduler import Scheduler
-from flaxchat.serve import BackgroundServer, ClientError, ServeConfig, StopFilter, create_app, reply_text
-from flaxchat.tokenizer import Tokenizer
+from flaxchat.model.config import GPTConfig
+from flaxchat.model.gpt import GPT
+from flaxchat.generate.scheduler import Scheduler
+from flaxchat.serve.app import BackgroundServer, ClientError, ServeConfig, StopFilter, create_app, reply_text
+from flaxchat.data.tokenizer import Tokenizer
 
 MAX_BYTES = 2048
 LIMITS = dict(max_new_tokens=100, default_max_tokens=12, max_message_bytes=MAX_BYTES)
@@ -418,7 +418,7 @@ def test_loopback_clients_are_not_rate_limited_by_default(scheduler, tok):
 
 
 def test_auto_slots_fit_the_memory(scheduler):
-    from flaxchat.scheduler import auto_slots
+    from flaxchat.generate.scheduler import auto_slots
 
     model, c = scheduler.model, scheduler.model.config
     per_slot = 2 * c.n_layer * c.sequence_len * c.n_kv_head * c.head_dim * jnp.dtype(model.dtype).itemsize
@@ -669,7 +669,7 @@ def test_script_flags_and_random_init(tiny_base_dir, url):
 def test_chat_web_serves_with_a_draft_model(tiny_base_dir, tok, monkeypatch):
     """--draft-model: the speculative scheduler behind the same app; a load test's replies stream through it."""
     import flaxchat.common
-    from flaxchat.checkpoint import Checkpointer, checkpoint_dir
+    from flaxchat.train.checkpoint import Checkpointer, checkpoint_dir
     from scripts import chat_web
 
     config = GPTConfig(sequence_len=64, vocab_size=tok.get_vocab_size(), n_layer=1, n_head=1, n_kv_head=1, n_embd=32)

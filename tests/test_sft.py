@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from flaxchat.chat_data import SFTLoader, conversation_targets
+from flaxchat.data.chat_data import SFTLoader, conversation_targets
 from scripts.sft import lr_multiplier, muon_momentum
 
 SFT_TINY = ["--mixture", "offline", "--mc-epochs", "0", "--identity-size", "150", "--arithmetic-size", "250",
@@ -22,12 +22,12 @@ SFT_TINY = ["--mixture", "offline", "--mc-epochs", "0", "--identity-size", "150"
 def tiny_base_ckpt(tiny_corpus, tmp_path_factory):
     """A depth-2, width-64 base checkpoint (model + optimizer + pretraining's meta) after one training step, so
     the optimizer moments are non-zero. Built once; tests copy it in with `install_base`."""
-    from flaxchat.checkpoint import Checkpointer, checkpoint_dir
-    from flaxchat.config import GPTConfig
-    from flaxchat.gpt import GPT
-    from flaxchat.optim import Schedule, build_optimizer
-    from flaxchat.tokenizer import Tokenizer
-    from flaxchat.training import train_step
+    from flaxchat.train.checkpoint import Checkpointer, checkpoint_dir
+    from flaxchat.model.config import GPTConfig
+    from flaxchat.model.gpt import GPT
+    from flaxchat.train.optim import Schedule, build_optimizer
+    from flaxchat.data.tokenizer import Tokenizer
+    from flaxchat.train.step import train_step
 
     root = tmp_path_factory.mktemp("sft_base")
     vocab = Tokenizer.load(str(tiny_corpus / "tokenizer")).get_vocab_size()
@@ -59,9 +59,9 @@ def write_words(base_dir):
 
 
 def test_targets_count_only_assistant_tokens(tiny_base_dir):
-    from flaxchat.config import GPTConfig
-    from flaxchat.gpt import GPT
-    from flaxchat.tokenizer import get_tokenizer
+    from flaxchat.model.config import GPTConfig
+    from flaxchat.model.gpt import GPT
+    from flaxchat.data.tokenizer import get_tokenizer
     from tasks.synthetic_chat import arithmetic_problem
 
     tok = get_tokenizer()
@@ -98,7 +98,7 @@ def split_row(row, mask, bos):
 
 
 def test_rows_hold_whole_conversations_padded_not_cropped(tiny_base_dir):
-    from flaxchat.tokenizer import get_tokenizer
+    from flaxchat.data.tokenizer import get_tokenizer
 
     tok = get_tokenizer()
     data = [{"messages": [{"role": "user", "content": f"Say {i}" + " please" * (i % 7)},
@@ -119,7 +119,7 @@ def test_rows_hold_whole_conversations_padded_not_cropped(tiny_base_dir):
 
 
 def test_batches_are_static_and_one_epoch_long(tiny_base_dir):
-    from flaxchat.tokenizer import get_tokenizer
+    from flaxchat.data.tokenizer import get_tokenizer
 
     tok = get_tokenizer()
     data = [{"messages": [{"role": "user", "content": f"Hello {i}"}, {"role": "assistant", "content": "Hi " * (i % 9 + 1)}]}
@@ -135,7 +135,7 @@ def test_batches_are_static_and_one_epoch_long(tiny_base_dir):
 
 
 def test_loader_stops_at_num_iterations(tiny_base_dir):
-    from flaxchat.tokenizer import get_tokenizer
+    from flaxchat.data.tokenizer import get_tokenizer
     from tasks.synthetic_chat import IdentityChat
 
     loader = SFTLoader(IdentityChat(500), get_tokenizer(), batch_size=2, seq_len=64, num_batches=3)
@@ -175,7 +175,7 @@ def test_optimizer_state_warm_start(tiny_base_dir, tiny_base_ckpt):
 
 
 def test_tiny_sft_run_lowers_val_loss(tiny_base_dir, tiny_base_ckpt):
-    from flaxchat.checkpoint import load_model
+    from flaxchat.train.checkpoint import load_model
     from scripts.sft import main
 
     install_base(tiny_base_ckpt, tiny_base_dir)
@@ -214,9 +214,9 @@ def test_bad_input_is_a_one_line_error(tiny_base_dir, tiny_base_ckpt, capsys):
 
 
 def test_a_new_run_replaces_an_earlier_runs_checkpoints(tmp_path):
-    from flaxchat.checkpoint import Checkpointer
-    from flaxchat.config import GPTConfig
-    from flaxchat.gpt import GPT
+    from flaxchat.train.checkpoint import Checkpointer
+    from flaxchat.model.config import GPTConfig
+    from flaxchat.model.gpt import GPT
 
     model = GPT(GPTConfig.from_depth(2, 32, 32, 64, "L", 64), rngs=nnx.Rngs(0))
     ckpt = Checkpointer(str(tmp_path / "run"), keep=3, keep_best=0, async_save=False)

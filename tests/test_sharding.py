@@ -1,6 +1,6 @@
 """Scale-out on the 8-device CPU mesh: the compiled train step does the work split, with the collectives one expects.
 
-Equal values hide wasted work, so these tests read the optimised HLO (flaxchat.hlo): which collectives run per
+Equal values hide wasted work, so these tests read the optimised HLO (flaxchat.perf.hlo): which collectives run per
 step, how often, and how many matmul FLOPs each device does.
 """
 
@@ -13,13 +13,15 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from flaxchat import optim, sharding
-from flaxchat.config import GPTConfig
-from flaxchat.fused_loss import loss_sum, token_losses
-from flaxchat.gpt import GPT
-from flaxchat.hlo import program_stats
-from flaxchat.optim import Schedule, build_optimizer
-from flaxchat.training import compile_train_step, train_step
+from flaxchat import sharding
+
+from flaxchat.train import optim
+from flaxchat.model.config import GPTConfig
+from flaxchat.model.loss import loss_sum, token_losses
+from flaxchat.model.gpt import GPT
+from flaxchat.perf.hlo import program_stats
+from flaxchat.train.optim import Schedule, build_optimizer
+from flaxchat.train.step import compile_train_step, train_step
 
 pytestmark = pytest.mark.eight_devices
 

@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from flaxchat import stories as S
-from flaxchat import story_words as W
+from flaxchat.data import stories as S
+from flaxchat.data import story_words as W
 
 _SENTENCE = re.compile(r'[^.!?]*[.!?]+"?')
 
@@ -40,7 +40,7 @@ def test_deterministic_for_a_seed_and_independent_of_global_random_state():
 
 
 def test_same_stories_in_a_fresh_process_with_another_hash_seed():
-    code = "from flaxchat.stories import generate_stories; print(repr(generate_stories(5, seed=3)))"
+    code = "from flaxchat.data.stories import generate_stories; print(repr(generate_stories(5, seed=3)))"
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env,
                          cwd=pathlib.Path(__file__).parent.parent)

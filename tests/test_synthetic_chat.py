@@ -4,8 +4,8 @@ import re
 
 import pytest
 
-from flaxchat.execution import use_calculator
-from flaxchat.stories import split_of
+from flaxchat.generate.sandbox import use_calculator
+from flaxchat.data.stories import split_of
 from tasks.common import TaskMixture
 from tasks.gsm8k import extract_answer
 from tasks.synthetic_chat import (ArithmeticProblems, IdentityChat, StoryRequests, arithmetic_problem, split_of_text,

@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import tasks.common as common
-from flaxchat.execution import use_calculator
+from flaxchat.generate.sandbox import use_calculator
 from tasks import offline
 from tasks.arc import ARC
 from tasks.common import DataUnavailableError, Rows, Task, TaskMixture, TaskSequence, render_mc

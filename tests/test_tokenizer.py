@@ -14,7 +14,7 @@ import tiktoken
 import tiktoken.load
 import tiktoken.registry
 
-from flaxchat.tokenizer import SPECIAL_TOKENS, Tokenizer, get_token_bytes, get_tokenizer
+from flaxchat.data.tokenizer import SPECIAL_TOKENS, Tokenizer, get_token_bytes, get_tokenizer
 
 VOCAB = 512
 
@@ -337,7 +337,7 @@ def test_source_resolution(tmp_path, monkeypatch):
     assert resolve_source(str(data)) == ("parquet", {"data_dir": str(data)})
     assert list(iter_documents(None, "train")) == [f"shard {k} doc {j}" for k in range(2) for j in range(4)]
     assert list(iter_documents(str(data), "val")) == [f"shard 2 doc {j}" for j in range(4)]
-    # Any other file or folder is flaxchat.dataset's "text" source; names pass through.
+    # Any other file or folder is flaxchat.data.dataset's "text" source; names pass through.
     single = tmp_path / "one.md"
     single.write_text("First paragraph.\n\nSecond paragraph.\n", encoding="utf-8")
     assert resolve_source(str(single)) == ("text", {"path": str(single)})

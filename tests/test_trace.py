@@ -1,4 +1,4 @@
-"""flaxchat.trace and hlo.op_kinds: a profiler trace summed by op and kind of work, per profiled step."""
+"""flaxchat.perf.trace and hlo.op_kinds: a profiler trace summed by op and kind of work, per profiled step."""
 
 import gzip
 import os
@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from flaxchat.hlo import op_kinds, op_sources
-from flaxchat.trace import (KINDS, covered_share, format_summary, idle_ms, kind_of_name, main, side_by_side_share,
+from flaxchat.perf.hlo import op_kinds, op_sources
+from flaxchat.perf.trace import (KINDS, covered_share, format_summary, idle_ms, kind_of_name, main, side_by_side_share,
                             summarize_ops, summarize_trace)
 
 
@@ -226,21 +226,21 @@ def test_summarize_ops_ranks_ops_and_sums_kinds_per_step():
 
 def test_ops_are_summed_by_the_line_and_pass_that_made_them():
     ops = {"fusion.1": 4.0, "custom-call.2": 10.0, "custom-call.3": 6.0, "copy.4": 2.0, "while.5": 1.0}
-    sources = {"fusion.1": "flaxchat/gpt.py:165 Linear.multiply (jvp()/tanh)",
-               "custom-call.2": "flaxchat/gpt.py:165 Linear.multiply (jvp()/dot_general)",
-               "custom-call.3": "flaxchat/gpt.py:165 Linear.multiply (transpose(jvp())/dot_general)",
-               "copy.4": "flaxchat/optim.py:99 step (transpose)"}
+    sources = {"fusion.1": "flaxchat/model/gpt.py:165 Linear.multiply (jvp()/tanh)",
+               "custom-call.2": "flaxchat/model/gpt.py:165 Linear.multiply (jvp()/dot_general)",
+               "custom-call.3": "flaxchat/model/gpt.py:165 Linear.multiply (transpose(jvp())/dot_general)",
+               "copy.4": "flaxchat/train/optim.py:99 step (transpose)"}
     kinds = {"fusion.1": "elementwise", "custom-call.2": "matmul", "custom-call.3": "matmul", "copy.4": "layout",
              "while.5": "control"}
     s = summarize_ops(ops, steps=2, step_ms=12.0, kinds=kinds, top=3, sources=sources)
     assert s["by_source"] == [
-        {"source": "flaxchat/gpt.py:165 Linear.multiply", "ms": 7.0, "share": 60.9,
+        {"source": "flaxchat/model/gpt.py:165 Linear.multiply", "ms": 7.0, "share": 60.9,
          "kinds": {"matmul": 5.0, "elementwise": 2.0}},
-        {"source": "flaxchat/gpt.py:165 Linear.multiply, backward", "ms": 3.0, "share": 26.1, "kinds": {"matmul": 3.0}},
-        {"source": "flaxchat/optim.py:99 step", "ms": 1.0, "share": 8.7, "kinds": {"layout": 1.0}}]  # top 3 of 4
+        {"source": "flaxchat/model/gpt.py:165 Linear.multiply, backward", "ms": 3.0, "share": 26.1, "kinds": {"matmul": 3.0}},
+        {"source": "flaxchat/train/optim.py:99 step", "ms": 1.0, "share": 8.7, "kinds": {"layout": 1.0}}]  # top 3 of 4
     assert "(no source)" in [t["source"] for t in summarize_ops(ops, 2, 12.0, kinds, sources=sources)["by_source"]]
     text = format_summary(s)
-    assert "by line of the program:" in text and "flaxchat/gpt.py:165 Linear.multiply  (matmul 5.00, elementwise 2.00)" in text
+    assert "by line of the program:" in text and "flaxchat/model/gpt.py:165 Linear.multiply  (matmul 5.00, elementwise 2.00)" in text
     assert "by_source" not in summarize_ops(ops, 2, 12.0, kinds)  # without sources (nanochat's kernels)
 
 

@@ -8,12 +8,13 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from flaxchat.config import GPTConfig
-from flaxchat.gpt import GPT
-from flaxchat.optim import Schedule, build_optimizer, optimizer_stats
-from flaxchat import sharding, training
-from flaxchat.hlo import jaxpr_equations
-from flaxchat.training import FlatStep, InFlight, _accumulate_grads, in_flight_depth, sub_batches, train_step
+from flaxchat.model.config import GPTConfig
+from flaxchat.model.gpt import GPT
+from flaxchat.train.optim import Schedule, build_optimizer, optimizer_stats
+from flaxchat import sharding
+from flaxchat.train import step as training
+from flaxchat.perf.hlo import jaxpr_equations
+from flaxchat.train.step import FlatStep, InFlight, _accumulate_grads, in_flight_depth, sub_batches, train_step
 
 
 def _model_and_optimizer():
@@ -206,7 +207,7 @@ def test_a_cpu_takes_q_k_v_as_one_product_unless_the_mesh_splits_the_model(monke
     """On a CPU attention multiplies by q's, k's and v's weights stacked (gpt.stack_qkv): the step's loss and
     gradients equal the three products', with 6 products fewer per layer and micro-step (forward, input and
     weight gradients: 3 -> 1 each). Where a mesh axis splits the model (FSDP, tensor) the three stay apart."""
-    from flaxchat import gpt
+    from flaxchat.model import gpt
 
     config = GPTConfig(sequence_len=32, vocab_size=128, n_layer=2, n_head=4, n_kv_head=4 if mesh_shape else 2,
                        n_embd=64)

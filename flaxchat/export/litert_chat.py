@@ -1,12 +1,12 @@
 """Generate from a LiteRT export (`scripts.export --format litert`) with no JAX or TensorFlow installed.
 
     pip install ai-edge-litert numpy tiktoken         # all this file needs
-    python -m flaxchat.litert_chat exports/d4-litert -p "Tell me a story about a cat."    # one reply
-    python -m flaxchat.litert_chat exports/d4-litert                                       # chat in the terminal
-    python -m flaxchat.litert_chat exports/base-litert -p "Once upon a time" --complete    # plain continuation
+    python -m flaxchat.export.litert_chat exports/d4-litert -p "Tell me a story about a cat."    # one reply
+    python -m flaxchat.export.litert_chat exports/d4-litert                                       # chat in the terminal
+    python -m flaxchat.export.litert_chat exports/base-litert -p "Once upon a time" --complete    # plain continuation
 
 The loop an app runs: zeros for the KV cache, the prompt through the `prefill` signature in chunks of its
-fixed length, then one `decode` call per new token, each call's caches fed into the next (flaxchat.litert
+fixed length, then one `decode` call per new token, each call's caches fed into the next (flaxchat.export.litert
 documents the signatures). Imports only numpy, tiktoken and ai_edge_litert; the tool (calculator) is not run.
 """
 
@@ -23,11 +23,11 @@ import time
 import numpy as np
 import tiktoken
 
-CONFIG_FILE = "litert_config.json"  # = flaxchat.litert.CONFIG_FILE (not imported: that module needs JAX)
+CONFIG_FILE = "litert_config.json"  # = flaxchat.export.litert.CONFIG_FILE (not imported: that module needs JAX)
 
 
 def load_tokenizer(model_dir: str) -> tiktoken.Encoding:
-    """The export's tokenizer/tokenizer.json as a tiktoken Encoding. flaxchat.tokenizer reads the same file but
+    """The export's tokenizer/tokenizer.json as a tiktoken Encoding. flaxchat.data.tokenizer reads the same file but
     imports JAX (through flaxchat.common), so the few lines that build the Encoding are repeated here."""
     path = os.path.join(model_dir, "tokenizer", "tokenizer.json")
     if not os.path.isfile(path):

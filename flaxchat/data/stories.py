@@ -13,9 +13,9 @@ regenerated on any machine. Every 100th index is a validation story, and validat
 with (hero name, opening sentence) pairs that training stories never use, so no validation story
 can equal a training story.
 
-    python -m flaxchat.stories --n 3 --seed 0          # print three sample stories
-    python -m flaxchat.stories --stats 10000           # corpus statistics (and generation speed)
-    python -m flaxchat.stories --n 5 --split val       # validation stories
+    python -m flaxchat.data.stories --n 3 --seed 0          # print three sample stories
+    python -m flaxchat.data.stories --stats 10000           # corpus statistics (and generation speed)
+    python -m flaxchat.data.stories --n 5 --split val       # validation stories
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import time
 import zlib
 from collections.abc import Iterator
 
-from flaxchat import story_words as W
+from flaxchat.data import story_words as W
 
 VAL_EVERY = 100  # index i is a validation story iff i % VAL_EVERY == VAL_EVERY - 1
 MIN_WORDS, MAX_WORDS = 100, 400

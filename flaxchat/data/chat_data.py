@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flaxchat.dataloader import batch_sharding, reader_shard
+from flaxchat.data.dataloader import batch_sharding, reader_shard
 
 BUFFER_SIZE = 100  # conversations to choose from when filling a row (nanochat's default)
 

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from flaxchat.gpt import KVCache, rms_norm
+from flaxchat.model.gpt import KVCache, rms_norm
 
 MODEL_FILE = "model.tflite"
 CONFIG_FILE = "litert_config.json"

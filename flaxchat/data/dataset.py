@@ -5,13 +5,13 @@ named `shard_XXXXX.parquet`; the last shard (in sorted order) is the val split, 
 is train. Later stages (tokenizer training, the dataloader, bpb evaluation) read only that format.
 
     # nanochat's pretraining data (ClimbMix) from the HF hub: 8 train shards + the val shard
-    python -m flaxchat.dataset --source parquet-download --num-shards 8
+    python -m flaxchat.data.dataset --source parquet-download --num-shards 8
     # TinyStories from the HF hub, converted to 4 train shards + 1 val shard
-    python -m flaxchat.dataset --source tinystories --num-shards 4
+    python -m flaxchat.data.dataset --source tinystories --num-shards 4
     # your own text: a file, or a folder of .txt/.md/.jsonl/.parquet files
-    python -m flaxchat.dataset --source text --path ~/my_corpus --num-shards 2
+    python -m flaxchat.data.dataset --source text --path ~/my_corpus --num-shards 2
     # fully offline: the built-in synthetic story generator
-    python -m flaxchat.dataset --source synthetic-stories --num-shards 4 --docs-per-shard 20000
+    python -m flaxchat.data.dataset --source synthetic-stories --num-shards 4 --docs-per-shard 20000
 
 In Python, `iter_documents(source, split, shard=(index, count), start)` streams the documents of
 any source for one of `count` readers, starting after `start` of that reader's documents.
@@ -53,8 +53,8 @@ ROW_GROUP_SIZE = 1024  # documents per parquet row group, as in nanochat's repac
 SOURCE_MARKER = "source.json"  # records which source wrote a base_data folder, so sources never mix
 _SHARD_RE = re.compile(r"^shard_\d{5}\.parquet(\.tmp)?$")
 GET_DATA_HINT = (
-    "run `python -m flaxchat.dataset --source synthetic-stories --num-shards 4` (offline) or "
-    "`python -m flaxchat.dataset --source parquet-download --num-shards 8` to get some"
+    "run `python -m flaxchat.data.dataset --source synthetic-stories --num-shards 4` (offline) or "
+    "`python -m flaxchat.data.dataset --source parquet-download --num-shards 8` to get some"
 )
 
 
@@ -321,7 +321,7 @@ def load_tinystories(split: str):
         return datasets.load_dataset(TINYSTORIES_REPO, split=hf_split)
     except Exception as e:  # the hub raises many error types when offline; all mean the same to the user
         raise RuntimeError(f"could not load {TINYSTORIES_REPO} from the Hugging Face hub ({type(e).__name__}); "
-                           "offline, use `python -m flaxchat.dataset --source synthetic-stories` instead") from e
+                           "offline, use `python -m flaxchat.data.dataset --source synthetic-stories` instead") from e
 
 
 def tinystories_documents(split: str, ds=None) -> Iterator[str]:
@@ -332,7 +332,7 @@ def tinystories_documents(split: str, ds=None) -> Iterator[str]:
 
 def synthetic_documents(split: str, seed: int = 0, start: int = 0, shard: tuple[int, int] = (0, 1)) -> Iterator[str]:
     """Built-in stories; reader (index, count) takes stream positions index, index+count, ... from `start`."""
-    from flaxchat.stories import generate_stories, iter_stories  # lazy: only this source needs the generator
+    from flaxchat.data.stories import generate_stories, iter_stories  # lazy: only this source needs the generator
 
     index, count = _check_shard(shard)
     if count == 1:

@@ -4,7 +4,7 @@ Rejection sampling keeps the model's own distribution exactly (Leviathan et al. 
 al. 2023, arXiv:2302.01318): the tokens are distributed as the model alone would sample them, and at temperature
 0 they are its greedy tokens. It pays when the draft is much cheaper than the model and agrees with it often.
 
-Built on the generation core (flaxchat.engine): its sampling rule (`rule_probs`, `inverse_cdf`), its cache
+Built on the generation core (flaxchat.generate.engine): its sampling rule (`rule_probs`, `inverse_cdf`), its cache
 helpers, its prompt padding. The state is explicit and the programs are jitted once per pair of model
 structures, so the Engine streams from it (`Engine(..., draft_model=...)`, `--draft-model` on chat_cli and
 bench) and a tool's output can be forced into it between calls.
@@ -28,9 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from flaxchat.engine import (FORCED_CAPACITY, _check_sampling, _until_stop, cast_for_compute, compiler_options,
+from flaxchat.generate.engine import (FORCED_CAPACITY, _check_sampling, _until_stop, cast_for_compute, compiler_options,
                              decode_chunk, inverse_cdf, loop_weights, narrow_weights, pad_prompts, rewind, rule_probs)
-from flaxchat.gpt import KVCache
+from flaxchat.model.gpt import KVCache
 
 
 @jax.tree_util.register_dataclass
@@ -251,7 +251,7 @@ def measure_speculative(model, draft_model, prompt, max_new_tokens, *, draft_ste
     tok_per_s / plain_tok_per_s: generated tokens over wall time, prefill included (a chat reply's view);
     acceptance_rate: draft tokens kept / proposed; compile_s: first (compiling) runs minus warm ones.
     """
-    from flaxchat.engine import generate
+    from flaxchat.generate.engine import generate
 
     def plain():
         return generate(model, [prompt], max_new_tokens, temperature=temperature, top_k=top_k, seed=seed)[0]

@@ -9,8 +9,8 @@
 
 Parameters are stored in nanochat's layout (Linear weight is (out, in), embeddings (vocab, dim)) and under
 nanochat's names, so a state dict maps across with no transposes. Parameters carry logical axis names only;
-`flaxchat.sharding` maps them onto a mesh. The attention kernels are in `flaxchat.attention`, the fused
-lm_head + cross-entropy loss in `flaxchat.fused_loss`.
+`flaxchat.sharding` maps them onto a mesh. The attention kernels are in `flaxchat.model.attention`, the fused
+lm_head + cross-entropy loss in `flaxchat.model.loss`.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ import numpy as np
 from flax import nnx
 
 from flaxchat import sharding
-from flaxchat.attention import ATTENTION_IMPLEMENTATIONS, attention, cached_attention, resolve_attention, write_cache
+from flaxchat.model.attention import ATTENTION_IMPLEMENTATIONS, attention, cached_attention, resolve_attention, write_cache
 from flaxchat.common import activation_dtype, compute_dtype, einsum, widened_products
-from flaxchat.config import GPTConfig
-from flaxchat.fused_loss import SOFTCAP, loss_sum, softcapped_logits, token_losses
+from flaxchat.model.config import GPTConfig
+from flaxchat.model.loss import SOFTCAP, loss_sum, softcapped_logits, token_losses
 
 ROPE_BASE = 100_000
 VE_GATE_CHANNELS = 12
@@ -128,7 +128,7 @@ class Linear(nnx.Module):
     x @ w.T is written as a transpose and a matmul: for a single row (decode) XLA's CPU backend then emits one
     fused loop of contiguous dot products over w's rows, about twice as fast as the library call it makes for
     the einsum form (the lm_head of a 32k vocabulary: ~0.4 vs ~0.9 ms a token); larger inputs lower to the same
-    library matmul either way. Under qwix's LoRA (flaxchat.lora) the adapted layers use the einsum form, which
+    library matmul either way. Under qwix's LoRA (flaxchat.model.lora) the adapted layers use the einsum form, which
     qwix intercepts: it finds the weight by identity, and a transposed weight would be missed.
 
     A few rows (decoding 2 conversations, a speculative check) are the bad case on a CPU: a library matmul of 2
@@ -165,7 +165,7 @@ class Linear(nnx.Module):
         return jnp.matmul(x, w.T, preferred_element_type=out_dtype)
 
     def matrix(self):
-        """The (out, in) weight as a float array (flaxchat.quantize's int8 variant dequantizes here)."""
+        """The (out, in) weight as a float array (flaxchat.model.quantize's int8 variant dequantizes here)."""
         return self.weight[...]
 
 
@@ -521,7 +521,7 @@ class GPT(nnx.Module):
 
     def _head(self, x):
         """x (N, C) -> soft-capped fp32 logits (N, vocab), through the lm_head module so a quantized head
-        (flaxchat.quantize) applies its own matmul; the same numbers as softcapped_logits for a float head (the
+        (flaxchat.model.quantize) applies its own matmul; the same numbers as softcapped_logits for a float head (the
         product rounded to the compute dtype, then soft-capped in fp32)."""
         logits = self.lm_head(x, out_dtype=jnp.float32)[:, : self.config.vocab_size].astype(self.dtype)
         logits = logits.astype(jnp.float32)

@@ -1,6 +1,6 @@
 """Continuous batching: one thread owns the model and a KV cache of N slots that conversations share.
 
-A thin user of the generation core in flaxchat.engine (the same prefill, decode loop, sampler and tool state
+A thin user of the generation core in flaxchat.generate.engine (the same prefill, decode loop, sampler and tool state
 machine as the Engine). A request (prompt ids + sampling settings) waits in a queue until a slot is free, is
 prefilled into that slot's row of the batched cache, and from then on advances one token per decode step
 alongside every other active slot. Each scheduler iteration:
@@ -22,7 +22,7 @@ Randomness is per request: token n of a request uses fold_in(fold_in(key(seed), 
 gives the same reply whichever slot it lands in and whoever else is being served (and the same as the Engine's
 first sample with that seed).
 
-Events a request receives (dicts, in the order they happen; flaxchat.serve forwards them unchanged): the
+Events a request receives (dicts, in the order they happen; flaxchat.serve.app forwards them unchanged): the
 `Reply` events ("token", "tool"), then
     {"type": "done", "finish_reason": "stop"|"length"|"cancelled", "usage": {...}}
     {"type": "error", "reason": str, "message": str}   the request failed (the server itself goes on)
@@ -44,9 +44,9 @@ import numpy as np
 from flax import nnx
 
 from flaxchat.common import progress_bar
-from flaxchat.engine import (MAX_TOP_K, TOP_K_TIERS, Reply, attention_span, bucket_length, compiler_options,
+from flaxchat.generate.engine import (MAX_TOP_K, TOP_K_TIERS, Reply, attention_span, bucket_length, compiler_options,
                              controls, empty_slots, extent, in_compute_dtype, programs_for, stop_tokens)
-from flaxchat.execution import use_calculator
+from flaxchat.generate.sandbox import use_calculator
 
 log = logging.getLogger(__name__)
 
@@ -477,7 +477,7 @@ class Scheduler:
 
 
 class SpeculativeScheduler(Scheduler):
-    """The Scheduler with speculative sampling (flaxchat.speculative): one conversation at a time, its tokens
+    """The Scheduler with speculative sampling (flaxchat.generate.speculative): one conversation at a time, its tokens
     proposed by `draft_model` `draft_steps` at a time and checked by the model in one forward pass; the others
     wait in the queue. Replies follow the model's own distribution. It trades the batch for the lowest
     latency of one reply: a person chatting on their own machine, with a draft much cheaper than the model.
@@ -488,7 +488,7 @@ class SpeculativeScheduler(Scheduler):
 
     def __init__(self, model, tokenizer, draft_model, *, draft_steps: int = 4, chunk: int = 8,
                  capacity: int | None = None, max_queue: int = 256, run_tool: Callable[[str], str | None] = use_calculator):
-        from flaxchat import speculative
+        from flaxchat.generate import speculative
 
         capacity = capacity or min(model.config.sequence_len, draft_model.config.sequence_len)
         super().__init__(model, tokenizer, slots=1, chunk=chunk, capacity=capacity, max_queue=max_queue,
@@ -523,7 +523,7 @@ class SpeculativeScheduler(Scheduler):
         return time.perf_counter() - t0
 
     def _prefill(self, slot: int, req: Request) -> None:
-        from flaxchat.speculative import _check
+        from flaxchat.generate.speculative import _check
 
         self._rule = _check(req.temperature, req.top_k or None, req.top_p, self.draft_steps)
         self._spec, first = self._spec_programs.start(self._spec_params, self._padded(req.prompt),

@@ -1,6 +1,6 @@
 """The chat server: one page (ui.html), a WebSocket chat protocol, and an OpenAI-compatible HTTP API.
 
-Every generation goes through one `flaxchat.scheduler.Scheduler` (continuous batching over N KV-cache slots);
+Every generation goes through one `flaxchat.generate.scheduler.Scheduler` (continuous batching over N KV-cache slots);
 this module only speaks the protocols, keeps each WebSocket's conversation, and enforces the limits.
 
 Routes
@@ -55,7 +55,7 @@ from fastapi import FastAPI, Request as HTTPRequest, WebSocket, WebSocketDisconn
 from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-from flaxchat.scheduler import MAX_TOP_K, QueueFull, Request, Scheduler, new_seed
+from flaxchat.generate.scheduler import MAX_TOP_K, QueueFull, Request, Scheduler, new_seed
 
 log = logging.getLogger(__name__)
 
@@ -751,7 +751,7 @@ async def _gather(request, choices: Choices, events) -> list[str]:
 
 
 def load_page() -> str:
-    return importlib.resources.files("flaxchat").joinpath("ui.html").read_text(encoding="utf-8")
+    return importlib.resources.files("flaxchat.serve").joinpath("ui.html").read_text(encoding="utf-8")
 
 
 def create_app(scheduler: Scheduler, tokenizer, config: ServeConfig | None = None, own_scheduler: bool = True) -> FastAPI:

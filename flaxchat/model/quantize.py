@@ -16,7 +16,7 @@ only, so the int8 values stay int8).
 
 In the decode loop XLA's loop-invariant code motion would hoist the int8 -> float conversion of every weight out
 of the `lax.while_loop` (so the loop would read float copies); the engine carries narrow weights through its loops
-behind an optimisation barrier instead (`flaxchat.engine.loop_weights`), and the conversion fuses into each
+behind an optimisation barrier instead (`flaxchat.generate.engine.loop_weights`), and the conversion fuses into each
 matrix-vector product, which then reads the int8 bytes. A prefill converts once per call.
 """
 
@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import qwix
 from flax import nnx
 
-from flaxchat.gpt import GPT, Linear
+from flaxchat.model.gpt import GPT, Linear
 
 MODES = ("none", "bf16", "int8")
 QUANTIZED = ("c_q", "c_k", "c_v", "c_proj", "c_fc", "lm_head")  # Linear attribute names whose weights change
@@ -71,7 +71,7 @@ def quantize_for_generation(model: GPT, mode: str) -> GPT:
     """Store the model's matmul weights for generation, in place; returns the model.
 
     mode: "none" (as is), "bf16" (weights in bf16), "int8" (int8 + per-output-channel fp32 scales). The
-    quantized model runs flaxchat.engine (generate, Engine) and its plain forward; it is not for training.
+    quantized model runs flaxchat.generate.engine (generate, Engine) and its plain forward; it is not for training.
     """
     if mode not in MODES:
         raise ValueError(f"unknown quantize mode {mode!r}; choose one of {', '.join(MODES)}")

@@ -1,4 +1,4 @@
-"""Word lists, word forms and story pieces for the synthetic story generator (`flaxchat.stories`).
+"""Word lists, word forms and story pieces for the synthetic story generator (`flaxchat.data.stories`).
 
 Apart from three small word-form helpers (past tense, -ing form, a/an), everything here is data.
 Entries are grouped so that any random pick stays coherent with the rest of a story: a place lists

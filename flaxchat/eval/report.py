@@ -96,7 +96,7 @@ def _system_info() -> list[str]:
 
     import jax
 
-    from flaxchat.checkpoint import git_commit
+    from flaxchat.train.checkpoint import git_commit
 
     try:
         mem_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30

@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from flaxchat.config import GPTConfig
-from flaxchat.gpt import GPT
+from flaxchat.model.config import GPTConfig
+from flaxchat.model.gpt import GPT
 
 
 def _param_paths(model: GPT) -> dict[str, nnx.Variable]:

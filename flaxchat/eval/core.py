@@ -42,8 +42,8 @@ import yaml
 from flax import nnx
 
 from flaxchat.common import get_base_dir, is_main_process, print0, progress_bar, to_host
-from flaxchat.loss_eval import token_losses
-from flaxchat.training import in_sub_batches
+from flaxchat.eval.bpb import token_losses
+from flaxchat.train.step import in_sub_batches
 
 EVAL_BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"
 
@@ -241,7 +241,7 @@ def score_rows(model, rows: list[list[int]], starts, ends, lm: bool, batch_size:
     Rows are right-padded with pad_id: the model is causal, so padding never changes a real position's output.
     With a mesh, batches are split over its data axes.
     """
-    from flaxchat.dataloader import batch_sharding
+    from flaxchat.data.dataloader import batch_sharding
 
     row_multiple = 1 if mesh is None else mesh.shape.get("data", 1) * mesh.shape.get("fsdp", 1)
     out = np.zeros(len(rows), dtype=bool if lm else np.float32)

@@ -142,7 +142,7 @@ class FlatStep:
     """
 
     def __init__(self, model, optimizer):
-        from flaxchat.optim import optimizer_stats
+        from flaxchat.train.optim import optimizer_stats
 
         graphdef, state = nnx.split((model, optimizer))
         self._variables = [v for _, v in nnx.to_flat_state(state)]
@@ -181,9 +181,9 @@ def compile_train_step(config, mesh, batch_size: int, grad_accum: int = 1, dtype
     model_kwargs go to GPT (attention, remat). For reading the program XLA makes at any scale on any
     machine: `.as_text()` (see `sharding.collective_stats`), `.cost_analysis()`, `.memory_analysis()`.
     """
-    from flaxchat.checkpoint import abstract_state
-    from flaxchat.gpt import GPT
-    from flaxchat.optim import build_optimizer
+    from flaxchat.train.checkpoint import abstract_state
+    from flaxchat.model.gpt import GPT
+    from flaxchat.train.optim import build_optimizer
 
     model = nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0), dtype=dtype, **model_kwargs))
     polar_dtype = jnp.bfloat16 if dtype == jnp.bfloat16 else jnp.float32
@@ -263,12 +263,12 @@ def in_flight_depth(choice: str, backend: str) -> int:
 
 
 def profile_summary(profiler, step: FlatStep, batch, mesh) -> dict | None:
-    """Where a StepProfiler's steps of a FlatStep spent their time (flaxchat.trace's summary), each op's kind and
+    """Where a StepProfiler's steps of a FlatStep spent their time (flaxchat.perf.trace's summary), each op's kind and
     source line read off the compiled step: the same program, compiled again from the same arguments (at once where
     the persistent compilation cache is on, as on accelerators). batch: (xs, ys) as the step takes them. None if no
     trace was written."""
-    from flaxchat.hlo import op_kinds, op_sources, scatter_combiners
-    from flaxchat.trace import summarize_trace
+    from flaxchat.perf.hlo import op_kinds, op_sources, scatter_combiners
+    from flaxchat.perf.trace import summarize_trace
 
     if not profiler.written:
         return None

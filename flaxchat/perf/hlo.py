@@ -164,7 +164,7 @@ def dot_types(hlo_text: str) -> list[tuple[str, str, int]]:
     return dots
 
 
-# What each op of a compiled program computes, for reading a profile (flaxchat.trace): its kind.
+# What each op of a compiled program computes, for reading a profile (flaxchat.perf.trace): its kind.
 _LAYOUT_OPS = {"copy", "transpose", "bitcast", "reshape", "broadcast", "slice", "dynamic-slice", "dynamic-update-slice",
                "concatenate", "pad", "parameter", "constant", "iota", "tuple", "get-tuple-element", "copy-start",
                "copy-done", "gather", "reverse"}
@@ -186,10 +186,10 @@ def _fused(comps: dict, comp: str, depth: int = 0):
 
 
 def op_kinds(hlo_text: str) -> dict[str, str]:
-    """{instruction name: kind} for every instruction of an optimised HLO module; kinds as flaxchat.trace.KINDS.
+    """{instruction name: kind} for every instruction of an optimised HLO module; kinds as flaxchat.perf.trace.KINDS.
     A fusion is a matmul if it holds a dot, convolution or GEMM call (a GEMM with its epilogue), a reduction if it
     holds a reduce, layout if it only moves data, else elementwise."""
-    from flaxchat.trace import kind_of_name
+    from flaxchat.perf.trace import kind_of_name
 
     comps, _ = _parse(hlo_text)
 
@@ -252,12 +252,15 @@ def scatter_combiners(hlo_text: str) -> list[tuple[str, tuple[str, ...]]]:
 
 
 def source_line(path: str, line: int, function: str) -> str:
-    """How op sources are named: "flaxchat/fused_loss.py:124 step" (the file's folder and name, line, function)."""
-    return f"{'/'.join(path.split('/')[-2:])}:{line} {function}"
+    """How op sources are named: "flaxchat/model/loss.py:124 step" (the path from the project's package, else the
+    file's folder and name; line; function)."""
+    parts = path.split("/")
+    top = max((i for i, p in enumerate(parts[:-1]) if p in ("flaxchat", "scripts", "tasks")), default=len(parts) - 2)
+    return f"{'/'.join(parts[top:])}:{line} {function}"
 
 
 def _stack_frames(hlo_text: str) -> dict[int, str]:
-    """{stack_frame_id: "flaxchat/fused_loss.py:124 step"}: the innermost user frame of each of the module's stack
+    """{stack_frame_id: "flaxchat/model/loss.py:124 step"}: the innermost user frame of each of the module's stack
     frames (its FileNames / FunctionNames / FileLocations / StackFrames tables)."""
     tables, section = {"FileNames": {}, "FunctionNames": {}, "FileLocations": {}, "StackFrames": {}}, None
     for line in hlo_text.splitlines():
@@ -284,7 +287,7 @@ def _stack_frames(hlo_text: str) -> dict[int, str]:
 
 def op_sources(hlo_text: str) -> dict[str, str]:
     """{instruction name: where it came from}: the source line that made it and the end of its JAX op_name, e.g.
-    "flaxchat/fused_loss.py:124 step (nv,vc->nc/dot_general)": what a profile's "ynn_fusion.168" or "custom-call.3"
+    "flaxchat/model/loss.py:124 step (nv,vc->nc/dot_general)": what a profile's "ynn_fusion.168" or "custom-call.3"
     computes. A fusion is named by the product it holds (a GEMM with a norm's backward fused after it is the
     product's line, not the norm's), else by its root. Only the op_name where the program has no stack frames."""
     comps, _ = _parse(hlo_text)

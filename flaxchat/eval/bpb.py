@@ -14,7 +14,7 @@ import numpy as np
 from flax import nnx
 
 from flaxchat.common import is_main_process, progress_bar
-from flaxchat.training import in_sub_batches
+from flaxchat.train.step import in_sub_batches
 
 
 def token_losses(model, inputs, targets):

@@ -20,7 +20,7 @@ from jax.experimental import multihost_utils
 from orbax.checkpoint import checkpoint_managers as ocm
 
 from flaxchat.common import get_base_dir, print0
-from flaxchat.config import GPTConfig
+from flaxchat.model.config import GPTConfig
 
 PHASE_DIRS = {"base": "base_checkpoints", "sft": "chatsft_checkpoints", "rl": "chatrl_checkpoints"}
 
@@ -179,9 +179,9 @@ def load_model(phase: str = "base", model_tag: str | None = None, step: int | No
     """(model, tokenizer, meta) from a checkpoint; parameters are restored straight onto `mesh`.
 
     A LoRA checkpoint (meta["lora"]: the adapters and any weights trained in full, nothing else) loads its base
-    checkpoint (meta["base"]) and returns the base with them merged in (flaxchat.lora.merge_lora): an ordinary GPT."""
-    from flaxchat.gpt import GPT
-    from flaxchat.tokenizer import get_tokenizer
+    checkpoint (meta["base"]) and returns the base with them merged in (flaxchat.model.lora.merge_lora): an ordinary GPT."""
+    from flaxchat.model.gpt import GPT
+    from flaxchat.data.tokenizer import get_tokenizer
 
     model_tag = model_tag or find_model_tag(phase, base_dir)
     ckpt = Checkpointer(checkpoint_dir(phase, model_tag, base_dir), async_save=False)
@@ -214,7 +214,7 @@ def load_named_model(spec: str, default_source: str, flag: str, dtype=None):
 
 def _load_lora(ckpt: Checkpointer, meta: dict, mesh, base_dir, dtype):
     """(merged model, tokenizer, meta) of the adapter checkpoint `ckpt` at meta["step"]."""
-    from flaxchat.lora import LoraConfig, apply_lora, merge_lora
+    from flaxchat.model.lora import LoraConfig, apply_lora, merge_lora
 
     base = meta["base"]
     try:

@@ -2,7 +2,7 @@
 
 The pipeline is a Grain pipeline:
 
-    ReaderStream (this reader's documents, forever)             flaxchat.dataset.ParquetDocuments underneath
+    ReaderStream (this reader's documents, forever)             flaxchat.data.dataset.ParquetDocuments underneath
       chunks of 128 documents per parquet row group             nanochat's tokenizer batches
       .map(tokenize)  .to_iter_dataset(threads)                 BOS-prepended token ids, tokenized ahead in threads
       BestFitPackIterDataset                                    nanochat's BOS-aligned best-fit packing
@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flaxchat.dataset import ParquetDocuments, list_parquet_files, split_files
+from flaxchat.data.dataset import ParquetDocuments, list_parquet_files, split_files
 from flaxchat.sharding import batch_sharding
 
 BUFFER_SIZE = 1000  # documents kept to choose from (nanochat's default)

@@ -1,7 +1,7 @@
 """Where a step's time goes: a profiler trace summed by op and by kind of work.
 
 `scripts.bench --profile-steps A:B` writes a jax.profiler trace (common.StepProfiler) and adds this summary to its
-JSON; `flaxchat.nanochat_bench --profile N` makes the same summary of nanochat's step from torch.profiler, so the
+JSON; `flaxchat.perf.nanochat_bench --profile N` makes the same summary of nanochat's step from torch.profiler, so the
 two programs' kernels can be read side by side (runs/gpu_check.sh --profile puts both in summary.md).
 
 Kinds: matmul (dots, GEMM libraries, fusions around a dot), attention (fused attention kernels), collective,
@@ -61,7 +61,7 @@ def kind_of_name(name: str) -> str:
 
 def source_line_of(source: str) -> str:
     """An op's source (hlo.op_sources) as the line of the program it belongs to, and the pass where it is a
-    gradient's: "flaxchat/gpt.py:165 Linear.multiply (transpose(jvp())/dot_general)" -> "flaxchat/gpt.py:165
+    gradient's: "flaxchat/model/gpt.py:165 Linear.multiply (transpose(jvp())/dot_general)" -> "flaxchat/model/gpt.py:165
     Linear.multiply, backward"."""
     where, _, tail = source.partition(" (")
     return f"{where}, backward" if "transpose(" in tail else where

@@ -1,9 +1,9 @@
 """Inference: the one generation core and what is built on it.
 
 The core (used by `generate`, the streaming `Engine` for the CLI, evaluation and RL rollouts, the server's
-continuous-batching `flaxchat.scheduler`, and `bench`):
+continuous-batching `flaxchat.generate.scheduler`, and `bench`):
 
-- `Slots`: a KV cache of N rows (`flaxchat.gpt.KVCache`, fixed capacity, a position per row) with each row's
+- `Slots`: a KV cache of N rows (`flaxchat.model.gpt.KVCache`, fixed capacity, a position per row) with each row's
   next-token logits and a queue of tokens to force (a tool's output).
 - One jitted prefill: prompts padded to a power-of-two bucket, run once, written into rows of the slots (one
   prompt may be copied into several rows: num_samples draws share its prefill).
@@ -19,7 +19,7 @@ Randomness is explicit: token n of row `lane` of a request with `seed` draws wit
 fold_in(fold_in(key(seed), lane), n), so the same seed gives the same tokens however the loop is cut into calls,
 whichever slot the row lands in and whoever else is in the batch.
 
-Speculative sampling (flaxchat.speculative) reuses the sampler and cache helpers; the Engine streams from it
+Speculative sampling (flaxchat.generate.speculative) reuses the sampler and cache helpers; the Engine streams from it
 when given a draft model.
 """
 
@@ -39,10 +39,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from flaxchat.attention import write_cache
+from flaxchat.model.attention import write_cache
 from flaxchat.common import from_main_process, is_main_process
-from flaxchat.execution import execute_code, use_calculator
-from flaxchat.gpt import KVCache, rms_norm
+from flaxchat.generate.sandbox import execute_code, use_calculator
+from flaxchat.model.gpt import KVCache, rms_norm
 
 MIN_BUCKET = 16  # smallest padded prompt length
 STREAM_CHUNK = 16  # most decode steps per jitted call while streaming (a ~50 ms burst on a laptop CPU)
@@ -707,7 +707,7 @@ class Engine:
 
     def run_tool(self, expr: str) -> str | None:
         """The calculator (arithmetic, str.count), as nanochat; with use_sandbox=True anything else runs in the
-        sandbox (flaxchat.execution, 5 s limit): opt-in, so training, evaluation and chat score the same tool.
+        sandbox (flaxchat.generate.sandbox, 5 s limit): opt-in, so training, evaluation and chat score the same tool.
 
         With several processes, process 0 runs it and every process forces its answer: a sandbox that timed
         out on one host only would otherwise send the processes' decode loops different ways (a hang).
@@ -808,7 +808,7 @@ class Engine:
 
     def _speculate(self, prompt, length, max_tokens, temperature, top_k, top_p, seed):
         """One sample by speculative sampling, streamed as (column, mask) pairs like `generate`."""
-        from flaxchat import speculative
+        from flaxchat.generate import speculative
 
         rule = speculative._check(temperature, top_k, top_p, self.draft_steps)
         progs, params = speculative.programs(self.model, self.draft_model)

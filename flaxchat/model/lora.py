@@ -6,7 +6,7 @@ zero, so a fresh adapter leaves the model unchanged; A starts He-uniform (qwix's
 
 qwix does the work: `qwix.apply_lora_to_model` runs the model once with its interceptors on, and every einsum
 of a matched module whose operand traces back to one of that module's weights gets the low-rank term (and, on
-that first run, its parameters). Unlike qwix's PTQ path (see flaxchat/quantize.py), LoRA leaves the base weight
+that first run, its parameters). Unlike qwix's PTQ path (see flaxchat/model/quantize.py), LoRA leaves the base weight
 as it is, so Linear's `self.weight[...].astype(...)` works, and the block matrices are multiplied in their own
 module's frame, where qwix looks for them. What qwix does not cover, and how this module handles it:
 
@@ -33,8 +33,8 @@ import optax
 import qwix
 from flax import nnx
 
-from flaxchat.gpt import GPT, Linear
-from flaxchat.optim import in_float32, skip_nonfinite
+from flaxchat.model.gpt import GPT, Linear
+from flaxchat.train.optim import in_float32, skip_nonfinite
 
 BLOCK_MATRICES = ("c_q", "c_k", "c_v", "c_proj", "c_fc", "ve_gate")
 DEFAULT_TARGETS = "c_q,c_k,c_v,c_proj,c_fc"  # every block matrix but the tiny value-embedding gates
@@ -159,8 +159,8 @@ def build_lora_optimizer(model, lr: float, config: LoraConfig | None = None, wei
     gradients and no optimizer state.
 
     AdamW rather than Muon: the adapters are thin (rank r) matrices, and AdamW is what LoRA was made with; in
-    fp32 whatever the parameters' dtype (flaxchat.optim.in_float32: the embeddings may be bf16).
-    lr_multiplier is an injected hyperparameter, as in flaxchat.optim, so the SFT schedule drives it the same
+    fp32 whatever the parameters' dtype (flaxchat.train.optim.in_float32: the embeddings may be bf16).
+    lr_multiplier is an injected hyperparameter, as in flaxchat.train.optim, so the SFT schedule drives it the same
     way; steps with non-finite (or beyond 1e15) gradients are skipped and counted the same way too.
     """
 
@@ -175,7 +175,7 @@ def build_lora_optimizer(model, lr: float, config: LoraConfig | None = None, wei
 def merge_checkpoint(model_tag: str, step: int | None, output_tag: str) -> str:
     """Write the LoRA checkpoint sft/<model_tag> (latest or `step`) as an ordinary sft checkpoint of merged weights
     under output_tag (replacing what was there); returns its directory."""
-    from flaxchat.checkpoint import Checkpointer, checkpoint_dir, load_model
+    from flaxchat.train.checkpoint import Checkpointer, checkpoint_dir, load_model
 
     ckpt = Checkpointer(checkpoint_dir("sft", model_tag), async_save=False)
     try:

@@ -12,7 +12,7 @@ says which). Tokens are random, as in the flaxchat benchmark's random-token rows
 full speed (the stock CPU wheel's MKL takes its AVX2 kernels on AMD CPUs; `bench --nanochat-mkl avx512` gives it
 its AVX-512 ones):
 
-    python -m flaxchat.nanochat_bench --dir ~/src/nanochat --config '{"n_layer": 4, "n_head": 4, ...}' \\
+    python -m flaxchat.perf.nanochat_bench --dir ~/src/nanochat --config '{"n_layer": 4, "n_head": 4, ...}' \\
         --batch-size 16 --grad-accum 1 --steps 10 --warmup 2
 
 The config is a flaxchat GPTConfig as a dict (the same field names as nanochat's); fields nanochat's GPTConfig
@@ -65,7 +65,7 @@ def build(gpt, config: dict, device: str = "cpu"):
 def time_steps(model, optimizer, vocab_size: int, batch_size: int, seq_len: int, grad_accum: int, steps: int,
                warmup: int, seed: int = 0, device: str = "cpu", profile: int = 0) -> dict:
     """The first step (compilation included), `warmup` more, then the median of `steps` timed steps; with
-    `profile`, that many more steps under torch.profiler, summarized as flaxchat.trace summarizes JAX's traces."""
+    `profile`, that many more steps under torch.profiler, summarized as flaxchat.perf.trace summarizes JAX's traces."""
     import torch
 
     compiled = torch.compile(model, dynamic=False)
@@ -118,14 +118,14 @@ def matmul_peak(device: str, dtype, repeats: int = 5) -> float:
 
 
 def profile_steps(step, n: int, device: str) -> dict:
-    """n steps under torch.profiler: per step, the ops' self time by kind and the slowest ops (flaxchat.trace's
+    """n steps under torch.profiler: per step, the ops' self time by kind and the slowest ops (flaxchat.perf.trace's
     summary). On a GPU the CUDA kernels' device time; on a CPU the self time of the ops torch records on the
     calling thread (its intra-op threads work inside them; the fused code torch.compile generates for a CPU
     counts as its compiled region's own time)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from flaxchat.trace import summarize_ops
+    from flaxchat.perf.trace import summarize_ops
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     times = []

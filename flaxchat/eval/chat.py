@@ -23,7 +23,7 @@ import numpy as np
 from flax import nnx
 
 from flaxchat.common import is_main_process, print0, progress_bar, to_host
-from flaxchat.training import in_sub_batches
+from flaxchat.train.step import in_sub_batches
 
 # Random-guess accuracy of each task: 1 of 4 letters, or ~0 for open-ended answers (nanochat's values).
 BASELINES = {"ARC-Easy": 0.25, "ARC-Challenge": 0.25, "MMLU": 0.25, "GSM8K": 0.0, "HumanEval": 0.0, "SpellingBee": 0.0}
@@ -90,7 +90,7 @@ def letter_token_ids(tokenizer, letters) -> list[int]:
 def run_categorical_eval(task, tokenizer, model, batch_size: int = 8, max_problems: int | None = None,
                          desc: str = "categorical") -> float:
     """Accuracy of argmax over the choice letters' logits at the answer position, batched by prompt length."""
-    from flaxchat.core_eval import plan_batches
+    from flaxchat.eval.core import plan_batches
 
     n = len(task) if max_problems is None else min(len(task), max_problems)
     if n == 0:
@@ -172,7 +172,7 @@ def run_chat_eval(name: str, model, tokenizer, engine=None, batch_size: int = 8,
         acc = run_categorical_eval(task, tokenizer, model, batch_size, max_problems, desc=name)
     elif task.eval_type == "generative":
         if engine is None:
-            raise ValueError(f"{name} is generative and needs an Engine (flaxchat.engine.Engine)")
+            raise ValueError(f"{name} is generative and needs an Engine (flaxchat.generate.engine.Engine)")
         acc = run_generative_eval(task, tokenizer, engine, num_samples, max_new_tokens, temperature, top_k,
                                   max_problems, seed, desc=name, rows=batch_size)
     else:
