@@ -67,8 +67,15 @@ from flax import nnx
 from jax.extend import source_info_util
 
 from flaxchat import sharding
-from flaxchat.common import (MachineLoad, StepProfiler, compute_dtype, get_base_dir, huge_pages_active,
-                             malloc_library, parse_args, peak_flops_per_device, quiet_library_logs, without_huge_pages)
+from flaxchat.common import compute_dtype, get_base_dir, parse_args, quiet_library_logs
+from flaxchat.perf.machine import (
+    huge_pages_active,
+    MachineLoad,
+    malloc_library,
+    peak_flops_per_device,
+    without_huge_pages,
+)
+from flaxchat.perf.profiler import StepProfiler
 from flaxchat.model.config import GPTConfig, add_model_flags, config_from_flags
 from flaxchat.model.gpt import GPT, add_kernel_flags
 from flaxchat.perf.hlo import jaxpr_equations, source_line
@@ -253,7 +260,8 @@ def bench_train(args, mesh) -> dict:
     so every pair of numbers comes from the same minutes of a machine whose speed may drift."""
     from flaxchat.train.optim import build_optimizer
     from flaxchat.perf.trace import format_summary
-    from flaxchat.train.step import FlatStep, InFlight, profile_summary
+    from flaxchat.perf.profiler import profile_summary
+    from flaxchat.train.step import FlatStep, InFlight
 
     dp = mesh.shape["data"] * mesh.shape["fsdp"]
     B, T, A = args.device_batch_size * dp, args.max_seq_len, args.grad_accum

@@ -31,9 +31,9 @@ from flax import nnx
 
 from flaxchat import sharding
 from flaxchat.train.checkpoint import Checkpointer, checkpoint_dir, git_commit
-from flaxchat.common import (HUGE_PAGES_TUNABLE, StepProfiler, compute_dtype, cpu_bf16_instructions, huge_pages_active,
-                             is_main_process, parse_args, peak_flops_per_device, print0, progress_bar,
-                             quiet_library_logs)
+from flaxchat.common import compute_dtype, is_main_process, parse_args, print0, progress_bar, quiet_library_logs
+from flaxchat.perf.machine import cpu_bf16_instructions, huge_pages_active, HUGE_PAGES_TUNABLE, peak_flops_per_device
+from flaxchat.perf.profiler import StepProfiler
 from flaxchat.model.config import GPTConfig, add_model_flags, config_from_flags, derive_training
 from flaxchat.data.dataloader import make_loader, make_val_loader
 from flaxchat.model.gpt import GPT, add_kernel_flags
@@ -42,7 +42,8 @@ from flaxchat.train.optim import Schedule, build_optimizer, optimizer_stats, ski
 from flaxchat.eval.report import Report, metrics_logger, plot_training, read_jsonl
 from flaxchat.data.tokenizer import get_token_bytes, get_tokenizer
 from flaxchat.perf.trace import format_summary
-from flaxchat.train.step import FlatStep, InFlight, add_in_flight_flag, in_flight_depth, profile_summary, sub_batch_note
+from flaxchat.perf.profiler import profile_summary
+from flaxchat.train.step import add_in_flight_flag, FlatStep, in_flight_depth, InFlight, sub_batch_note
 
 SAMPLE_PROMPTS = [
     "The capital of France is",

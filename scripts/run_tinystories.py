@@ -22,7 +22,8 @@ import subprocess
 import sys
 import time
 
-from flaxchat.common import get_base_dir, parse_args, with_huge_pages
+from flaxchat.common import get_base_dir, parse_args
+from flaxchat.perf.machine import with_huge_pages
 
 # name -> (full, quick) settings. Sized so the full demo fits ~15 minutes on 2 CPU cores.
 SIZES = {

@@ -43,7 +43,8 @@ from flax import nnx
 from flaxchat import sharding
 from flaxchat.data.chat_data import make_sft_loader
 from flaxchat.train.checkpoint import Checkpointer, checkpoint_dir, find_model_tag, git_commit
-from flaxchat.common import agree_max, compute_dtype, is_main_process, parse_args, peak_flops_per_device, print0, progress_bar
+from flaxchat.common import agree_max, compute_dtype, is_main_process, parse_args, print0, progress_bar
+from flaxchat.perf.machine import peak_flops_per_device
 from flaxchat.model.config import GPTConfig
 from flaxchat.model.gpt import GPT, add_kernel_flags
 from flaxchat.model.lora import (DEFAULT_TARGETS, LoraConfig, adapter_modules, apply_lora, build_lora_optimizer, count_params,

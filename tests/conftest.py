@@ -50,7 +50,7 @@ if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
 
 # The xdist workers and the scripts tests start run with glibc's huge pages, as pixi tasks and the demo's stages do
 # (flaxchat.common.with_huge_pages: XLA:CPU's per-call temporaries without a page fault per 4 KB).
-from flaxchat.common import with_huge_pages  # noqa: E402  (imports jax, whose backend starts later)
+from flaxchat.perf.machine import with_huge_pages
 
 os.environ["GLIBC_TUNABLES"] = with_huge_pages(os.environ)["GLIBC_TUNABLES"]
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from flaxchat.common import MALLOC_LIBRARIES
+from flaxchat.perf.machine import MALLOC_LIBRARIES
 from scripts.bench import main
 
 TINY = ["--depth", "2", "--aspect-ratio", "32", "--head-dim", "32", "--max-seq-len", "64", "--vocab-size", "512"]
@@ -120,7 +120,7 @@ def test_nanochat_is_timed_before_us_each_round_on_the_same_shape(capsys, monkey
     summed by op and kind, kinds read off the compiled step; nanochat's under torch.profiler, summed the same way)."""
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=4:glibc.malloc.hugetlb=1")
     monkeypatch.setenv("XLA_FLAGS", os.environ["XLA_FLAGS"])  # --profile-steps adds a GPU flag (restored after)
-    from flaxchat.common import MachineLoad
+    from flaxchat.perf.machine import MachineLoad
 
     stops, stop = [], MachineLoad.stop  # the third round's nanochat ran while the VM's host was busy (steal)
 

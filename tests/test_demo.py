@@ -6,6 +6,9 @@ import sys
 
 import pytest
 
+from flaxchat.perf.machine import HUGE_PAGES_TUNABLE
+from scripts import run_tinystories
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -35,3 +38,23 @@ def test_quick_demo_runs_every_stage_and_resumes(tmp_path):
     out = run_demo(base)
     for stage in ("data", "tokenizer", "pretrain", "sft"):
         assert f"=== {stage}: already done" in out
+
+
+def test_demo_writes_under_the_base_dir(tmp_path, monkeypatch, capsys):
+    """The laptop demo's default folder is tinystories/ inside $FLAXCHAT_BASE_DIR (so it never replaces that
+    base dir's own tokenizer or data), and its --help says so."""
+    monkeypatch.setenv("FLAXCHAT_BASE_DIR", str(tmp_path / "mine"))
+    args = run_tinystories.build_parser().parse_args([])
+    assert args.base_dir == str(tmp_path / "mine" / "tinystories")
+    assert run_tinystories.build_parser().parse_args(["--base-dir", "/elsewhere"]).base_dir == "/elsewhere"
+    with pytest.raises(SystemExit):
+        run_tinystories.build_parser().parse_args(["--help"])
+    assert "$FLAXCHAT_BASE_DIR" in capsys.readouterr().out
+    monkeypatch.delenv("FLAXCHAT_BASE_DIR")
+    default = run_tinystories.build_parser().parse_args([]).base_dir
+    assert default == os.path.join(os.path.expanduser("~"), ".cache", "flaxchat", "tinystories")
+    assert not (tmp_path / "mine").exists(), "building the parser creates nothing"
+    demo = run_tinystories.Demo(run_tinystories.build_parser().parse_args(["--base-dir", str(tmp_path / "d")]))
+    assert demo.env["FLAXCHAT_BASE_DIR"] == str(tmp_path / "d")
+    assert HUGE_PAGES_TUNABLE in demo.env["GLIBC_TUNABLES"].split(":")  # its stages start with huge pages
+

@@ -47,7 +47,7 @@ FEATURE_KEYS = {"dependencies", "pypi-dependencies", "system-requirements", "pla
 
 def test_pixi_tasks_run_with_huge_pages():
     """Every pixi task gets glibc's huge-page tunable, the one the demo and the tests use (flaxchat.common)."""
-    from flaxchat.common import HUGE_PAGES_TUNABLE
+    from flaxchat.perf.machine import HUGE_PAGES_TUNABLE
 
     assert pixi()["activation"]["env"]["GLIBC_TUNABLES"] == HUGE_PAGES_TUNABLE
 

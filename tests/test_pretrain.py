@@ -27,7 +27,7 @@ def losses(rows):
 
 
 def test_pretrain_smoke_loss_goes_down(tiny_base_dir, capsys):
-    from flaxchat.common import cpu_bf16_instructions
+    from flaxchat.perf.machine import cpu_bf16_instructions
     from scripts.pretrain import main
 
     # one step in flight (the GPU/TPU default): evaluations and the final save wait for it

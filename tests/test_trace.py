@@ -151,7 +151,7 @@ def test_a_real_cpu_trace_of_a_jitted_step(tmp_path):
 
 
 def test_a_product_made_through_the_shared_einsum_is_named_by_the_line_that_called_it():
-    from flaxchat.common import einsum
+    from flaxchat.model.cpu import einsum
 
     def f(x, w):
         return einsum("nc,vc->nv", x, w)
@@ -289,7 +289,7 @@ def test_profiling_scripts_turn_command_buffers_off_before_jax_starts(script, ar
     code = f"""
 import os, sys
 from jax._src import xla_bridge
-from flaxchat.common import StepProfiler
+from flaxchat.perf.profiler import StepProfiler
 prepare = StepProfiler.prepare
 def checked(steps):
     changed = prepare(steps)
@@ -307,7 +307,7 @@ main({args!r} + ["--profile-steps", "5:8"])
 
 
 def test_prepare_keeps_a_command_buffer_flag_already_set(monkeypatch):
-    from flaxchat.common import StepProfiler
+    from flaxchat.perf.profiler import StepProfiler
 
     monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_command_buffer=FUSION")
     assert not StepProfiler.prepare((5, 8))

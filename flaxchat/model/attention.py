@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from flaxchat import sharding
-from flaxchat.common import einsum, split_in_two, widened_products
+from flaxchat.model.cpu import einsum, split_in_two, widened_products
 
 ATTENTION_IMPLEMENTATIONS = ("auto", "chunked", "xla", "cudnn", "splash")
 

@@ -25,7 +25,8 @@ from flax import nnx
 
 from flaxchat import sharding
 from flaxchat.model.attention import ATTENTION_IMPLEMENTATIONS, attention, cached_attention, resolve_attention, write_cache
-from flaxchat.common import activation_dtype, compute_dtype, einsum, widened_products
+from flaxchat.common import compute_dtype
+from flaxchat.model.cpu import activation_dtype, einsum, widened_products
 from flaxchat.model.config import GPTConfig
 from flaxchat.model.loss import SOFTCAP, loss_sum, softcapped_logits, token_losses
 

@@ -20,7 +20,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from flaxchat import sharding
-from flaxchat.common import einsum, split_in_two, widened_products
+from flaxchat.model.cpu import einsum, split_in_two, widened_products
 
 SOFTCAP = 15.0  # nanochat's logit soft-cap: SOFTCAP * tanh(logits / SOFTCAP), in (-15, 15)
 

@@ -37,7 +37,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from flaxchat import sharding
-from flaxchat.common import compute_dtype, einsum, print0, split_in_two, widened_products
+from flaxchat.common import compute_dtype, print0
+from flaxchat.model.cpu import einsum, split_in_two, widened_products
 
 # Polar Express coefficients for 5 iterations (safety factor 2e-2, cushion 2), from
 # Amsel, Persson, Musco, Gower, "The Polar Express", arXiv:2505.16932 — the values nanochat uses.

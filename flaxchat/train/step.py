@@ -260,21 +260,3 @@ def in_flight_depth(choice: str, backend: str) -> int:
     if choice not in IN_FLIGHT_CHOICES:
         raise ValueError(f"--in-flight is one of {', '.join(IN_FLIGHT_CHOICES)}, got {choice!r}")
     return int(choice == "on" or (choice == "auto" and backend != "cpu"))
-
-
-def profile_summary(profiler, step: FlatStep, batch, mesh) -> dict | None:
-    """Where a StepProfiler's steps of a FlatStep spent their time (flaxchat.perf.trace's summary), each op's kind and
-    source line read off the compiled step: the same program, compiled again from the same arguments (at once where
-    the persistent compilation cache is on, as on accelerators). batch: (xs, ys) as the step takes them. None if no
-    trace was written."""
-    from flaxchat.perf.hlo import op_kinds, op_sources, scatter_combiners
-    from flaxchat.perf.trace import summarize_trace
-
-    if not profiler.written:
-        return None
-    with jax.set_mesh(mesh):
-        hlo = step.lower(*batch).compile().as_text()
-    summary = summarize_trace(profiler.directory, kinds=op_kinds(hlo), module="train_step", sources=op_sources(hlo))
-    # the embeddings' gradients: "f32 add" where the device adds atomically (hlo.scatter_combiners)
-    summary["scatters"] = [f"{dtype} {' '.join(ops)}" for dtype, ops in scatter_combiners(hlo)]
-    return summary
