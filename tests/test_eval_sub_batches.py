@@ -81,7 +81,7 @@ def test_eval_in_sub_batches_equals_one_pass_over_the_batch(monkeypatch, mesh_sh
         x2 = np.asarray(x).copy()
         x2[np.arange(rows), p + 1] = np.where(np.arange(rows) % 2 == 0, choice, (choice + 1) % VOCAB)
         x2, starts = (jax.device_put(a, x.sharding) for a in (jnp.asarray(x2), jnp.asarray(p + 1, jnp.int32)))
-        greedy = np.asarray(core_eval._span_all_argmax(model, x2, starts, starts + 1))
+        greedy = np.asarray(core_eval.span_all_argmax(model, x2, starts, starts + 1))
     assert list(added.elements()) == ([] if mesh_shape == (1, 8, 1) else [4])  # the sub-batch loop: 4 turns
     assert got.shape == (rows, T) and np.all(got[np.asarray(y) < 0] == 0)
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
