@@ -14,7 +14,8 @@ The same commands run on a GPU or TPU host (JAX picks the device). The API speak
     curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
          -d '{"messages": [{"role": "user", "content": "Why is the sky blue?"}], "stream": true}'
 
-WebSocket protocol and limits: see flaxchat/serve/app.py.
+Routes: flaxchat/serve/app.py; the WebSocket protocol: flaxchat/serve/websocket.py; the OpenAI API:
+flaxchat/serve/openai.py; the limits: flaxchat/serve/server.py.
 """
 
 from __future__ import annotations
@@ -22,28 +23,41 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import sys
 import time
 
-from flaxchat.common import parse_args
+import uvicorn
+import websockets
+from flax import nnx
+
+from flaxchat.common import enable_compilation_cache, get_base_dir, parse_args
+from flaxchat.data.tokenizer import get_tokenizer
+from flaxchat.generate.scheduler import Scheduler, SpeculativeScheduler, auto_slots
+from flaxchat.generate.speculative import add_draft_flags
+from flaxchat.model.config import GPTConfig
+from flaxchat.model.gpt import GPT
+from flaxchat.model.quantize import add_quantize_flag, quantize_for_generation
+from flaxchat.serve.app import BackgroundServer, create_app, uvicorn_config
+from flaxchat.serve.server import ServeConfig
+from flaxchat.train.checkpoint import find_model_tag, load_model, load_named_model
 
 # -----------------------------------------------------------------------------
 # Arguments
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from flaxchat.model.quantize import add_quantize_flag
-    from flaxchat.generate.speculative import add_draft_flags
-
     p = argparse.ArgumentParser(description="Serve a flaxchat model in the browser and over HTTP",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("-i", "--source", choices=["base", "sft", "rl"], default="sft", help="which checkpoints to load")
-    p.add_argument("-g", "--model-tag", default=None, help="model tag (directory under the checkpoints); default: the largest")
+    p.add_argument("-g", "--model-tag", default=None,
+                   help="model tag (directory under the checkpoints); default: the largest")
     p.add_argument("-s", "--step", type=int, default=None, help="checkpoint step; default: the latest")
-    p.add_argument("--random-init", action="store_true", help="serve an untrained model of --depth (load tests, UI work)")
+    p.add_argument("--random-init", action="store_true",
+                   help="serve an untrained model of --depth (load tests, UI work)")
     p.add_argument("--depth", type=int, default=4, help="model depth for --random-init")
     p.add_argument("--seq-len", type=int, default=512, help="context length for --random-init")
     p.add_argument("--seed", type=int, default=0, help="parameter seed for --random-init")
@@ -107,22 +121,12 @@ def get_args(argv=None) -> argparse.Namespace:
 
 def build_model(args):
     """(model, tokenizer, name): a checkpoint, or a fresh model of --depth sized to the base dir's tokenizer."""
-    from flax import nnx
-
-    from flaxchat.model.config import GPTConfig
-    from flaxchat.model.gpt import GPT
-    from flaxchat.data.tokenizer import get_tokenizer
-
-    from flaxchat.model.quantize import quantize_for_generation
-
     weights = "" if args.quantize == "none" else f"-{args.quantize}"
     if args.random_init:
         tokenizer = get_tokenizer()
         config = GPTConfig.from_depth(args.depth, vocab_size=tokenizer.get_vocab_size(), max_seq_len=args.seq_len)
         model = quantize_for_generation(GPT(config, rngs=nnx.Rngs(args.seed)), args.quantize)
         return model, tokenizer, f"d{args.depth}-random-init{weights}"
-    from flaxchat.train.checkpoint import find_model_tag, load_model
-
     tag = args.model_tag or find_model_tag(args.source)
     model, tokenizer, meta = load_model(args.source, tag, args.step)
     model = quantize_for_generation(model, args.quantize)
@@ -133,9 +137,6 @@ def build_draft(args, model):
     """The --draft-model checkpoint ([SOURCE:]TAG, SOURCE defaulting to -i), quantized like the model; or None."""
     if not args.draft_model:
         return None
-    from flaxchat.train.checkpoint import load_named_model
-    from flaxchat.model.quantize import quantize_for_generation
-
     draft = load_named_model(args.draft_model, args.source, "--draft-model")
     if draft.config.vocab_size != model.config.vocab_size:
         raise ValueError(f"the draft model's vocabulary ({draft.config.vocab_size}) is not the model's "
@@ -148,8 +149,6 @@ def build_draft(args, model):
 
 
 async def one_client(ws_url: str, content: str, max_tokens: int, seed: int) -> dict:
-    import websockets
-
     async with websockets.connect(ws_url, max_size=2**22) as ws:
         assert json.loads(await ws.recv())["type"] == "ready"
         t0 = time.perf_counter()
@@ -183,14 +182,13 @@ async def load_test(url: str, clients: int, max_tokens: int) -> dict:
 def load_test_in_subprocess(url: str, clients: int, max_tokens: int) -> dict:
     """load_test from a separate process, so the clients' own work does not compete with the server's threads
     for this process's interpreter lock (real clients are elsewhere)."""
-    import multiprocessing
-
     ctx = multiprocessing.get_context("spawn")
     with ctx.Pool(1) as pool:
-        return pool.apply(_run_load_test, (url, clients, max_tokens))
+        return pool.apply(run_load_test, (url, clients, max_tokens))
 
 
-def _run_load_test(url: str, clients: int, max_tokens: int) -> dict:
+def run_load_test(url: str, clients: int, max_tokens: int) -> dict:
+    """load_test in a fresh event loop (the subprocess's entry point)."""
     return asyncio.run(load_test(url, clients, max_tokens))
 
 
@@ -200,13 +198,6 @@ def _run_load_test(url: str, clients: int, max_tokens: int) -> dict:
 
 def main(argv=None) -> int:
     args = get_args(argv)
-    import uvicorn
-
-    from flaxchat.common import enable_compilation_cache, get_base_dir
-
-    from flaxchat.generate.scheduler import Scheduler, SpeculativeScheduler, auto_slots
-    from flaxchat.serve.app import BackgroundServer, ServeConfig, create_app, uvicorn_config
-
     try:
         model, tokenizer, name = build_model(args)
         draft = build_draft(args, model)
@@ -219,7 +210,8 @@ def main(argv=None) -> int:
     print(f"model {name}: {c.n_layer} layers, width {c.n_embd}, vocab {c.vocab_size}, context {c.sequence_len}")
     if draft is not None:
         if args.slots not in (None, 1):
-            print(f"chat_web: --draft-model serves one conversation at a time (got --slots {args.slots})", file=sys.stderr)
+            print(f"chat_web: --draft-model serves one conversation at a time (got --slots {args.slots})",
+                  file=sys.stderr)
             return 1
         args.slots = 1
         print(f"speculative sampling: draft {args.draft_model} ({draft.config.n_layer} layers) proposes "
@@ -236,8 +228,8 @@ def main(argv=None) -> int:
     config = ServeConfig(model_name=name, max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_tokens,
                          default_max_tokens=args.default_max_tokens, default_temperature=args.temperature,
                          default_top_k=args.top_k, max_connections=args.max_connections,
-                         max_message_bytes=args.max_message_bytes, rate_limit=args.rate_limit, rate_burst=args.rate_burst,
-                         limit_loopback=args.limit_everyone)
+                         max_message_bytes=args.max_message_bytes, rate_limit=args.rate_limit,
+                         rate_burst=args.rate_burst, limit_loopback=args.limit_everyone)
     if args.load_test:
         config = ServeConfig(**{**config.__dict__, "rate_limit": 0.0, "max_connections": max(args.load_test) + 8})
         with BackgroundServer(create_app(scheduler, tokenizer, config)) as url:
@@ -252,8 +244,9 @@ def main(argv=None) -> int:
                     print(json.dumps({"run": run}), flush=True)
             median = lambda key: {n: sorted(r[key] for r in rs)[len(rs) // 2] for n, rs in runs.items()}
             wall, cpu = median("tok_per_s"), median("tok_per_server_cpu_s")
-            print(json.dumps({"model": name, "slots": args.slots, "chunk": args.chunk, "tokens_per_client": args.load_tokens,
-                              "median_tok_per_s": wall, "vs_one_client": {n: round(v / wall[min(wall)], 2) for n, v in wall.items()},
+            print(json.dumps({"model": name, "slots": args.slots, "chunk": args.chunk,
+                              "tokens_per_client": args.load_tokens, "median_tok_per_s": wall,
+                              "vs_one_client": {n: round(v / wall[min(wall)], 2) for n, v in wall.items()},
                               "median_tok_per_server_cpu_s": cpu,
                               "cpu_vs_one_client": {n: round(v / cpu[min(cpu)], 2) for n, v in cpu.items()}}))
         return 0

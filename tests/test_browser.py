@@ -15,11 +15,12 @@ import pytest
 import websockets
 from flax import nnx
 
+from flaxchat.data.tokenizer import Tokenizer
+from flaxchat.generate.scheduler import Scheduler
 from flaxchat.model.config import GPTConfig
 from flaxchat.model.gpt import GPT, rms_norm
-from flaxchat.generate.scheduler import Scheduler
-from flaxchat.serve.app import BackgroundServer, ServeConfig, create_app
-from flaxchat.data.tokenizer import Tokenizer
+from flaxchat.serve.app import BackgroundServer, create_app
+from flaxchat.serve.server import ServeConfig
 
 CHROMIUM = os.environ.get("FLAXCHAT_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",

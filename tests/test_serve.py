@@ -8,17 +8,24 @@ import random
 import time
 
 import httpx
+import jax
 import jax.numpy as jnp
 import numpy as np
+import openai
 import pytest
 import websockets
 from flax import nnx
 
+from flaxchat.data.tokenizer import Tokenizer
+from flaxchat.generate.scheduler import Scheduler, auto_slots
 from flaxchat.model.config import GPTConfig
 from flaxchat.model.gpt import GPT
-from flaxchat.generate.scheduler import Scheduler
-from flaxchat.serve.app import BackgroundServer, ClientError, ServeConfig, StopFilter, create_app, reply_text
-from flaxchat.data.tokenizer import Tokenizer
+from flaxchat.serve.app import BackgroundServer, create_app
+from flaxchat.serve.openai import StopFilter, reply_text
+from flaxchat.serve.server import ClientError, ServeConfig
+from flaxchat.train.checkpoint import Checkpointer, checkpoint_dir
+from scripts import chat_web
+from scripts.chat_web import build_model, get_args, load_test
 
 MAX_BYTES = 2048
 LIMITS = dict(max_new_tokens=100, default_max_tokens=12, max_message_bytes=MAX_BYTES)
@@ -151,7 +158,8 @@ def test_stop_ends_the_reply_and_keeps_it(url, scheduler, monkeypatch):
     async def go():
         async with chat(url) as ws:
             # seeded: this reply runs all 100 tokens when nobody stops it (a random seed may sample a stop token)
-            await ws.send(json.dumps({"type": "message", "content": "Tell me everything", "max_tokens": 100, "seed": 3}))
+            await ws.send(json.dumps({"type": "message", "content": "Tell me everything", "max_tokens": 100,
+                                      "seed": 3}))
             first = await recv(ws)
             await ws.send(json.dumps({"type": "stop"}))
             events = [first]
@@ -171,7 +179,8 @@ def test_one_reply_at_a_time(url, scheduler, monkeypatch):
     async def go():
         async with chat(url) as ws:
             # seeded as in test_stop_ends_the_reply_and_keeps_it: this reply runs all 100 tokens unless stopped
-            await ws.send(json.dumps({"type": "message", "content": "Tell me everything", "max_tokens": 100, "seed": 3}))
+            await ws.send(json.dumps({"type": "message", "content": "Tell me everything", "max_tokens": 100,
+                                      "seed": 3}))
             await ws.send(json.dumps({"type": "message", "content": "another"}))
             events = []
             while not any(e["type"] == "error" for e in events):
@@ -418,8 +427,6 @@ def test_loopback_clients_are_not_rate_limited_by_default(scheduler, tok):
 
 
 def test_auto_slots_fit_the_memory(scheduler):
-    from flaxchat.generate.scheduler import auto_slots
-
     model, c = scheduler.model, scheduler.model.config
     per_slot = 2 * c.n_layer * c.sequence_len * c.n_kv_head * c.head_dim * jnp.dtype(model.dtype).itemsize
     assert auto_slots(model, memory=10**15)[0] == 32
@@ -452,7 +459,8 @@ def test_openai_non_stream_and_stream_agree(url):
     choice = body["choices"][0]
     assert choice["message"]["role"] == "assistant" and choice["finish_reason"] in ("length", "stop")
     usage = body["usage"]
-    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"] and usage["completion_tokens"] <= 10
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    assert usage["completion_tokens"] <= 10
 
     r = completion(url, max_tokens=10, temperature=0.0, stream=True, stream_options={"include_usage": True})
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
@@ -468,7 +476,8 @@ def test_openai_non_stream_and_stream_agree(url):
 
 
 def test_openai_multi_turn_with_system_and_parts(url):
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "text", "text": "hi"}]},
                 {"role": "assistant", "content": [{"type": "python", "text": "1+1"},
                                                   {"type": "python_output", "text": "2"}]},
                 {"role": "user", "content": "and 2+2?"}]
@@ -578,9 +587,6 @@ def test_openai_n_choices_are_seeded_requests(url):
 
 
 def test_legacy_completions_score_prompts_like_the_model(url, scheduler, tok):
-    import jax
-    import openai
-
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
     text = "the cat sat on the mat"
     r = client.completions.create(model="flaxchat", prompt=text, echo=True, logprobs=1, max_tokens=0)
@@ -629,7 +635,8 @@ def test_openai_fuzz_never_breaks_the_server(url):
 
 
 def test_stream_disconnect_frees_the_slot(url, scheduler, monkeypatch):
-    slow_decoding(monkeypatch, scheduler, seconds=0.08)  # 100 tokens take 2 s: time to hear of the disconnect under load
+    # 100 tokens take 2 s: time to hear of the disconnect under load
+    slow_decoding(monkeypatch, scheduler, seconds=0.08)
     before = health(url).get("finished_cancelled", 0)
     with httpx.stream("POST", url + "/v1/chat/completions", timeout=60,
                       json={"messages": [{"role": "user", "content": "go"}], "stream": True, "max_tokens": 100,
@@ -652,8 +659,6 @@ def test_tool_events_read_as_fenced_blocks():
 
 
 def test_script_flags_and_random_init(tiny_base_dir, url):
-    from scripts.chat_web import build_model, get_args, load_test
-
     for bad in (["--slots", "0"], ["--port", "70000"], ["--top-k", "500"], ["--load-test", "1,x"]):
         with pytest.raises(SystemExit):
             get_args(bad)
@@ -668,10 +673,6 @@ def test_script_flags_and_random_init(tiny_base_dir, url):
 
 def test_chat_web_serves_with_a_draft_model(tiny_base_dir, tok, monkeypatch):
     """--draft-model: the speculative scheduler behind the same app; a load test's replies stream through it."""
-    import flaxchat.common
-    from flaxchat.train.checkpoint import Checkpointer, checkpoint_dir
-    from scripts import chat_web
-
     config = GPTConfig(sequence_len=64, vocab_size=tok.get_vocab_size(), n_layer=1, n_head=1, n_kv_head=1, n_embd=32)
     ckpt = Checkpointer(checkpoint_dir("sft", "d1"), async_save=False)
     ckpt.save(1, GPT(config, rngs=nnx.Rngs(0)))
@@ -679,8 +680,8 @@ def test_chat_web_serves_with_a_draft_model(tiny_base_dir, tok, monkeypatch):
     printed = []  # main's own lines (uvicorn's log handlers would outlive a capture fixture's streams)
     monkeypatch.setattr(chat_web, "print", lambda *a, file=None, **kw: printed.append((file, " ".join(map(str, a)))),
                         raising=False)
-    monkeypatch.setattr(chat_web, "load_test_in_subprocess", chat_web._run_load_test)  # clients in this process
-    monkeypatch.setattr(flaxchat.common, "enable_compilation_cache", lambda path: None)  # process-wide otherwise
+    monkeypatch.setattr(chat_web, "load_test_in_subprocess", chat_web.run_load_test)  # clients in this process
+    monkeypatch.setattr(chat_web, "enable_compilation_cache", lambda path: None)  # process-wide otherwise
     flags = ["-i", "sft", "-g", "d1", "--draft-model", "d1", "--draft-steps", "2", "--no-warmup"]
     assert chat_web.main([*flags, "--load-test", "2", "--load-tokens", "4", "--load-repeats", "1"]) == 0
     out = [line for f, line in printed if f is None]

@@ -1,0 +1,464 @@
+"""The OpenAI-compatible HTTP API, so existing clients (the openai package, lm-evaluation-harness) work unchanged.
+
+    POST /v1/chat/completions   chat completions; "stream": true answers with server-sent events. Honours messages
+                                (system / user / assistant; text parts, and python / python_output parts of
+                                flaxchat's own tool calls for round trips), temperature, top_p, top_k, seed,
+                                max_tokens / max_completion_tokens, n, stop and stream_options.include_usage.
+    POST /v1/completions        legacy completions of raw prompts (text, ids, or lists of either): max_tokens,
+                                temperature, top_p, top_k, seed, n, stop, echo, stream (one prompt) and
+                                stream_options.include_usage; echo + logprobs + max_tokens 0 scores a prompt.
+
+OpenAI's other request fields are accepted and ignored; those it cannot honour (tools, logprobs on chat,
+json response formats) are refused. Errors have OpenAI's shape, {"error": {"message", "type", "param", "code"}},
+with the WebSocket protocol's reasons as codes (invalid_message, prompt_too_long, rate_limited...). Each request
+holds one of the server's connections until its answer (or its stream) has been sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from typing import Literal
+
+from fastapi import Request as HTTPRequest
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from flaxchat.generate.scheduler import MAX_TOP_K, Request, new_seed
+from flaxchat.serve.server import ChatServer, ClientError, describe_errors, parse_json, thread_emitter
+
+# -----------------------------------------------------------------------------
+# Requests
+
+
+class _OpenAI(BaseModel):
+    """OpenAI's request shapes: fields this server does not use (presence_penalty, logit_bias, user, store,
+    metadata...) are accepted and ignored, as clients send them routinely; the fields it uses stay strict."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+MAX_CHOICES = 8  # most choices (`n`) one request may ask for: each takes a scheduler slot
+MAX_STOPS = 4  # as OpenAI
+
+
+class ContentPart(_OpenAI):
+    type: Literal["text", "python", "python_output"]  # python parts: flaxchat's tool calls, for round trips
+    text: str
+
+
+class ChatMessage(_OpenAI):
+    role: Literal["system", "user", "assistant"]
+    content: str | list[ContentPart]
+    name: str | None = None
+
+
+class StreamOptions(_OpenAI):
+    include_usage: bool = False
+
+
+class ResponseFormat(_OpenAI):
+    type: Literal["text"]  # json_object / json_schema cannot be honoured, so they are refused
+
+
+class ChatCompletionRequest(_OpenAI):
+    messages: list[ChatMessage] = Field(min_length=1)
+    model: str | None = None  # any name is accepted; this server has one model
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_k: int | None = Field(None, ge=0, le=MAX_TOP_K)  # not OpenAI's, but nanochat's main knob
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name; wins over max_tokens
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
+    stop: str | list[str] | None = None
+    logprobs: Literal[False] | None = None  # per-token log-probabilities are not returned by this endpoint
+    tools: list[dict] | None = Field(None, max_length=0)  # the model calls only its own calculator
+    response_format: ResponseFormat | None = None
+
+    def stops(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stops) > MAX_STOPS or any(not x for x in stops):
+            raise ClientError("invalid_message", f"stop: at most {MAX_STOPS} non-empty strings")
+        return stops
+
+
+class CompletionRequest(_OpenAI):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    model: str | None = None
+    max_tokens: int = Field(16, ge=0)  # OpenAI's default; 0 with echo scores the prompt only
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0, le=MAX_TOP_K)
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
+    stop: str | list[str] | None = None
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=5)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+    stops = ChatCompletionRequest.stops
+
+
+# -----------------------------------------------------------------------------
+# Reading requests, answering errors, holding connections
+
+
+def openai_error(e: ClientError) -> JSONResponse:
+    body = {"error": {"message": e.message, "type": "invalid_request_error" if e.status < 500 else "server_error",
+                      "param": None, "code": e.reason}}
+    return JSONResponse(body, status_code=e.status)
+
+
+async def read_body(request: HTTPRequest, max_bytes: int) -> bytes:
+    """The request body, refused as soon as it passes max_bytes (a large body is never held whole)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise ClientError("message_too_large", f"request body is {declared} bytes; the limit is {max_bytes}", 413)
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > max_bytes:
+            raise ClientError("message_too_large", f"request body is over the {max_bytes}-byte limit", 413)
+    return bytes(body)
+
+
+async def read_request(server: ChatServer, request: HTTPRequest, model: type[BaseModel]):
+    """The request body parsed and validated as `model`; ClientError (400/413) otherwise."""
+    limit = server.config.max_message_bytes
+    try:
+        return model.model_validate(parse_json(await read_body(request, limit), limit))
+    except ValidationError as e:
+        raise ClientError("invalid_message", describe_errors(e)) from None
+
+
+class HeldStream(StreamingResponse):
+    """A streaming response that holds one of the server's connections until it has been sent (or the client
+    left): the handler returns long before the stream ends."""
+
+    def __init__(self, server: ChatServer, content, **kwargs):
+        super().__init__(content, **kwargs)
+        self.server = server
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.server.release()
+
+
+def holding_connection(server: ChatServer, handler):
+    """An HTTP route around `handler(server, request)` that holds one of the server's connections while it runs
+    (a stream: until it has been sent)."""
+    async def route(request: HTTPRequest):
+        if not server.acquire():
+            return openai_error(ClientError("too_many_connections", "the server is at its connection limit", 503))
+        response = None
+        try:
+            response = await handler(server, request)
+            return response
+        finally:
+            if not isinstance(response, HeldStream):  # a stream gives its connection back when it ends
+                server.release()
+    return route
+
+
+# -----------------------------------------------------------------------------
+# Choices: the n scheduler requests behind one completion
+
+
+def reply_text(event: dict) -> str:
+    """How a scheduler event reads in OpenAI content: text as is, tool calls and outputs as fenced blocks."""
+    if event["type"] == "token":
+        return event["text"]
+    if event["type"] == "tool":
+        return f"\n```{'python' if event['kind'] == 'call' else 'output'}\n{event['text']}\n```\n"
+    return ""
+
+
+class StopFilter:
+    """One choice's text with OpenAI's `stop` strings: the reply ends before the first occurrence of any.
+    Text that could still be the start of a stop string is held back until the next piece decides it."""
+
+    def __init__(self, stops: list[str]):
+        self.stops, self.held, self.stopped = stops, "", False
+
+    def feed(self, text: str) -> str:
+        """The text that is safe to send now."""
+        if self.stopped or not self.stops:
+            return "" if self.stopped else text
+        self.held += text
+        cut = min((i for i in (self.held.find(x) for x in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self.stopped, out, self.held = True, self.held[:cut], ""
+            return out
+        keep = max((k for x in self.stops for k in range(1, len(x)) if self.held.endswith(x[:k])), default=0)
+        out, self.held = self.held[: len(self.held) - keep], self.held[len(self.held) - keep:]
+        return out
+
+    def flush(self) -> str:
+        out, self.held = self.held, ""
+        return out
+
+
+class Choices:
+    """The n scheduler requests behind one OpenAI completion, their stop filters and finish reasons."""
+
+    def __init__(self, server: ChatServer, jobs: list[Request], stops: list[str]):
+        self.server, self.jobs = server, jobs
+        self.filters = [StopFilter(stops) for _ in jobs]
+        self.reasons: list[str | None] = [None] * len(jobs)
+
+    def handle(self, index: int, event: dict) -> tuple[str, bool]:
+        """An event of choice `index` -> (text to send, whether the choice just ended)."""
+        f = self.filters[index]
+        if self.reasons[index] is not None:
+            return "", False  # after a stop string: the cancelled request's stragglers
+        if event["type"] == "done":
+            self.reasons[index] = self.jobs[index].finish_reason
+            return f.flush(), True
+        text = f.feed(reply_text(event))
+        if f.stopped:
+            self.reasons[index] = "stop"
+            self.server.scheduler.cancel(self.jobs[index])
+            return text, True
+        return text, False
+
+    @property
+    def done(self) -> bool:
+        return all(r is not None for r in self.reasons)
+
+    def usage(self) -> dict:
+        prompt = len(self.jobs[0].prompt)  # counted once, as OpenAI does for n > 1
+        completion = sum(j.completion_tokens for j in self.jobs)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def cancel_unfinished(self) -> None:
+        for job in self.jobs:
+            if not job.finished:
+                self.server.scheduler.cancel(job)
+
+
+def submit_choices(server: ChatServer, prompt: list[int], settings: dict, n: int, seeded: bool,
+                   events: asyncio.Queue) -> list[Request]:
+    """n scheduler requests for one prompt, seeds seed+i when the client gave a seed (all or none are queued)."""
+    jobs = []
+    try:
+        for i in range(n):
+            seed = settings["seed"] + i if seeded else (settings["seed"] if i == 0 else new_seed())
+            jobs.append(server.submit(prompt, {**settings, "seed": seed % 2**63}, thread_emitter(events, i)))
+    except ClientError:
+        for job in jobs:
+            server.scheduler.cancel(job)
+        raise
+    return jobs
+
+
+async def _gather(request, choices: Choices, events) -> list[str]:
+    texts = [[] for _ in choices.jobs]
+    try:
+        while not choices.done:
+            try:
+                index, event = await asyncio.wait_for(events.get(), timeout=1.0)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    raise ClientError("cancelled", "the client went away", 499) from None
+                continue
+            if event["type"] == "error":
+                raise ClientError(event["reason"], event["message"], 500)
+            texts[index].append(choices.handle(index, event)[0])
+    finally:
+        choices.cancel_unfinished()
+    return ["".join(t) for t in texts]
+
+
+# -----------------------------------------------------------------------------
+# Chat completions
+
+
+def openai_messages(req: ChatCompletionRequest) -> list[dict]:
+    """OpenAI messages -> flaxchat conversation messages (text parts joined; tool parts kept for assistants)."""
+    out = []
+    for m in req.messages:
+        content = m.content
+        if isinstance(content, list):
+            if m.role != "assistant":
+                if any(p.type != "text" for p in content):
+                    raise ClientError("invalid_message", f"{m.role} content parts must be of type text")
+                content = "".join(p.text for p in content)
+            else:
+                content = [p.model_dump() for p in content]
+        out.append({"role": m.role, "content": content})
+    if out[-1]["role"] != "user":
+        raise ClientError("invalid_message", "messages: the last message must be from the user")
+    return out
+
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+async def completions(server: ChatServer, request: HTTPRequest):
+    """POST /v1/chat/completions. Returns a JSONResponse, or a StreamingResponse of SSE chunks."""
+    try:
+        req = await read_request(server, request, ChatCompletionRequest)
+        stops = req.stops()
+        settings = server.sampling(req.temperature, req.top_k, req.max_completion_tokens or req.max_tokens, req.seed,
+                                   req.top_p)
+        prompt, _ = server.render(openai_messages(req), drop_old=False)
+        server.check_rate(request.client.host if request.client else "unknown")
+        events: asyncio.Queue = asyncio.Queue()
+        choices = Choices(server, submit_choices(server, prompt, settings, req.n, req.seed is not None, events), stops)
+    except ClientError as e:
+        return openai_error(e)
+    meta = {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "object": "", "created": int(time.time()),
+            "model": server.config.model_name}  # "object" is filled in per response, keeping OpenAI's key order
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return HeldStream(server, _sse(choices, events, _chat_chunks(meta), include_usage),
+                          media_type="text/event-stream", headers=SSE_HEADERS)
+    return await _collect(request, choices, events, meta)
+
+
+async def _collect(request, choices: Choices, events, meta):
+    try:
+        texts = await _gather(request, choices, events)
+    except ClientError as e:  # 499: nobody is waiting (the slots are already freed)
+        return JSONResponse({}, status_code=499) if e.status == 499 else openai_error(e)
+    out = [{"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
+            "logprobs": None} for i, (text, reason) in enumerate(zip(texts, choices.reasons))]
+    return JSONResponse({**meta, "object": "chat.completion", "choices": out, "usage": choices.usage()})
+
+
+def _sse_chunk(meta: dict, delta: dict, finish_reason=None, index: int = 0, **extra) -> str:
+    chunk = {**meta, "object": "chat.completion.chunk",
+             "choices": [{"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": None}], **extra}
+    return f"data: {json.dumps(chunk)}\n\n"
+
+
+def _chat_chunks(meta: dict):
+    """The chat endpoint's SSE lines: (opening lines per choice, chunk(index, text, finish), usage line)."""
+    opening = lambda n: [_sse_chunk(meta, {"role": "assistant", "content": ""}, index=i) for i in range(n)]
+    chunk = lambda index, text, finish: _sse_chunk(meta, {"content": text} if text else {}, finish, index)
+    usage = lambda u: f"data: {json.dumps({**meta, 'object': 'chat.completion.chunk', 'choices': [], 'usage': u})}\n\n"
+    return opening, chunk, usage
+
+
+async def _sse(choices: Choices, events, lines, include_usage):
+    """Server-sent events for a streamed request: lines = (opening, chunk, usage) as _chat_chunks makes them."""
+    opening, chunk, usage = lines
+    try:
+        for line in opening(len(choices.jobs)):
+            yield line
+        while not choices.done:
+            index, event = await events.get()
+            if event["type"] == "error":
+                yield f"data: {json.dumps({'error': {'message': event['message'], 'code': event['reason']}})}\n\n"
+                break
+            text, ended = choices.handle(index, event)
+            if text:
+                yield chunk(index, text, None)
+            if ended:
+                yield chunk(index, "", choices.reasons[index])
+        else:
+            if include_usage:
+                yield usage(choices.usage())
+        yield "data: [DONE]\n\n"
+    finally:  # also runs when the client disconnects mid-stream (the response task is cancelled)
+        choices.cancel_unfinished()
+
+
+# -----------------------------------------------------------------------------
+# Legacy completions (raw text in and out; lm-evaluation-harness scores prompts through it)
+
+
+def legacy_prompts(server: ChatServer, req: CompletionRequest) -> list[tuple[str, list[int]]]:
+    """The request's prompts as (text, ids): text is encoded without BOS (send ids to choose the tokens)."""
+    p = req.prompt
+    items = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
+    if not items or any(len(x) == 0 for x in items):
+        raise ClientError("invalid_message", "prompt: give at least one non-empty prompt")
+    vocab = server.tokenizer.get_vocab_size()
+    out = []
+    for x in items:
+        ids = server.tokenizer.encode(x) if isinstance(x, str) else list(x)
+        if not ids or any(not 0 <= t < vocab for t in ids):
+            raise ClientError("invalid_message", f"prompt: token ids must be in 0..{vocab - 1}")
+        out.append((x if isinstance(x, str) else server.tokenizer.decode(ids), ids))
+    return out
+
+
+async def prompt_logprobs(server: ChatServer, ids: list[int], top: int) -> dict:
+    """OpenAI's legacy logprobs object for a prompt's tokens (the first has no logprob: nothing precedes it)."""
+    chosen, alt, alt_logp = await asyncio.to_thread(server.scheduler.score, ids, top)
+    decode = lambda t: server.tokenizer.decode([int(t)])
+    tokens = [decode(t) for t in ids]
+    offsets = [0]
+    for t in tokens[:-1]:
+        offsets.append(offsets[-1] + len(t))
+    tops = [None] + [{decode(a): float(v) for a, v in zip(row, vals)} for row, vals in zip(alt, alt_logp)]
+    return {"tokens": tokens, "token_logprobs": [None] + [float(x) for x in chosen[1:]],
+            "top_logprobs": tops if top else [None] + [{} for _ in ids[1:]], "text_offset": offsets}
+
+
+async def legacy_completions(server: ChatServer, request: HTTPRequest):
+    """POST /v1/completions: text completion of raw prompts; echo + logprobs + max_tokens 0 scores prompts."""
+    try:
+        req = await read_request(server, request, CompletionRequest)
+        stops, prompts = req.stops(), legacy_prompts(server, req)
+        if req.logprobs is not None and req.max_tokens > 0:
+            raise ClientError("invalid_message", "logprobs: returned for the prompt only (echo with max_tokens 0)")
+        limit = server.max_prompt_tokens if req.max_tokens else server.scheduler.capacity
+        if any(len(ids) > limit for _, ids in prompts):
+            raise ClientError("prompt_too_long", f"a prompt is over the {limit}-token limit")
+        settings = server.sampling(req.temperature, req.top_k, req.max_tokens or None, req.seed, req.top_p)
+        if req.stream and (len(prompts) > 1 or req.max_tokens == 0 or req.logprobs is not None):
+            raise ClientError("invalid_message", "stream: one prompt, max_tokens > 0 and no logprobs")
+        server.check_rate(request.client.host if request.client else "unknown")
+        if req.stream:
+            return legacy_stream(server, req, prompts[0], settings, stops)
+        out, usage = [], {"prompt_tokens": sum(len(ids) for _, ids in prompts), "completion_tokens": 0}
+        for p, (text, ids) in enumerate(prompts):
+            logprobs = await prompt_logprobs(server, ids, req.logprobs) if req.logprobs is not None and req.echo \
+                else None
+            if req.max_tokens == 0:
+                replies, reasons = [""] * req.n, ["length"] * req.n
+            else:
+                events: asyncio.Queue = asyncio.Queue()
+                choices = Choices(server, submit_choices(server, ids, settings, req.n, req.seed is not None, events),
+                                  stops)
+                replies = await _gather(request, choices, events)
+                reasons = choices.reasons
+                usage["completion_tokens"] += choices.usage()["completion_tokens"]
+            for i, (reply, reason) in enumerate(zip(replies, reasons)):
+                out.append({"text": (text if req.echo else "") + reply, "index": p * req.n + i,
+                            "logprobs": logprobs if req.logprobs is not None else None, "finish_reason": reason})
+    except ClientError as e:
+        return openai_error(e)
+    usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+    return JSONResponse({"id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion",
+                         "created": int(time.time()), "model": server.config.model_name, "choices": out,
+                         "usage": usage})
+
+
+def legacy_stream(server: ChatServer, req: CompletionRequest, prompt: tuple[str, list[int]], settings, stops):
+    """A streamed legacy completion: text_completion chunks (the echoed prompt first, with echo), then [DONE]."""
+    text, ids = prompt
+    events: asyncio.Queue = asyncio.Queue()
+    choices = Choices(server, submit_choices(server, ids, settings, req.n, req.seed is not None, events), stops)
+    meta = {"id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion", "created": int(time.time()),
+            "model": server.config.model_name}
+
+    def chunk(index, piece, finish):
+        body = {**meta, "choices": [{"text": piece, "index": index, "logprobs": None, "finish_reason": finish}]}
+        return f"data: {json.dumps(body)}\n\n"
+
+    opening = lambda n: [chunk(i, text, None) for i in range(n)] if req.echo else []
+    usage = lambda u: f"data: {json.dumps({**meta, 'choices': [], 'usage': u})}\n\n"
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    return HeldStream(server, _sse(choices, events, (opening, chunk, usage), include_usage),
+                      media_type="text/event-stream", headers=SSE_HEADERS)
