@@ -23,9 +23,8 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from flaxchat.data import story_words as W
+from flaxchat.data.stories import WORDS, generate_story, split_index
 from flaxchat.generate.sandbox import use_calculator
-from flaxchat.data.stories import generate_story, split_index
 from tasks.common import Task, completion_text
 from tasks.gsm8k import extract_answer
 
@@ -218,8 +217,8 @@ def _solution(*pieces) -> tuple[list[dict], int]:
 def _people(rng: random.Random) -> tuple[str, str, str, str]:
     """(name, he/she, He/She, another child's name)."""
     girl = rng.random() < 0.5
-    name = rng.choice(W.GIRL_NAMES if girl else W.BOY_NAMES)
-    friend = rng.choice([n for n in W.GIRL_NAMES[:30] + W.BOY_NAMES[:30] if n != name])
+    name = rng.choice(WORDS.girl_names if girl else WORDS.boy_names)
+    friend = rng.choice([n for n in WORDS.girl_names[:30] + WORDS.boy_names[:30] if n != name])
     he = "she" if girl else "he"
     return name, he, he.capitalize(), friend
 
@@ -460,9 +459,9 @@ class ArithmeticProblems(Task):
 # Story requests answered with the synthetic stories
 
 
-_NAMES = frozenset(W.GIRL_NAMES) | frozenset(W.BOY_NAMES)
-_ANIMAL_WORDS = tuple(dict.fromkeys([a.noun for a in W.ANIMALS] + [k[0] for k in W.PET_KINDS]
-                                    + [b[0] for b in W.LOST_BABIES]))
+_NAMES = frozenset(WORDS.girl_names) | frozenset(WORDS.boy_names)
+_ANIMAL_WORDS = tuple(dict.fromkeys([a.noun for a in WORDS.animals] + [k.kind for k in WORDS.pet_kinds]
+                                    + [b.baby for b in WORDS.lost_babies]))
 _FIRST_SENTENCE = re.compile(r"^.*?[.!?](?=\s|$)")
 
 
@@ -473,7 +472,7 @@ def story_facts(story: str) -> dict:
     name = next((w for w in words if w in _NAMES), None)
     kind = next((w for w in words if w in ("girl", "boy")), None)
     if kind is None and name is not None:
-        kind = "girl" if name in W.GIRL_NAMES else "boy"
+        kind = "girl" if name in WORDS.girl_names else "boy"
     lowered = story.lower()
     animal = next((a for a in _ANIMAL_WORDS if re.search(rf"\b{a}\b", lowered)), None)
     return {"first_sentence": first, "name": name, "kind": kind, "animal": animal}

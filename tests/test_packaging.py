@@ -1,5 +1,8 @@
-"""Keep pixi.toml, .ci/run and the README honest: pixi cannot be installed here, so we check its tasks."""
+"""Keep pixi.toml, .ci/run, the README and the package data honest: pixi cannot be installed here, so we
+check its tasks."""
 
+import fnmatch
+import importlib.resources
 import os
 import pathlib
 import re
@@ -110,6 +113,20 @@ def test_ci_runs_the_readme_test_command():
     cmd = readme_test_command()
     assert cmd in ci.splitlines(), f".ci/run must run the README's test command: {cmd}"
     assert pixi()["tasks"]["test"] == cmd
+
+
+def test_package_data_ships_every_data_file():
+    """A file the code reads from inside a package (the chat page, the stories' word lists) must be in the wheel."""
+    package_data = pyproject()["tool"]["setuptools"]["package-data"]
+    for top in ("flaxchat", "tasks"):
+        for path in pathlib.Path(ROOT, top).rglob("*"):
+            if path.is_dir() or path.suffix in (".py", ".pyc") or "__pycache__" in path.parts or path.name[0] == ".":
+                continue
+            rel = path.relative_to(ROOT)
+            package = ".".join(rel.parent.parts)
+            assert any(fnmatch.fnmatch(rel.name, g) for g in package_data.get(package, [])), \
+                f"{rel} is not in pyproject's [tool.setuptools.package-data] for {package}"
+            assert importlib.resources.files(package).joinpath(rel.name).is_file()
 
 
 def test_pyproject_declares_the_stack():

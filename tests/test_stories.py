@@ -1,6 +1,7 @@
-"""The built-in synthetic story generator: determinism, disjoint splits, length, grammar, CLI."""
+"""The built-in synthetic story generator: determinism, pinned output, disjoint splits, length, grammar, CLI."""
 
 import collections
+import hashlib
 import json
 import os
 import pathlib
@@ -12,7 +13,7 @@ import sys
 import pytest
 
 from flaxchat.data import stories as S
-from flaxchat.data import story_words as W
+from scripts import stories as stories_script
 
 _SENTENCE = re.compile(r'[^.!?]*[.!?]+"?')
 
@@ -37,6 +38,23 @@ def test_deterministic_for_a_seed_and_independent_of_global_random_state():
     assert [S.generate_story(i, seed=7) for i in (0, 5, 123)] == [S.generate_story(i, seed=7) for i in (0, 5, 123)]
     assert S.generate_stories(50, seed=8) != a  # another seed, another stream
     assert len(set(a)) == len(a)
+
+
+# sha256 of "\x00".join(generate_stories(3000, split, seed)), recorded when the word lists and sentences moved from
+# Python into story_words.json / story_plots.json. A change here changes the pretraining corpus and every
+# StoryRequests conversation: if it is meant, say so in the commit and record the new digests.
+STORY_DIGESTS = {
+    ("train", 0): "d847eea0da958e6974cb0feab59099990c828169b90fe506e8e8dbfc6ee64821",
+    ("train", 7): "25d3d05241cd0c4207c4249909aec94ff64c233b3040bb4027badf190b276dbe",
+    ("val", 0): "95e319d6ceec4e18e5dd9c353797ccd110ed4eacf361c8563373b0b4381f0416",
+    ("val", 7): "755a833e08cefb1b583635a842de257fb10ffba384ebd9ba8a9e9fb28e052c17",
+}
+
+
+@pytest.mark.parametrize("split,seed", sorted(STORY_DIGESTS))
+def test_stories_never_drift(split, seed):
+    stories = S.generate_stories(3000, split, seed)
+    assert hashlib.sha256("\x00".join(stories).encode()).hexdigest() == STORY_DIGESTS[split, seed]
 
 
 def test_same_stories_in_a_fresh_process_with_another_hash_seed():
@@ -72,7 +90,7 @@ def test_train_and_val_share_no_story(train_stories, val_stories):
     assert all(S.split_of(t) == "val" for t in val_stories)
     # ...and yet val is drawn like train: the same names and openings appear in both.
     def hero(story):
-        return next(m["name"] for p in S._INTRO_PATTERNS if (m := p.match(story)))
+        return next(m["name"] for p in S.INTRO_PATTERNS if (m := p.match(story)))
 
     train_heroes, val_heroes = {hero(t) for t in train_stories}, {hero(t) for t in val_stories}
     assert len(val_heroes) > 150 and len(val_heroes & train_heroes) > 150
@@ -82,17 +100,17 @@ def test_train_and_val_share_no_story(train_stories, val_stories):
 
 def test_each_opening_is_recognised_unambiguously(train_stories):
     for t in train_stories[:500]:
-        assert sum(bool(p.match(t)) for p in S._INTRO_PATTERNS) == 1, t[:80]
+        assert sum(bool(p.match(t)) for p in S.INTRO_PATTERNS) == 1, t[:80]
 
 
 def test_names_never_collide_with_other_words(train_stories):
-    names = set(W.GIRL_NAMES) | set(W.BOY_NAMES)
-    assert len(names) == len(W.GIRL_NAMES) + len(W.BOY_NAMES) >= 300  # hundreds, no duplicates
-    assert not names & set(W.PET_NAMES)
+    names = set(S.WORDS.girl_names) | set(S.WORDS.boy_names)
+    assert len(names) == len(S.WORDS.girl_names) + len(S.WORDS.boy_names) >= 300  # hundreds, no duplicates
+    assert not names & set(S.WORDS.pet_names)
     assert all(re.fullmatch(r"[A-Z][a-z]+", n) for n in names)  # what split_of reads as a hero's name
     # A name that is also a word ("Rose", "rose") would blur the split guarantee and confuse a reader.
     words = set(re.findall(r"\b[a-z]+\b", " ".join(train_stories)))  # lowercase: never a name
-    assert not {n.lower() for n in names | set(W.PET_NAMES)} & words
+    assert not {n.lower() for n in names | set(S.WORDS.pet_names)} & words
 
 
 def test_length_between_100_and_400_words(train_stories, val_stories):
@@ -103,7 +121,7 @@ def test_length_between_100_and_400_words(train_stories, val_stories):
 @pytest.mark.parametrize("plot", S.PLOTS, ids=lambda p: p.__name__)
 def test_every_plot_fits_the_length_on_its_own(plot):
     for i in range(150):
-        story = S._Story(random.Random(i), val=False)
+        story = S.Story(random.Random(i), val=False)
         plot(story)
         assert S.MIN_WORDS <= len(story.text().split()) <= S.MAX_WORDS, (plot.__name__, i)
 
@@ -131,10 +149,38 @@ def test_stories_are_clean(train_stories):
     assert not bad, bad[:2]
 
 
+BEAT_KEYS = {"p", "if", "is", "say", "each", "then", "else"}
+
+
+def beat_problems(beats, where: str) -> list[str]:
+    """Beats in story_plots.json that Story.tell would misread (it does not check them itself)."""
+    found = []
+    for k, beat in enumerate(beats):
+        at = f"{where}[{k}]"
+        if beat == "para" or isinstance(beat, list) and beat and all(isinstance(t, str) for t in beat):
+            continue
+        if not isinstance(beat, dict) or set(beat) - BEAT_KEYS:
+            found.append(f"{at}: not a beat: {beat!r}"[:200])
+            continue
+        if sum(key in beat for key in ("say", "each", "then")) != 1 or "p" in beat and "if" in beat:
+            found.append(f"{at}: needs one of say/each/then and at most one guard")
+        if "is" in beat and "if" not in beat or "else" in beat and not ("p" in beat or "if" in beat):
+            found.append(f"{at}: 'is' needs 'if', 'else' needs a guard")
+        for key in ("then", "else"):
+            found += beat_problems(beat.get(key, []), f"{at}.{key}")
+    return found
+
+
+def test_every_plot_has_well_formed_beats():
+    assert [plot.__name__ for plot in S.PLOTS] == [name for name in S.PLOT_TEXT if name not in ("intros", "about")]
+    bad = [p for plot in S.PLOTS for p in beat_problems(S.PLOT_TEXT[plot.__name__].beats, plot.__name__)]
+    assert not bad, bad
+
+
 def test_pronouns_follow_the_hero():
     for i in range(300):
-        story = S._Story(random.Random(i), val=False)
-        S._lost_toy(story)
+        story = S.Story(random.Random(i), val=False)
+        S.lost_toy(story)
         h, text = story.cast["h"], story.text()
         wrong = "his" if h.girl else "her"
         # The hero's own toy is always called "<pronoun> <toy>".
@@ -159,11 +205,11 @@ def test_corpus_stats_counts():
 
 
 def test_verb_helpers():
-    assert W.past("fly a kite") == "flew a kite" and W.ing("fly a kite") == "flying a kite"
-    assert W.past("skip stones") == "skipped stones" and W.ing("ride the seesaw") == "riding the seesaw"
-    assert W.past("chase butterflies") == "chased butterflies" and W.ing("swim") == "swimming"
-    assert W.article("orange ball") == "an" and W.article("red ball") == "a"
-    assert all(W.article(t) == "a" for t in W.TRAITS)  # "a {trait} little girl" is hard-coded
+    assert S.past("fly a kite") == "flew a kite" and S.ing("fly a kite") == "flying a kite"
+    assert S.past("skip stones") == "skipped stones" and S.ing("ride the seesaw") == "riding the seesaw"
+    assert S.past("chase butterflies") == "chased butterflies" and S.ing("swim") == "swimming"
+    assert S.article("orange ball") == "an" and S.article("red ball") == "a"
+    assert all(S.article(t) == "a" for t in S.WORDS.traits)  # "a {trait} little girl" is hard-coded
 
 
 def test_bad_arguments_raise_clear_errors():
@@ -178,11 +224,11 @@ def test_bad_arguments_raise_clear_errors():
 
 
 def test_cli_prints_stories_and_stats(capsys):
-    S.main(["--n", "2", "--seed", "4"])
+    stories_script.main(["--n", "2", "--seed", "4"])
     out = capsys.readouterr().out
     assert out.count("--- train story") == 2 and S.generate_story(1, seed=4) in out
-    S.main(["--stats", "30"])
+    stories_script.main(["--stats", "30"])
     stats = json.loads(capsys.readouterr().out)
     assert stats["documents"] == 30 and stats["words_per_s"] > 0 and stats["distinct_sentences"] > 100
     with pytest.raises(SystemExit):
-        S.main(["--n", "-1"])
+        stories_script.main(["--n", "-1"])
