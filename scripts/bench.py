@@ -79,8 +79,9 @@ from flaxchat.perf.profiler import StepProfiler
 from flaxchat.model.config import GPTConfig, add_model_flags, config_from_flags
 from flaxchat.model.gpt import GPT, add_kernel_flags
 from flaxchat.perf.hlo import jaxpr_equations, source_line
+from flaxchat.perf.measure import measure_generation, measure_speculative, measure_throughput
 from flaxchat.model.quantize import add_quantize_flag, quantize_for_generation, weight_bytes
-from flaxchat.generate.speculative import add_draft_flags, measure_speculative
+from flaxchat.generate.speculative import add_draft_flags
 from flaxchat.train.step import IN_FLIGHT_CHOICES, in_flight_depth
 
 
@@ -520,7 +521,6 @@ def bench_comms(args, mesh) -> dict:
 
 def bench_generate(args, mesh) -> dict:
     from flaxchat.train.checkpoint import load_named_model
-    from flaxchat.generate.engine import measure_generation
 
     if args.checkpoint:
         model = load_named_model(args.checkpoint, "sft", "--checkpoint", dtype=compute_dtype(args.dtype))
@@ -546,7 +546,6 @@ def bench_generate(args, mesh) -> dict:
 
 
 def bench_data(args, mesh) -> dict:
-    from flaxchat.data.dataloader import measure_throughput
     from flaxchat.data.tokenizer import get_tokenizer
 
     tokenizer = get_tokenizer()

@@ -83,7 +83,7 @@ class ReplyPrinter:
     call and its output appear, dimmed, once complete."""
 
     def __init__(self, tokenizer, out, color: bool):
-        from flaxchat.generate.engine import Reply
+        from flaxchat.generate.reply import Reply
 
         self.reply, self.out, self.color = Reply(tokenizer), out, color
 

@@ -250,7 +250,8 @@ def main(argv=None):
             val_loader.close()
 
     def sample():
-        from flaxchat.generate.engine import generate, stop_tokens
+        from flaxchat.generate.engine import generate
+        from flaxchat.generate.reply import stop_tokens
 
         prompts = [tokenizer.encode(prompt, prepend="<|bos|>") for prompt in SAMPLE_PROMPTS]
         stops = stop_tokens(tokenizer)

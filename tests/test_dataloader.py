@@ -8,10 +8,11 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from flaxchat.data.dataloader import (BestFitPacker, make_loader, make_val_loader, measure_throughput, numpy_loader,
+from flaxchat.data.dataloader import (BestFitPacker, make_loader, make_val_loader, numpy_loader,
                                  pack_documents, reader_for_rows, reader_shard, batch_sharding)
 from flaxchat.data.dataset import iter_documents, list_parquet_files, split_files, write_shards
 from flaxchat.data.tokenizer import Tokenizer
+from flaxchat.perf.measure import measure_throughput
 
 BOS = 256
 SMALL = dict(buffer_size=48, tokenizer_batch_size=16)  # small buffers keep the tests fast

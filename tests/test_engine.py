@@ -3,6 +3,7 @@ sampling filters, streaming == one loop, tool injection (mock model), speculativ
 distribution)."""
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -10,11 +11,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from flaxchat.generate import engine as E
-from flaxchat.generate import speculative as S
+from flaxchat import sharding
+from flaxchat.data.tokenizer import Tokenizer
+from flaxchat.generate.engine import COMPACT_MIN_ROWS, Engine, generate
+from flaxchat.generate.programs import attention_span, bucket_length, controls, pad_prompts, programs
+from flaxchat.generate.sampling import TOP_K_TIERS, argmax, inverse_cdf, sample_next_token
+from flaxchat.generate.speculative import generate_speculative, speculative_program
 from flaxchat.model.config import GPTConfig
 from flaxchat.model.gpt import GPT, KVCache
-from flaxchat.data.tokenizer import Tokenizer
+from flaxchat.perf.measure import measure_generation
 
 TEXT = ["The cat sat on the mat. 2+2 is 4 and 6*7 is 42. print(6*7) gives 42.\n" * 20]
 
@@ -61,32 +66,32 @@ def naive_greedy(model, prompt, n, width=64):
 
 
 def test_bucket_and_padding():
-    assert [E.bucket_length(n, 512) for n in (1, 16, 17, 100, 300, 511)] == [16, 16, 32, 128, 512, 512]
-    assert E.bucket_length(40, 48) == 48
-    tokens, lengths = E.pad_prompts([[5, 6, 7], [1]], 64)
+    assert [bucket_length(n, 512) for n in (1, 16, 17, 100, 300, 511)] == [16, 16, 32, 128, 512, 512]
+    assert bucket_length(40, 48) == 48
+    tokens, lengths = pad_prompts([[5, 6, 7], [1]], 64)
     assert tokens.shape == (2, 16) and lengths.tolist() == [3, 1]
     assert tokens[0].tolist() == [5, 6, 7] + [7] * 13  # padded with the row's last token
     with pytest.raises(ValueError, match="no room"):
-        E.pad_prompts([list(range(60))], 64, max_new_tokens=10)
+        pad_prompts([list(range(60))], 64, max_new_tokens=10)
     with pytest.raises(ValueError, match="at least one token"):
-        E.pad_prompts([[1], []], 64)
+        pad_prompts([[1], []], 64)
 
 
 def test_cached_logits_equal_full_forward_every_step(model):
     """Padded prefill of different-length rows, then one decode step per call: the logits the loop samples from
     equal a full forward over each row's whole sequence so far. The cache has room for 1024 positions and each
     call attends over (and writes back) only the span its rows use."""
-    programs, params = E.programs(model)
-    tokens, lengths = E.pad_prompts(PROMPTS, 1024, 24)
-    slots = programs.start(params, tokens, lengths, copies=1, rows=3, capacity=1024)
+    progs, params = programs(model)
+    tokens, lengths = pad_prompts(PROMPTS, 1024, 24)
+    slots = progs.start(params, tokens, lengths, copies=1, rows=3, capacity=1024)
     cached, spans, columns = [], set(), []
     for step in range(24):
         cached.append(np.array(slots.logits))  # a copy: the next call donates the slots
-        span = E.attention_span(max(map(len, PROMPTS)) + step + 1, 1024)
+        span = attention_span(max(map(len, PROMPTS)) + step + 1, 1024)
         spans.add(span)
-        ctl = E.controls(3, remaining=24 - step, offset=step, temperature=0.0)
-        slots, out, forced, steps = programs.decode(params, slots, ctl, np.int32(1), rows=3, span=span, chunk=1,
-                                                    stop_tokens=(), tool_end=-1, tiers=())
+        ctl = controls(3, remaining=24 - step, offset=step, temperature=0.0)
+        slots, out, forced, steps = progs.decode(params, slots, ctl, np.int32(1), rows=3, span=span, chunk=1,
+                                                 stop_tokens=(), tool_end=-1, tiers=())
         assert int(steps) == 1 and not np.asarray(forced).any()
         columns.append(np.asarray(out)[:, 0])
     assert spans == {64} and slots.cache.k[0].shape[2] == 1024  # 64 of 1024 positions read
@@ -100,25 +105,25 @@ def test_cached_logits_equal_full_forward_every_step(model):
 
 
 def test_greedy_loop_equals_naive_loop(model):
-    out = E.generate(model, PROMPTS, 20, temperature=0.0)
+    out = generate(model, PROMPTS, 20, temperature=0.0)
     for prompt, row in zip(PROMPTS, out):
         assert row == naive_greedy(model, prompt, 20)
 
 
 def test_rows_are_independent_and_seeded(model):
-    a = E.generate(model, PROMPTS, 16, temperature=1.0, seed=3)
-    b = E.generate(model, [PROMPTS[0], [42, 43], [99] * 19], 16, temperature=1.0, seed=3)
+    a = generate(model, PROMPTS, 16, temperature=1.0, seed=3)
+    b = generate(model, [PROMPTS[0], [42, 43], [99] * 19], 16, temperature=1.0, seed=3)
     assert a[0] == b[0]  # row 0's draws depend on the seed and its own tokens, not on the other rows
-    assert a == E.generate(model, PROMPTS, 16, temperature=1.0, seed=3)  # same seed, same tokens
-    assert a != E.generate(model, PROMPTS, 16, temperature=1.0, seed=4)
-    greedy = E.generate(model, PROMPTS, 16, temperature=0.0)
-    assert E.generate(model, PROMPTS[::-1], 16, temperature=0.0) == greedy[::-1]  # a row's place does not matter
+    assert a == generate(model, PROMPTS, 16, temperature=1.0, seed=3)  # same seed, same tokens
+    assert a != generate(model, PROMPTS, 16, temperature=1.0, seed=4)
+    greedy = generate(model, PROMPTS, 16, temperature=0.0)
+    assert generate(model, PROMPTS[::-1], 16, temperature=0.0) == greedy[::-1]  # a row's place does not matter
 
 
 def test_stop_tokens_end_rows(model):
-    free = E.generate(model, PROMPTS, 20, temperature=0.0)
+    free = generate(model, PROMPTS, 20, temperature=0.0)
     stop = free[0][5]
-    out = E.generate(model, PROMPTS, 20, temperature=0.0, stop_tokens=(stop,))
+    out = generate(model, PROMPTS, 20, temperature=0.0, stop_tokens=(stop,))
     for row, ref in zip(out, free):
         cut = ref.index(stop) + 1 if stop in ref else len(ref)
         assert row == ref[:cut]  # up to and including the first stop token, other rows untouched
@@ -128,7 +133,7 @@ def test_stop_tokens_end_rows(model):
 def test_sampling_filters():
     logits = jnp.log(jnp.array([[0.05, 0.4, 0.3, 0.2, 0.05]] * 4000))
     key = jax.random.key(0)
-    sample = jax.jit(E.sample_next_token, static_argnums=(2, 3, 4))
+    sample = jax.jit(sample_next_token, static_argnums=(2, 3, 4))
     assert set(np.asarray(sample(logits, key, 0.0)).tolist()) == {1}
     top2 = np.asarray(sample(logits, key, 1.0, 2))
     assert set(top2.tolist()) == {1, 2} and abs(np.mean(top2 == 1) - 0.4 / 0.7) < 0.03
@@ -137,22 +142,22 @@ def test_sampling_filters():
     full = np.bincount(np.asarray(sample(logits, key, 1.0)), minlength=5) / 4000
     np.testing.assert_allclose(full, [0.05, 0.4, 0.3, 0.2, 0.05], atol=0.03)
     w = jnp.array([0.0, 1.0, 0.0, 3.0])  # zero weights are never drawn, even at the ends of [0, 1)
-    assert [int(E.inverse_cdf(w, jnp.float32(u))) for u in (0.0, 0.2499, 0.25, 1 - 2**-24)] == [1, 1, 3, 3]
-    assert E.argmax(jnp.array([[1.0, 5.0, 5.0], [2.0, 0.0, 1.0]])).tolist() == [1, 0]  # first of ties
+    assert [int(inverse_cdf(w, jnp.float32(u))) for u in (0.0, 0.2499, 0.25, 1 - 2**-24)] == [1, 1, 3, 3]
+    assert argmax(jnp.array([[1.0, 5.0, 5.0], [2.0, 0.0, 1.0]])).tolist() == [1, 0]  # first of ties
     with pytest.raises(ValueError, match="temperature"):
-        E.sample_next_token(logits, key, -1.0)
+        sample_next_token(logits, key, -1.0)
     with pytest.raises(ValueError, match="top_k"):
-        E.sample_next_token(logits, key, 1.0, top_k=0)
+        sample_next_token(logits, key, 1.0, top_k=0)
 
 
 def test_engine_stream_equals_one_loop(model, tok):
     """Streaming (chunks of 1, 2, 4, ... steps) yields exactly the tokens one while_loop makes, per row."""
-    engine = E.Engine(model, tok, stream_chunk=4)
+    engine = Engine(model, tok, stream_chunk=4)
     prompt = [tok.get_bos_token_id()] + tok.encode("The cat sat on the mat, 2+2 is 4. Hello there, Bob!")
     stream = list(engine.generate(prompt, num_samples=3, max_tokens=20, temperature=1.0, top_k=50, seed=7))
     assert all(len(col) == 3 and mask == [1, 1, 1] for col, mask in stream)
     rows = [[col[i] for col, _ in stream] for i in range(3)]
-    ref = E.generate(model, [prompt] * 3, 20, temperature=1.0, top_k=50, seed=7, stop_tokens=engine.stop_tokens)
+    ref = generate(model, [prompt] * 3, 20, temperature=1.0, top_k=50, seed=7, stop_tokens=engine.stop_tokens)
     assert [r[: len(x)] for r, x in zip(rows, ref)] == ref
     assert len({tuple(r) for r in rows}) > 1  # samples differ
     results, masks = engine.generate_batch(prompt, num_samples=3, max_tokens=20, temperature=1.0, top_k=50, seed=7)
@@ -210,7 +215,7 @@ def test_tool_injection_with_mock_model(tok):
     sp = tok.encode_special
     forced = [sp("<|output_start|>"), *tok.encode("4"), sp("<|output_end|>")]
     prompt, call, after, reply = tool_script(tok, "2+2", len(forced))
-    engine = E.Engine(ScriptedModel(prompt + reply, tok.get_vocab_size()), tok)
+    engine = Engine(ScriptedModel(prompt + reply, tok.get_vocab_size()), tok)
     stream = list(engine.generate(prompt, num_samples=2, max_tokens=40, temperature=1.0, top_k=50))
     tokens = [col[0] for col, _ in stream]
     masks = [m[0] for _, m in stream]
@@ -227,7 +232,7 @@ def test_tool_runs_per_row_in_a_batch_of_prompts(tok):
     sp = tok.encode_special
     forced = [sp("<|output_start|>"), *tok.encode("4"), sp("<|output_end|>")]
     prompt, call, after, reply = tool_script(tok, "2+2", len(forced))
-    engine = E.Engine(ScriptedModel(prompt + reply, tok.get_vocab_size()), tok, stream_chunk=4)
+    engine = Engine(ScriptedModel(prompt + reply, tok.get_vocab_size()), tok, stream_chunk=4)
     short = prompt[:-2]  # the script is by position: this row writes prompt[-2:] first, then the same reply
     together = engine.generate_batches([prompt, short], max_tokens=40, temperature=0.0)
     assert together == [engine.generate_batch(p, max_tokens=40, temperature=0.0) for p in (prompt, short)]
@@ -238,8 +243,8 @@ def test_tool_runs_per_row_in_a_batch_of_prompts(tok):
     # rows that start near the script's end stop within 3 tokens, so the tool rows are packed into other slots
     # before their calls close
     enders = [prompt + reply[:-k] for k in (1, 2, 3)]
-    engine = E.Engine(engine.model, tok, stream_chunk=4, compact=True)
-    progs = E.programs(engine.model)[0]
+    engine = Engine(engine.model, tok, stream_chunk=4, compact=True)
+    progs = programs(engine.model)[0]
     move, moves = progs.move, []
     progs.move = lambda slots, src, dst: moves.append(src.tolist()) or move(slots, src, dst)
     try:
@@ -255,7 +260,7 @@ def test_tool_runs_per_row_in_a_batch_of_prompts(tok):
 def test_many_prompts_sample_as_one_prompt_at_a_time(model, tok):
     """generate_many: prompts of different lengths, seeds and room in the cache share one batch, and each row is
     the row its prompt gets alone; a row stops at its own budget (live says when)."""
-    engine = E.Engine(model, tok, stream_chunk=4)
+    engine = Engine(model, tok, stream_chunk=4)
     prompts = PROMPTS + [list(range(1, 61))]  # the last leaves 4 of the cache's 64 positions
     seeds = [3, 4, 5, 6]
     for kwargs in (dict(temperature=1.0, top_k=50, max_tokens=12), dict(temperature=0.0, max_tokens=None)):
@@ -276,8 +281,8 @@ def test_rows_still_going_are_packed_into_fewer_slots(model, tok):
     prompts = [list(range(1, 61)), list(range(2, 60)), list(range(3, 59)), [5, 6, 7]]  # room 4, 6, 8 and 61
     kwargs = dict(num_samples=2, seeds=[1, 2, 3, 4], temperature=1.0, top_k=50)
     moves = []
-    packed, plain = E.Engine(model, tok, stream_chunk=4, compact=True), E.Engine(model, tok, stream_chunk=4, compact=False)
-    progs = E.programs(model)[0]
+    packed, plain = Engine(model, tok, stream_chunk=4, compact=True), Engine(model, tok, stream_chunk=4, compact=False)
+    progs = programs(model)[0]
     move = progs.move
     progs.move = lambda slots, src, dst: moves.append((src.tolist(), dst.tolist())) or move(slots, src, dst)
     try:
@@ -290,7 +295,7 @@ def test_rows_still_going_are_packed_into_fewer_slots(model, tok):
     for (a, ma, alive), (b, mb, _) in zip(got, want):  # every live entry agrees
         assert [x for x, on in zip(a, alive) if on] == [x for x, on in zip(b, alive) if on] and ma == mb
     # 4 rows left of 8: slots 4-7 move to 0-3 (padded with a repeated pair); none go below COMPACT_MIN_ROWS
-    assert E.COMPACT_MIN_ROWS == 4 and moves == [([4, 5, 6, 7, 4, 4, 4, 4], [0, 1, 2, 3, 0, 0, 0, 0])]
+    assert COMPACT_MIN_ROWS == 4 and moves == [([4, 5, 6, 7, 4, 4, 4, 4], [0, 1, 2, 3, 0, 0, 0, 0])]
     assert packed.generate_batches(prompts, **kwargs) == [plain.generate_batch(p, num_samples=2, seed=seed,
                                                                                temperature=1.0, top_k=50)
                                                           for p, seed in zip(prompts, [1, 2, 3, 4])]
@@ -304,7 +309,7 @@ def test_speculative_engine_runs_the_tool(tok):
     prompt, call, after, reply = tool_script(tok, "2+2", len(forced))
     model = ScriptedModel(prompt + reply, tok.get_vocab_size())
     draft = ScriptedModel(prompt + reply[:3] + [7] * 40, tok.get_vocab_size())  # right at first, then wrong
-    engine = E.Engine(model, tok, draft_model=draft, draft_steps=3, stream_chunk=4)
+    engine = Engine(model, tok, draft_model=draft, draft_steps=3, stream_chunk=4)
     for temperature in (0.0, 1.0):
         stream = list(engine.generate(prompt, max_tokens=40, temperature=temperature))
         assert [c[0] for c, _ in stream] == call + forced + after
@@ -315,8 +320,8 @@ def test_speculative_engine_equals_plain_greedy(model, tok):
     config = dataclasses.replace(model.config, n_layer=1)
     draft = make_model(config, 5, 0.3)
     prompt = [tok.get_bos_token_id()] + tok.encode("The cat sat on the mat")
-    plain = [c[0] for c, _ in E.Engine(model, tok).generate(prompt, max_tokens=30, temperature=0.0)]
-    fast = E.Engine(model, tok, draft_model=draft, draft_steps=3)
+    plain = [c[0] for c, _ in Engine(model, tok).generate(prompt, max_tokens=30, temperature=0.0)]
+    fast = Engine(model, tok, draft_model=draft, draft_steps=3)
     assert [c[0] for c, _ in fast.generate(prompt, max_tokens=30, temperature=0.0)] == plain
     assert [c[0] for c, _ in fast.generate(prompt, max_tokens=7, temperature=0.0)] == plain[:7]  # stops at max_tokens
 
@@ -327,21 +332,18 @@ def test_tool_is_the_calculator_unless_the_sandbox_is_asked_for(tok):
     prompt, call, after, reply = tool_script(tok, "x = 6\nx * 7", len(forced))
     model = ScriptedModel(prompt + reply, tok.get_vocab_size())
     # the default is nanochat's tool, the calculator only: not arithmetic, so nothing is forced
-    engine = E.Engine(model, tok)
+    engine = Engine(model, tok)
     assert not engine.use_sandbox and engine.run_tool("x = 6\nx * 7") is None
     stream = list(engine.generate(prompt, max_tokens=40, temperature=0.0))
     assert [c[0] for c, _ in stream] == reply and all(m == [1] for _, m in stream)
     # opt-in: other code runs in the sandbox and its output is forced
-    stream = list(E.Engine(model, tok, use_sandbox=True).generate(prompt, max_tokens=40, temperature=0.0))
+    stream = list(Engine(model, tok, use_sandbox=True).generate(prompt, max_tokens=40, temperature=0.0))
     assert [c[0] for c, _ in stream] == call + forced + after
 
 
 def test_run_tool(tok, model):
-    engine = E.Engine(model, tok)
+    engine = Engine(model, tok)
     assert engine.run_tool("12/60") == "0.2" and engine.run_tool("'strawberry'.count('r')") == "3"
-    assert E.run_python("print('hi')") == "hi" and E.run_python("sorted([3, 1, 2])") == "[1, 2, 3]"
-    assert E.run_python("x = 1") is None
-    assert "NameError" in E.run_python("undefined_name + 1")
 
 
 # -----------------------------------------------------------------------------
@@ -362,7 +364,7 @@ def test_speculative_greedy_equals_target_greedy(pair):
     target, draft = pair
     prompt = [1, 5]
     expected = naive_greedy(target, prompt, 12, width=16)
-    spec, stats = S.generate_speculative(target, draft, prompt, 12, draft_steps=3, temperature=0.0, return_stats=True)
+    spec, stats = generate_speculative(target, draft, prompt, 12, draft_steps=3, temperature=0.0, return_stats=True)
     assert spec == expected
     assert naive_greedy(draft, prompt, 12, width=16) != expected  # the draft alone would have said otherwise
     assert 0 < stats["rounds"] <= 12 and stats["accepted"] <= 3 * stats["rounds"]
@@ -373,8 +375,8 @@ def test_speculative_sampling_preserves_distribution(pair):
     (chi-square), while the draft's own law is far from it."""
     target, draft = pair
     n, prompt = 24000, [1, 5]
-    run, params = S.speculative_program(target, draft, max_tokens=3, draft_steps=2, capacity=16)
-    tokens, lengths = E.pad_prompts([prompt], 16, 3)
+    run, params = speculative_program(target, draft, max_tokens=3, draft_steps=2, capacity=16)
+    tokens, lengths = pad_prompts([prompt], 16, 3)
     keys = jax.random.split(jax.random.key(0), n)
     sample_many = jax.jit(jax.vmap(run, in_axes=(None, None, None, 0)))
     out, count, rounds, accepted = sample_many(params, tokens[0], lengths[0], keys)
@@ -400,7 +402,7 @@ def test_speculative_sampling_preserves_distribution(pair):
 
 def test_measure_generation_reports(model):
     # the shapes of the other tests (3 rows, a 32-token bucket), so nothing new compiles
-    out = E.measure_generation(model, batch_size=3, prompt_len=20, max_new_tokens=8, repeats=1)
+    out = measure_generation(model, batch_size=3, prompt_len=20, max_new_tokens=8, repeats=1)
     for name in ("tok_per_s", "ttft_s", "prefill_tok_per_s", "compile_s", "decode_steps_per_s", "e2e_tok_per_s"):
         assert out[name] >= 0 and np.isfinite(out[name])
     assert out["tok_per_s"] == pytest.approx(3 * out["decode_steps_per_s"])
@@ -408,7 +410,7 @@ def test_measure_generation_reports(model):
 
 def test_engine_checks_prompts_and_clips_to_the_cache(tok):
     script = list(range(100, 170))  # never a special token: only the cache can end this stream
-    engine = E.Engine(ScriptedModel(script, tok.get_vocab_size()), tok)
+    engine = Engine(ScriptedModel(script, tok.get_vocab_size()), tok)
     stream = list(engine.generate(script[:60], max_tokens=1000, temperature=0.0))
     assert [c[0] for c, _ in stream] == script[60:64]  # 64-token cache: 4 new tokens fit
     assert len(list(engine.generate(np.array(script[:60]), max_tokens=2, temperature=0.0))) == 2  # numpy ids are fine
@@ -424,26 +426,22 @@ def test_engine_checks_prompts_and_clips_to_the_cache(tok):
 def test_sampling_on_a_mesh_equals_one_device(model):
     """Parameters on an 8-device mesh: the decode program is partitioned (no optimisation barriers around
     top-k there: XLA cannot rewrite them) and samples the same tokens as on one device."""
-    from flaxchat import sharding
-
     mesh = sharding.make_mesh(data=-1)
     sharded = nnx.eval_shape(lambda: model)
     nnx.update(sharded, jax.device_put(nnx.state(model), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())))
     for top_k in (None, 5, 50):
-        want = E.generate(model, PROMPTS, 6, temperature=1.0, top_k=top_k, seed=1)
-        assert E.generate(sharded, PROMPTS, 6, temperature=1.0, top_k=top_k, seed=1) == want
+        want = generate(model, PROMPTS, 6, temperature=1.0, top_k=top_k, seed=1)
+        assert generate(sharded, PROMPTS, 6, temperature=1.0, top_k=top_k, seed=1) == want
 
 
 def test_decode_loop_updates_the_cache_in_place(model, users_codegen):
     """Inside the compiled decode loop each step writes its keys/values into the carried cache in place: no copy
     or transpose of a whole cache layer per step (which once cost more than a small model's matmuls)."""
-    import re
-
-    progs, params = E.programs(model)
+    progs, params = programs(model)
     for rows in (1, 3):
-        padded, lengths = E.pad_prompts([[1, 2, 3]] * rows, 64, 8)
+        padded, lengths = pad_prompts([[1, 2, 3]] * rows, 64, 8)
         slots = progs.start(params, padded, lengths, copies=1, rows=rows, capacity=64)
-        lowered = progs.decode.lower(params, slots, E.controls(rows, remaining=8), np.int32(8), rows=rows, span=64,
+        lowered = progs.decode.lower(params, slots, controls(rows, remaining=8), np.int32(8), rows=rows, span=64,
                                      chunk=8, stop_tokens=(), tool_end=-1, tiers=())
         hlo = lowered.compile(compiler_options=users_codegen).as_text()
         loop = next(line for line in hlo.splitlines() if " while(" in line and 'op_name="jit(_decode)/while"' in line)
@@ -462,9 +460,9 @@ def test_decode_loop_updates_the_cache_in_place(model, users_codegen):
 def test_an_extracted_part_decodes_like_the_whole_cache(model):
     """The scheduler decodes a (rows, span) part extracted from the slots and flushes it back later: the same
     tokens, cache, positions and logits as decoding the whole slots over those rows and that span."""
-    progs, params = E.programs(model)
+    progs, params = programs(model)
     prompts = PROMPTS + [[3, 1, 4, 1, 5, 9]]
-    tokens, lengths = E.pad_prompts(prompts, 256, 12)
+    tokens, lengths = pad_prompts(prompts, 256, 12)
 
     def run(rows, part):
         slots = progs.start(params, tokens, lengths, copies=1, rows=4, capacity=256)
@@ -472,9 +470,9 @@ def test_an_extracted_part_decodes_like_the_whole_cache(model):
         outs = []
         for chunk in range(3):
             n = rows if part else 4  # controls cover every row of what is decoded
-            ctl = E.controls(n, remaining=12 - 4 * chunk, offset=4 * chunk, seed=list(range(n)))
+            ctl = controls(n, remaining=12 - 4 * chunk, offset=4 * chunk, seed=list(range(n)))
             work, out, _, steps = progs.decode(params, work, ctl, np.int32(4), rows=rows, span=64, chunk=4,
-                                               stop_tokens=(), tool_end=-1, tiers=E.TOP_K_TIERS)
+                                               stop_tokens=(), tool_end=-1, tiers=TOP_K_TIERS)
             outs.append(np.asarray(out)[:, : int(steps)])
         if part:
             assert work.cache.k[0].shape[:3] == (rows, 1, 64) and work.logits.shape[0] == rows

@@ -9,7 +9,9 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from flaxchat.generate import engine as E
+from flaxchat.generate import speculative
+from flaxchat.generate.engine import Engine, generate
+from flaxchat.generate.programs import compiler_options, controls, in_compute_dtype, pad_prompts, programs
 from flaxchat import sharding
 from flaxchat.model.config import GPTConfig
 from flaxchat.model.gpt import GPT, Linear
@@ -85,8 +87,8 @@ def test_logits_close_to_fp32(idx, reference, mode, tol):
 @pytest.mark.parametrize("mode", ["bf16", "int8"])
 def test_greedy_generation_mostly_agrees(mode):
     prompts = [[1, 2, 3, 4], [50, 60, 70]]
-    want = E.generate(make_model(), prompts, 8, temperature=0.0)
-    got = E.generate(quantize_for_generation(make_model(), mode), prompts, 8, temperature=0.0)
+    want = generate(make_model(), prompts, 8, temperature=0.0)
+    got = generate(quantize_for_generation(make_model(), mode), prompts, 8, temperature=0.0)
     agree = sum(a == b for w, g in zip(want, got) for a, b in zip(w, g))
     assert agree >= 12  # of 16: a near-tie may flip a token and the continuation after it
 
@@ -94,14 +96,14 @@ def test_greedy_generation_mostly_agrees(mode):
 @pytest.mark.eight_devices
 def test_int8_sharded_generation_equals_unsharded():
     prompts = [[1, 2, 3, 4], [50, 60, 70]]
-    want = E.generate(quantize_for_generation(make_model(), "int8"), prompts, 8, temperature=0.0)
+    want = generate(quantize_for_generation(make_model(), "int8"), prompts, 8, temperature=0.0)
     mesh = sharding.make_mesh(data=2, tensor=4)
     # quantized after sharding (scripts.eval's order) and sharded after quantizing: the scales follow the rows
     first = quantize_for_generation(sharding.shard_model(make_model(), mesh), "int8")
     second = sharding.shard_model(quantize_for_generation(make_model(), "int8"), mesh)
     assert second.lm_head.scale[...].sharding.spec == P("tensor")
     for model in (first, second):
-        assert E.generate(model, prompts, 8, temperature=0.0) == want
+        assert generate(model, prompts, 8, temperature=0.0) == want
 
 
 def test_engine_generates_with_the_int8_model():
@@ -109,13 +111,13 @@ def test_engine_generates_with_the_int8_model():
     config = GPTConfig(sequence_len=64, vocab_size=tok.get_vocab_size(), n_layer=2, n_head=2, n_kv_head=2,
                        n_embd=64)
     model = quantize_for_generation(make_model(config), "int8")
-    engine = E.Engine(model, tok)
+    engine = Engine(model, tok)
     prompt = tok.encode("The cat", prepend=tok.get_bos_token_id())
     sequences, masks = engine.generate_batch(prompt, num_samples=2, max_tokens=6, temperature=1.0, seed=0)
     assert len(sequences) == 2 and all(len(s) > len(prompt) for s in sequences)
     assert all(0 <= t < config.vocab_size for s in sequences for t in s)
     # cast_for_compute casts floating parameters only: the int8 weights reach the compiled programs as int8
-    params = E.in_compute_dtype(nnx.state(model, nnx.Param), jnp.bfloat16)
+    params = in_compute_dtype(nnx.state(model, nnx.Param), jnp.bfloat16)
     assert params["lm_head"]["weight"].dtype == jnp.int8
 
 
@@ -142,35 +144,33 @@ def test_int8_decode_loop_reads_int8_weights(users_codegen):
     On a CPU the int8 programs compile with 512-bit vectors (the compile below would fail on an unknown option);
     float models keep XLA's defaults."""
     model = quantize_for_generation(make_model(), "int8")
-    progs, params = E.programs(model)
+    progs, params = programs(model)
     assert progs.options == (("xla_cpu_prefer_vector_width", 512),)
-    assert E.programs(make_model())[0].options == E.compiler_options(nnx.state(make_model())) == ()
-    padded, lengths = E.pad_prompts([[1, 2, 3, 4]], 64, 8)
+    assert programs(make_model())[0].options == compiler_options(nnx.state(make_model())) == ()
+    padded, lengths = pad_prompts([[1, 2, 3, 4]], 64, 8)
     slots = progs.start(params, padded, lengths, copies=1, rows=1, capacity=64)
-    hlo = progs.decode.lower(params, slots, E.controls(1, remaining=8), np.int32(8), rows=1, span=64, chunk=8,
+    hlo = progs.decode.lower(params, slots, controls(1, remaining=8), np.int32(8), rows=1, span=64, chunk=8,
                              stop_tokens=(), tool_end=-1, tiers=()).compile(compiler_options=users_codegen).as_text()
     assert not float_copies_of_int8_matrices(hlo, params)
     forward = nnx.jit(lambda m, idx: m(idx))  # one program: the sequence right-padded to 16 (causal, so harmless)
     seq = [1, 2, 3, 4]
     for _ in range(6):
         seq.append(int(jnp.argmax(forward(model, jnp.asarray([seq + [0] * (16 - len(seq))]))[0, len(seq) - 1])))
-    assert E.generate(model, [[1, 2, 3, 4]], 6, temperature=0.0)[0] == seq[4:]
+    assert generate(model, [[1, 2, 3, 4]], 6, temperature=0.0)[0] == seq[4:]
 
 
 def test_int8_speculative_loop_reads_int8_weights(users_codegen):
     """Speculative sampling with an int8 model and an int8 draft: the rounds convert the weights inside the loop
     too, and greedy speculative decoding equals the int8 model's own greedy tokens."""
-    from flaxchat.generate import speculative as S
-
     model = quantize_for_generation(make_model(), "int8")
     draft = quantize_for_generation(make_model(GPTConfig(**{**CONFIG.to_dict(), "n_layer": 1}), seed=3), "int8")
-    progs, params = S.programs(model, draft)
+    progs, params = speculative.programs(model, draft)
     assert progs.options == (("xla_cpu_prefer_vector_width", 512),)
-    padded, lengths = E.pad_prompts([[1, 2, 3, 4]], 64, 8)
+    padded, lengths = pad_prompts([[1, 2, 3, 4]], 64, 8)
     greedy = (0.0, None, None)
     spec, _ = progs.start(params, padded[0], lengths[0], jax.random.key(0), capacity=64, rule=greedy)
     lowered = progs.run.lower(params, spec, np.int32(8), k=2, rule=greedy, stops=(), tool_end=-1, chunk=8)
     hlo = lowered.compile(compiler_options=users_codegen).as_text()
     assert not float_copies_of_int8_matrices(hlo, params)
-    plain = E.generate(model, [[1, 2, 3, 4]], 10, temperature=0.0)[0]
-    assert S.generate_speculative(model, draft, [1, 2, 3, 4], 10, draft_steps=2, temperature=0.0) == plain
+    plain = generate(model, [[1, 2, 3, 4]], 10, temperature=0.0)[0]
+    assert speculative.generate_speculative(model, draft, [1, 2, 3, 4], 10, draft_steps=2, temperature=0.0) == plain

@@ -11,11 +11,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from flaxchat.data.tokenizer import Tokenizer
+from flaxchat.generate.engine import generate
+from flaxchat.generate.programs import attention_span, compiler_options
+from flaxchat.generate.reply import FORCED_CAPACITY, Reply, stop_tokens
+from flaxchat.generate.sampling import sample_rows
+from flaxchat.generate.scheduler import Request, Scheduler, SpeculativeScheduler, batch_rows
 from flaxchat.model.config import GPTConfig
 from flaxchat.model.gpt import GPT, rms_norm
-from flaxchat.generate.engine import FORCED_CAPACITY, Reply, attention_span, sample_rows, stop_tokens
-from flaxchat.generate.scheduler import Request, Scheduler, batch_rows
-from flaxchat.data.tokenizer import Tokenizer
+from flaxchat.model.quantize import quantize_for_generation
 
 TEXT = ["The cat sat on the mat. 3*7 is 21 and 12+5 is 17. Héllo wörld, naïve café.\n" * 30]
 
@@ -203,9 +207,6 @@ def test_continuous_batching_equals_greedy_one_at_a_time(scheduler, model, tok):
 def test_an_int8_model_is_served_like_its_own_greedy_generation(model, tok):
     """chat_web --quantize int8: the scheduler's programs run the int8 weights (compiled with the int8 options)
     and two replies sharing the batch each equal generate() on that model alone."""
-    from flaxchat.generate.engine import compiler_options, generate
-    from flaxchat.model.quantize import quantize_for_generation
-
     int8 = quantize_for_generation(nnx.clone(model), "int8")
     s = Scheduler(int8, tok, slots=2, chunk=4).start()
     try:
@@ -413,8 +414,6 @@ def test_threads_may_submit_concurrently(scheduler, tok):
 def test_speculative_scheduler_greedy_tools_and_cancel(model, tok):
     """--draft-model in chat_web: one conversation at a time, greedy replies equal the model's own (the draft
     is another random model, so it is often rejected), the tool runs, a cancel frees the conversation."""
-    from flaxchat.generate.scheduler import SpeculativeScheduler
-
     draft = GPT(GPTConfig(sequence_len=64, vocab_size=tok.get_vocab_size(), n_layer=1, n_head=1, n_kv_head=1,
                           n_embd=32), rngs=nnx.Rngs(5))
     s = SpeculativeScheduler(model, tok, draft, draft_steps=3, chunk=4)

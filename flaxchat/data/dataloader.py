@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import itertools
 import sys
-import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -562,20 +561,3 @@ def make_loader(tokenizer, batch_size: int, seq_len: int, split: str = "train", 
 def make_val_loader(tokenizer, batch_size: int, seq_len: int, mesh=None, data_dir=None, **kwargs) -> DataLoader:
     """The val loader: always starts at the first val document, so every evaluation sees the same batches."""
     return make_loader(tokenizer, batch_size, seq_len, "val", mesh, None, data_dir, **kwargs)
-
-
-def measure_throughput(tokenizer, batch_size: int = 8, seq_len: int = 512, num_batches: int = 50, warmup: int = 5,
-                       data_dir: str | None = None, split: str = "train", **loader_kwargs) -> dict[str, float]:
-    """Tokens per second the loader alone delivers (batches/s x B x T), batches placed on the default device."""
-    loader = make_loader(tokenizer, batch_size, seq_len, split, data_dir=data_dir, **loader_kwargs)
-    try:
-        for _ in range(warmup):
-            next(loader)[0].block_until_ready()
-        t0 = time.perf_counter()
-        for _ in range(num_batches):
-            next(loader)[0].block_until_ready()
-        dt = time.perf_counter() - t0
-    finally:
-        loader.close()
-    return {"tokens_per_s": num_batches * batch_size * seq_len / dt, "batches_per_s": num_batches / dt,
-            "batch_size": batch_size, "seq_len": seq_len, "num_batches": num_batches, "seconds": dt}

@@ -50,7 +50,7 @@ class LiteRTExportError(RuntimeError):
 def _step(graphdef, params, tokens, prev_token, pos, logits_at, k_cache, v_cache):
     """forward_cached on a batch-1 cache held as stacked (L, Hkv, S, D) arrays (V too: the model keeps V as
     (Hkv, D, S) per layer, the exported format keeps one layout for both); the smear state is recomputed from
-    prev_token as engine.rewind does (so an app carries token ids, not embeddings)."""
+    prev_token as flaxchat.generate.programs.rewind does (so an app carries token ids, not embeddings)."""
     model = nnx.merge(graphdef, params)
     L = k_cache.shape[0]
     prev = rms_norm(model.transformer.wte(prev_token, model.dtype))  # (1, C)

@@ -13,6 +13,9 @@ It guards against accidents and careless generated code (fork bombs, runaway loo
 `rm -rf`, network calls). It is not a security boundary against code written to escape: Python's
 introspection can reach the hook's helpers, and there is no kernel isolation (seccomp, namespaces).
 
+`run_python` is the tool's sandbox half (the Engine's use_sandbox=True): code the model wrote, run as an
+interactive prompt would run it.
+
 `use_calculator` is the chat model's calculator tool: arithmetic and `str.count` evaluated by walking
 the `ast`, never by `eval`.
 """
@@ -188,6 +191,23 @@ def _kill_group(proc: subprocess.Popen) -> None:
     except (ProcessLookupError, PermissionError):
         pass  # the group is already gone
     proc.wait()
+
+
+def run_python(code: str, timeout: float = 5.0) -> str | None:
+    """The sandbox half of the chat model's tool: run code like an interactive prompt (a final expression's value
+    is printed) and return what it printed, its error line, or None when it printed nothing."""
+    try:
+        tree = ast.parse(code)
+    except SyntaxError:
+        tree = None  # let the sandbox report it in Python's own words
+    if tree is not None and tree.body and isinstance(tree.body[-1], ast.Expr):
+        value = tree.body[-1].value
+        show = ast.parse("if _ is not None: print(repr(_))").body[0]
+        tree.body[-1:] = [ast.Assign(targets=[ast.Name("_", ast.Store())], value=value), show]
+        code = ast.unparse(ast.fix_missing_locations(tree))
+    result = execute_code(code, timeout=timeout)
+    text = result.stdout.strip() if result.success else (result.error or "error")
+    return text or None
 
 
 # -----------------------------------------------------------------------------

@@ -1,9 +1,9 @@
 """Continuous batching: one thread owns the model and a KV cache of N slots that conversations share.
 
-A thin user of the generation core in flaxchat.generate.engine (the same prefill, decode loop, sampler and tool state
-machine as the Engine). A request (prompt ids + sampling settings) waits in a queue until a slot is free, is
-prefilled into that slot's row of the batched cache, and from then on advances one token per decode step
-alongside every other active slot. Each scheduler iteration:
+A thin user of the generation core, as the Engine is: the same prefill and decode programs
+(flaxchat.generate.programs), sampler and tool state machine (flaxchat.generate.reply). A request (prompt ids +
+sampling settings) waits in a queue until a slot is free, is prefilled into that slot's row of the batched cache,
+and from then on advances one token per decode step alongside every other active slot. Each scheduler iteration:
 
 1. frees the slots of requests that were cancelled (a stop button, a closed socket) since the last one;
 2. admits queued requests into free slots: one jitted prefill per request, its prompt padded to a
@@ -44,8 +44,11 @@ import numpy as np
 from flax import nnx
 
 from flaxchat.common import progress_bar
-from flaxchat.generate.engine import (MAX_TOP_K, TOP_K_TIERS, Reply, attention_span, bucket_length, compiler_options,
-                             controls, empty_slots, extent, in_compute_dtype, programs_for, stop_tokens)
+from flaxchat.generate import speculative
+from flaxchat.generate.programs import (attention_span, bucket_length, compiler_options, controls, empty_slots, extent,
+                                       in_compute_dtype, programs_for)
+from flaxchat.generate.reply import Reply, stop_tokens
+from flaxchat.generate.sampling import MAX_TOP_K, TOP_K_TIERS
 from flaxchat.generate.sandbox import use_calculator
 
 log = logging.getLogger(__name__)
@@ -97,7 +100,7 @@ _SCORERS: list = []
 
 
 def _score_program(graphdef):
-    """The jitted log_softmax(model(x)) for a graphdef (found by equality, like _programs)."""
+    """The jitted log_softmax(model(x)) for a graphdef (found by equality, like programs_for's programs)."""
     for g, f in _SCORERS:
         if g == graphdef:
             return f
@@ -194,8 +197,8 @@ class Scheduler:
 
         Chunks run on a copy of the cache's first `rows` rows and `span` positions, kept from one chunk to the
         next while rows and span stay the same and written back only when they change or a prefill or a move
-        needs the whole cache (_settle): copying that part out and back around every chunk cost ~10% of a
-        16-row chunk on a CPU."""
+        needs the whole cache (_settle): copying that part out and back around every chunk costs a sizeable
+        share of a chunk on a CPU."""
         part = self._part
         if part is None or extent(part.cache) != (rows, span):
             self._settle()
@@ -219,7 +222,8 @@ class Scheduler:
         if request.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {request.max_tokens}")
         if len(request.prompt) >= self.capacity:
-            raise ValueError(f"a {len(request.prompt)}-token prompt leaves no room in the {self.capacity}-token context")
+            raise ValueError(f"a {len(request.prompt)}-token prompt leaves no room in the {self.capacity}-token "
+                             "context")
         request.max_tokens = max(0, min(request.max_tokens, self.capacity - len(request.prompt)))
         request.top_k = min(max(int(request.top_k), 0), MAX_TOP_K)
         if not 0.0 < request.top_p <= 1.0:
@@ -487,13 +491,12 @@ class SpeculativeScheduler(Scheduler):
     """
 
     def __init__(self, model, tokenizer, draft_model, *, draft_steps: int = 4, chunk: int = 8,
-                 capacity: int | None = None, max_queue: int = 256, run_tool: Callable[[str], str | None] = use_calculator):
-        from flaxchat.generate import speculative
-
+                 capacity: int | None = None, max_queue: int = 256,
+                 run_tool: Callable[[str], str | None] = use_calculator):
         capacity = capacity or min(model.config.sequence_len, draft_model.config.sequence_len)
         super().__init__(model, tokenizer, slots=1, chunk=chunk, capacity=capacity, max_queue=max_queue,
                          run_tool=run_tool)
-        speculative._check(1.0, None, None, draft_steps)
+        speculative.speculative_rule(1.0, None, None, draft_steps)
         self.draft_model, self.draft_steps = draft_model, draft_steps
         self._spec_programs, self._spec_params = speculative.programs(model, draft_model)
         self._spec = self._rule = None
@@ -523,9 +526,7 @@ class SpeculativeScheduler(Scheduler):
         return time.perf_counter() - t0
 
     def _prefill(self, slot: int, req: Request) -> None:
-        from flaxchat.generate.speculative import _check
-
-        self._rule = _check(req.temperature, req.top_k or None, req.top_p, self.draft_steps)
+        self._rule = speculative.speculative_rule(req.temperature, req.top_k or None, req.top_p, self.draft_steps)
         self._spec, first = self._spec_programs.start(self._spec_params, self._padded(req.prompt),
                                                       np.int32(len(req.prompt)), jax.random.key(req.seed),
                                                       capacity=self.capacity, rule=self._rule)

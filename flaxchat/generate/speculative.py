@@ -4,10 +4,11 @@ Rejection sampling keeps the model's own distribution exactly (Leviathan et al. 
 al. 2023, arXiv:2302.01318): the tokens are distributed as the model alone would sample them, and at temperature
 0 they are its greedy tokens. It pays when the draft is much cheaper than the model and agrees with it often.
 
-Built on the generation core (flaxchat.generate.engine): its sampling rule (`rule_probs`, `inverse_cdf`), its cache
-helpers, its prompt padding. The state is explicit and the programs are jitted once per pair of model
-structures, so the Engine streams from it (`Engine(..., draft_model=...)`, `--draft-model` on chat_cli and
-bench) and a tool's output can be forced into it between calls.
+Built on the generation core: its sampling rule (flaxchat.generate.sampling: `rule_probs`, `inverse_cdf`), its
+cache helpers and prompt padding (flaxchat.generate.programs), its forced-queue size (flaxchat.generate.reply).
+The state is explicit and the programs are jitted once per pair of model structures, so the Engine and the
+server's SpeculativeScheduler stream from it (`--draft-model` on chat_cli, chat_web and bench) and a tool's
+output can be forced into it between calls. It imports neither of them: they import it.
 
 Both caches always hold the committed sequence minus its last token `last`. A round: the draft feeds `last`
 and then samples x1..xk one at a time (k+1 forwards, so xk lands in its cache too); the model scores
@@ -20,16 +21,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from flaxchat.generate.engine import (FORCED_CAPACITY, _check_sampling, _until_stop, cast_for_compute, compiler_options,
-                             decode_chunk, inverse_cdf, loop_weights, narrow_weights, pad_prompts, rewind, rule_probs)
+from flaxchat.generate.programs import (cast_for_compute, compiler_options, decode_chunk, loop_weights, narrow_weights,
+                                       pad_prompts, rewind)
+from flaxchat.generate.reply import FORCED_CAPACITY, until_stop
+from flaxchat.generate.sampling import check_sampling, inverse_cdf, rule_probs
 from flaxchat.model.gpt import KVCache
 
 
@@ -148,7 +149,7 @@ class SpeculativePrograms:
 
     def __init__(self, graphs, options: tuple = ()):
         self.graphs, self.options = graphs, options
-        jit = functools.partial(jax.jit, compiler_options=dict(options) or None)  # see engine.compiler_options
+        jit = functools.partial(jax.jit, compiler_options=dict(options) or None)  # see programs.compiler_options
         self.start = jit(functools.partial(_start, graphs), static_argnames=("capacity", "rule"))
         self.run = jit(functools.partial(_run, graphs), donate_argnames=("spec",),
                        static_argnames=("k", "rule", "stops", "tool_end", "chunk"))
@@ -179,8 +180,10 @@ def programs(model, draft_model) -> tuple[SpeculativePrograms, tuple]:
     return _PROGRAMS[-1], (tp, dp)
 
 
-def _check(temperature, top_k, top_p, draft_steps):
-    _check_sampling(temperature, top_k, top_p)
+def speculative_rule(temperature, top_k, top_p, draft_steps) -> tuple:
+    """Checked settings -> the sampling rule (temperature, top_k, top_p) the programs compile in (a static
+    argument, so equal settings share one compilation: top_p 1.0 is spelled None)."""
+    check_sampling(temperature, top_k, top_p)
     if draft_steps < 1:
         raise ValueError(f"draft_steps must be >= 1, got {draft_steps}")
     return (float(temperature), top_k, None if top_p in (None, 1.0) else float(top_p))
@@ -191,7 +194,7 @@ def speculative_program(model, draft_model, *, max_tokens, draft_steps=4, temper
     """(run, (target params, draft params)) where run(params, prompt (T,), length, key) -> (tokens (N,), count,
     rounds, accepted) samples one continuation of prompt[:length]. Pure, so it can be vmapped over keys (the
     distribution test) or jitted."""
-    rule = _check(temperature, top_k, top_p, draft_steps)
+    rule = speculative_rule(temperature, top_k, top_p, draft_steps)
     capacity = capacity or min(model.config.sequence_len, draft_model.config.sequence_len)
     progs, params = programs(model, draft_model)
     graphs, chunk = progs.graphs, decode_chunk(max_tokens)
@@ -215,7 +218,7 @@ def generate_speculative(model, draft_model, prompt_tokens, max_tokens, draft_st
     Ends after the first stop token (included), or early if the KV cache fills. With return_stats, also
     returns {"rounds", "accepted", "acceptance_rate"} (accepted draft tokens / proposed).
     """
-    rule = _check(temperature, top_k, top_p, draft_steps)
+    rule = speculative_rule(temperature, top_k, top_p, draft_steps)
     capacity = capacity or min(model.config.sequence_len, draft_model.config.sequence_len)
     tokens, lengths = pad_prompts([prompt_tokens], capacity, max_tokens)
     progs, params = programs(model, draft_model)
@@ -226,7 +229,7 @@ def generate_speculative(model, draft_model, prompt_tokens, max_tokens, draft_st
         spec, out, n = progs.run(params, spec, np.int32(max_tokens - 1), k=draft_steps, rule=rule, stops=stops,
                                  tool_end=-1, chunk=decode_chunk(max_tokens))
         result += np.asarray(out)[: int(n)].tolist()
-    result = _until_stop(result[:max_tokens], stops)
+    result = until_stop(result[:max_tokens], stops)
     if not return_stats:
         return result
     rounds, accepted = int(spec.rounds), int(spec.accepted)
@@ -242,38 +245,3 @@ def add_draft_flags(parser) -> None:
                              "one forward pass. Replies follow the same distribution (the same text at temperature "
                              "0); faster when the model is much larger than the draft and they often agree")
     parser.add_argument("--draft-steps", type=int, default=4, help="tokens the draft proposes per round (default: 4)")
-
-
-def measure_speculative(model, draft_model, prompt, max_new_tokens, *, draft_steps=4, temperature=0.0, top_k=None,
-                        seed=0, repeats=3) -> dict:
-    """Time one continuation of `prompt` (ids) with and without the draft, every token made (no stop tokens).
-
-    tok_per_s / plain_tok_per_s: generated tokens over wall time, prefill included (a chat reply's view);
-    acceptance_rate: draft tokens kept / proposed; compile_s: first (compiling) runs minus warm ones.
-    """
-    from flaxchat.generate.engine import generate
-
-    def plain():
-        return generate(model, [prompt], max_new_tokens, temperature=temperature, top_k=top_k, seed=seed)[0]
-
-    def fast():
-        return generate_speculative(model, draft_model, prompt, max_new_tokens, draft_steps=draft_steps,
-                                    temperature=temperature, top_k=top_k, seed=seed, return_stats=True)
-
-    def timed(f):
-        t0 = time.perf_counter()
-        out = f()
-        return time.perf_counter() - t0, out
-
-    cold = timed(plain)[0] + timed(fast)[0]
-    plain_s = statistics.median(timed(plain)[0] for _ in range(repeats))
-    runs = [timed(fast) for _ in range(repeats)]
-    fast_s = statistics.median(t for t, _ in runs)
-    tokens, stats = runs[0][1]
-    if temperature == 0:  # greedy: speculative must give the model's own tokens
-        assert tokens == plain(), "speculative greedy tokens differ from the model's"
-    return {"max_new_tokens": max_new_tokens, "draft_steps": draft_steps, "temperature": temperature,
-            "tok_per_s": len(tokens) / fast_s, "plain_tok_per_s": max_new_tokens / plain_s,
-            "speedup": (len(tokens) / fast_s) / (max_new_tokens / plain_s),
-            "acceptance_rate": stats["acceptance_rate"], "rounds": stats["rounds"],
-            "compile_s": max(cold - plain_s - fast_s, 0.0), "repeats": repeats}

@@ -16,7 +16,7 @@ only, so the int8 values stay int8).
 
 In the decode loop XLA's loop-invariant code motion would hoist the int8 -> float conversion of every weight out
 of the `lax.while_loop` (so the loop would read float copies); the engine carries narrow weights through its loops
-behind an optimisation barrier instead (`flaxchat.generate.engine.loop_weights`), and the conversion fuses into each
+behind an optimisation barrier instead (`flaxchat.generate.programs.loop_weights`), and the conversion fuses into each
 matrix-vector product, which then reads the int8 bytes. A prefill converts once per call.
 """
 

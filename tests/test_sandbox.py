@@ -1,4 +1,5 @@
-"""The sandbox (flaxchat.generate.sandbox.execute_code) and the calculator tool (use_calculator).
+"""The sandbox (flaxchat.generate.sandbox.execute_code), the tool's sandbox half (run_python) and the calculator
+tool (use_calculator).
 
 Every dangerous program here runs only inside the sandbox, and each must be stopped within its limit.
 """
@@ -8,7 +9,7 @@ import time
 
 import pytest
 
-from flaxchat.generate.sandbox import ExecutionResult, execute_code, use_calculator
+from flaxchat.generate.sandbox import ExecutionResult, execute_code, run_python, use_calculator
 
 
 def test_runs_code_and_captures_output():
@@ -127,6 +128,12 @@ def test_quotes_and_braces_survive():
 def test_bad_limits_are_rejected():
     with pytest.raises(ValueError, match="positive"):
         execute_code("print(1)", timeout=0)
+
+
+def test_run_python_prints_like_an_interactive_prompt():
+    assert run_python("print('hi')") == "hi" and run_python("sorted([3, 1, 2])") == "[1, 2, 3]"
+    assert run_python("x = 1") is None
+    assert "NameError" in run_python("undefined_name + 1")
 
 
 @pytest.mark.parametrize("expr, expected", [
