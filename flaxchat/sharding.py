@@ -329,3 +329,13 @@ def create_sharded(make_model, mesh):
     with jax.set_mesh(mesh):
         return init()
 
+
+def per_shard_heads(local, q, k, v):
+    """local(q, k, v) per shard of the batch axes (and of the heads over 'tensor' when the kv heads divide): for
+    attention kernels XLA's partitioner cannot see into. q (B, T, H, D), k and v (B, T, Hkv, D)."""
+    Hkv = k.shape[2]
+    heads = split_axes("kv_heads")
+    heads = heads if Hkv % axes_size(heads) == 0 and heads == split_axes("heads") else ()
+    axes = free_axes(BATCH_AXES)
+    spec = P(axes or None, None, heads or None, None)
+    return per_shard(local, axes + heads, (spec, spec, spec), spec)(q, k, v)

@@ -43,7 +43,8 @@ from flaxchat.eval.report import Report, metrics_logger, plot_training, read_jso
 from flaxchat.data.tokenizer import get_token_bytes, get_tokenizer
 from flaxchat.perf.trace import format_summary
 from flaxchat.perf.profiler import profile_summary
-from flaxchat.train.step import add_in_flight_flag, FlatStep, in_flight_depth, InFlight, sub_batch_note
+from flaxchat.model.cpu import sub_batch_note
+from flaxchat.train.step import add_in_flight_flag, FlatStep, in_flight_depth, InFlight
 
 SAMPLE_PROMPTS = [
     "The capital of France is",

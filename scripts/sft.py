@@ -53,7 +53,8 @@ from flaxchat.eval.bpb import evaluate_bpb
 from flaxchat.train.optim import Schedule, build_optimizer
 from flaxchat.eval.report import metrics_logger, plot_training, read_jsonl
 from flaxchat.data.tokenizer import get_token_bytes, get_tokenizer
-from flaxchat.train.step import FlatStep, InFlight, add_in_flight_flag, in_flight_depth, sub_batch_note
+from flaxchat.model.cpu import sub_batch_note
+from flaxchat.train.step import FlatStep, InFlight, add_in_flight_flag, in_flight_depth
 
 # flag -> (fallback, where the base checkpoint keeps it): None means "inherit from the base model"
 INHERITED = {

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from flaxchat.model import attention as attn
+from flaxchat.model import cpu
 from flaxchat import sharding
 from flaxchat.model.attention import attention, resolve_attention
 from flaxchat.model.config import GPTConfig
@@ -62,7 +62,7 @@ def test_xla_attention_equals_reference(window):
 @pytest.mark.parametrize("Hkv", [2, 4])  # 4: no GQA, heads-major, the scores without a group axis
 def test_chunked_attention_equals_reference_forward_and_backward(window, T, score_bytes, Hkv, monkeypatch):
     """The CPU path: chunks of rows, query blocks over the keys they see, recomputed in the backward pass."""
-    monkeypatch.setattr(attn, "CHUNK_SCORE_BYTES", score_bytes)  # several chunks of rows even at this size
+    monkeypatch.setattr(cpu, "CHUNK_SCORE_BYTES", score_bytes)  # several chunks of rows even at this size
     q, k, v = qkv_example(B=4, T=T, Hkv=Hkv)
     np.testing.assert_allclose(np.asarray(attention(q, k, v, window, "chunked")),
                                reference_attention(q, k, v, window), atol=2e-5)
@@ -84,7 +84,7 @@ def test_bf16_chunked_attention_on_a_cpu_equals_fp32_attention(window, T, score_
     score gradients."""
     if jax.default_backend() != "cpu":
         pytest.skip("the bf16 path is the CPU's")
-    monkeypatch.setattr(attn, "BF16_CHUNK_SCORE_BYTES", score_bytes)
+    monkeypatch.setattr(cpu, "BF16_CHUNK_SCORE_BYTES", score_bytes)
     q, k, v = (x.astype(jnp.bfloat16) for x in qkv_example(B=4, T=T, Hkv=Hkv))
     out = attention(q, k, v, window, "chunked")
     assert out.dtype == jnp.bfloat16
@@ -101,7 +101,7 @@ def test_bf16_chunked_attention_on_a_cpu_equals_fp32_attention(window, T, score_
 
 def test_bf16_chunked_attention_multiplies_bf16_into_fp32():
     """Every product of the bf16 path, forward and backward, takes bf16 operands and an fp32 result (XLA:CPU's bf16
-    kernels); the key and value gradients contract the query axis as two axes (common.split_in_two)."""
+    kernels); the key and value gradients contract the query axis as two axes (cpu.split_in_two)."""
     if jax.default_backend() != "cpu":
         pytest.skip("the bf16 path is the CPU's")
     from flaxchat.perf.hlo import dot_types

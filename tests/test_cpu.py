@@ -1,6 +1,9 @@
 """flaxchat/model/cpu.py: the XLA:CPU-only fast paths."""
 
 import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
 
 from flaxchat.model import cpu
 
@@ -59,3 +62,99 @@ def test_activation_dtype_widens_bfloat16_on_a_cpu_only():
         assert cpu.activation_dtype(dtype, "cpu") == dtype
     assert cpu.activation_dtype(jnp.bfloat16) == (jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16)
 
+
+def test_wide_matmul_gradients_equal_autodiff_without_a_transposed_copy_of_the_output_gradient(users_codegen):
+    """A wide weight's gradient on a CPU is taken as (x^T dy)^T: the same gradients as autodiff's, and the
+    compiled backward never holds the (out, tokens) transposed gradient that autodiff's form makes XLA write."""
+    x = jax.random.normal(jax.random.key(0), (4, 64, 32))
+    w = jax.random.normal(jax.random.key(1), (128, 32)) * 0.2
+
+    def grads(f):
+        return jax.jit(jax.grad(lambda x, w: jnp.sum(jnp.sin(f(x, w))), argnums=(0, 1)))
+
+    plain = grads(lambda x, w: jnp.matmul(x, w.T))
+    for a, b in zip(grads(cpu.wide_matmul)(x, w), plain(x, w)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+    compiled = lambda f: f.lower(x, w).compile(compiler_options=users_codegen).as_text()
+    assert "f32[128,256]" in compiled(plain)  # 128 outputs x 256 tokens
+    assert "f32[128,256]" not in compiled(grads(cpu.wide_matmul))
+
+
+def test_the_switch_reads_all_none_or_named_paths(monkeypatch):
+    monkeypatch.delenv(cpu.SWITCH, raising=False)
+    assert cpu.switched_off() == set() and cpu.use("stack_qkv", "cpu") and not cpu.use("stack_qkv", "gpu")
+    monkeypatch.setenv(cpu.SWITCH, "0")
+    assert cpu.switched_off() == set(cpu.PATHS) and not any(cpu.use(n, "cpu") for n in cpu.PATHS)
+    monkeypatch.setenv(cpu.SWITCH, "-stack_qkv,-sub_batches")
+    assert cpu.switched_off() == {"stack_qkv", "sub_batches"}
+    assert not cpu.use("stack_qkv", "cpu") and cpu.use("chunked_attention", "cpu")
+    monkeypatch.setenv(cpu.SWITCH, "-stack_qkvv")
+    with pytest.raises(ValueError, match="FLAXCHAT_CPU_PATHS"):
+        cpu.switched_off()
+    with pytest.raises(ValueError, match="unknown CPU path"):
+        cpu.use("nope")
+
+
+def _run_everything(dtype):
+    """A GPT's loss, gradients, an evaluation forward in sub-batches and three cached decode steps, each traced
+    afresh, so the CPU paths in effect now are the ones compiled."""
+    from flax import nnx
+
+    from flaxchat.model.config import GPTConfig
+    from flaxchat.model.gpt import GPT
+
+    # GQA, a sliding window, value embeddings on alternating layers, a vocabulary that pads, a wide MLP weight
+    config = GPTConfig(sequence_len=64, vocab_size=300, n_layer=3, n_head=4, n_kv_head=2, n_embd=64,
+                       window_pattern="SL")
+    model = GPT(config, rngs=nnx.Rngs(0), dtype=dtype)
+    params = nnx.state(model, nnx.Param)
+    leaves, treedef = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(1), len(leaves))
+    nnx.update(model, jax.tree.unflatten(treedef, [x + 0.05 * jax.random.normal(k, x.shape, x.dtype)
+                                                   for x, k in zip(leaves, keys)]))
+    idx = jax.random.randint(jax.random.key(2), (16, 64), 0, config.vocab_size)
+    targets = jnp.roll(idx, -1, axis=1).at[:, -3:].set(-1)
+    loss, grads = nnx.jit(nnx.value_and_grad(lambda m: m(idx, targets)))(model)
+    graphdef, state = nnx.split(model)
+    token_losses = jax.jit(lambda s: cpu.in_sub_batches(
+        nnx.merge(graphdef, s), lambda m, x, y: m(x, y, loss_reduction="none"), idx, targets))(state)
+
+    def decode(s):
+        m = nnx.merge(graphdef, s)
+        cache = m.init_cache(2, 64)
+        logits, cache = m.forward_cached(idx[:2, :8], cache, fresh=True)
+        steps = [logits[:, -1]]
+        for t in range(3):
+            logits, cache = m.forward_cached(idx[:2, 8 + t : 9 + t], cache)
+            steps.append(logits[:, -1])
+        one, _ = m.forward_cached(idx[:1, :1], m.init_cache(1, 64))  # one row: matmul_form
+        return jnp.stack(steps), one
+
+    decoded, one_row = jax.jit(decode)(state)
+    flat = [np.asarray(g, np.float32) for g in jax.tree.leaves(grads)]
+    return float(loss), flat, np.asarray(token_losses), np.asarray(decoded), np.asarray(one_row)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_every_cpu_path_gives_the_plain_versions_numbers(monkeypatch, dtype):
+    """FLAXCHAT_CPU_PATHS=0 (the plain model, as on an accelerator) and every path on: the same loss, gradients,
+    evaluation losses and decoded logits. fp32 to rounding; bf16 to bf16's precision (the plain bf16 model keeps
+    its activations in bf16, the CPU path in fp32), its per-layer scalars left out: each one's gradient is a sum
+    over every activation of the batch, which bf16 activations round differently from fp32 ones."""
+    if jax.default_backend() != "cpu":
+        pytest.skip("the CPU paths run on a CPU only")
+    monkeypatch.delenv(cpu.SWITCH, raising=False)
+    assert len(cpu.paths_in_use()) == len(cpu.PATHS)
+    on = _run_everything(dtype)
+    monkeypatch.setenv(cpu.SWITCH, "0")
+    assert cpu.paths_in_use() == []
+    off = _run_everything(dtype)
+    tol = dict(rtol=2e-5, atol=2e-6) if dtype == jnp.float32 else dict(rtol=5e-2, atol=3e-2)
+    np.testing.assert_allclose(on[0], off[0], **tol)
+    for a, b in zip(on[1], off[1]):
+        if dtype == jnp.bfloat16 and b.size <= 3:
+            continue
+        scale = float(np.max(np.abs(b))) or 1.0
+        np.testing.assert_allclose(a / scale, b / scale, **tol)
+    for a, b in zip(on[2:], off[2:]):
+        np.testing.assert_allclose(a, b, **tol)

@@ -1,4 +1,4 @@
-"""Evaluation's forward passes in sub-batches of rows on a CPU (training.in_sub_batches): val bpb, CORE's span
+"""Evaluation's forward passes in sub-batches of rows on a CPU (cpu.in_sub_batches): val bpb, CORE's span
 losses and greedy checks, the categorical evals' logits at one position a row (GPT's logits_at)."""
 
 import collections
@@ -20,7 +20,7 @@ from flaxchat.eval import core as core_eval
 
 from flaxchat.eval import bpb as loss_eval
 
-from flaxchat.train import step as training
+from flaxchat.model import cpu
 from flaxchat.model.config import GPTConfig
 from flaxchat.model.gpt import GPT
 from flaxchat.perf.hlo import jaxpr_equations
@@ -65,8 +65,8 @@ def test_eval_in_sub_batches_equals_one_pass_over_the_batch(monkeypatch, mesh_sh
     if mesh is not None:
         x, y, at = (jax.device_put(a, NamedSharding(mesh, P(("data", "fsdp")))) for a in (x, y, at))
     losses = lambda m, x, y: m(x, y, loss_reduction="none")
-    split = lambda x, y: training.in_sub_batches(model, losses, x, y)
-    monkeypatch.setattr(training, "CPU_SUB_BATCH_TOKENS", T)
+    split = lambda x, y: cpu.in_sub_batches(model, losses, x, y)
+    monkeypatch.setattr(cpu, "CPU_SUB_BATCH_TOKENS", T)
     with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
         expected, got = np.asarray(jax.jit(lambda x, y: losses(model, x, y))(x, y)), np.asarray(jax.jit(split)(x, y))
         added = _loop_lengths(split, x, y) - _loop_lengths(lambda x, y: losses(model, x, y), x, y)
@@ -96,8 +96,8 @@ def test_eval_batches_within_the_budget_run_whole():
     x, y, _ = _batch(4)
     model = _model(None)
     losses = lambda m, x, y: m(x, y, loss_reduction="none")
-    assert training.sub_batches(4, T) == 1
-    assert _loop_lengths(lambda x, y: training.in_sub_batches(model, losses, x, y), x, y) == \
+    assert cpu.sub_batches(4, T) == 1
+    assert _loop_lengths(lambda x, y: cpu.in_sub_batches(model, losses, x, y), x, y) == \
         _loop_lengths(lambda x, y: losses(model, x, y), x, y)
 
 

@@ -7,13 +7,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from flaxchat.model import cpu
 from flaxchat.model import loss as fl
 
 
 def test_cpu_loss_chunks_are_at_most_512_rows_within_the_byte_budget():
-    assert fl._chunk_rows(4096, 4096) == fl.LOSS_CHUNK_ROWS_CPU == 512  # 64 MB would allow all 4096
-    assert fl._chunk_rows(300, 4096) == 300
-    assert fl._chunk_rows(4096, 262144) == fl.LOSS_CHUNK_BYTES["cpu"] // (4 * 262144)  # 64 rows
+    assert fl.chunk_rows(4096, 4096) == cpu.LOSS_CHUNK_ROWS == 512  # 64 MB would allow all 4096
+    assert fl.chunk_rows(300, 4096) == 300
+    assert fl.chunk_rows(4096, 262144) == cpu.LOSS_CHUNK_BYTES // (4 * 262144)  # 64 rows
 
 
 @pytest.mark.parametrize("chunk_rows", [16, 9])  # even chunks take the (C, V) gradient path, odd ones the plain one
@@ -23,7 +24,7 @@ def test_chunked_loss_gradients_equal_autodiff(monkeypatch, chunk_rows, users_co
     yields a (V, C) result: XLA:CPU runs the transposed accumulation at about the rate of the loss's other
     two products, the (V, C) one over the rows at about half."""
     n, C, V, Vp = 40, 32, 200, 256
-    monkeypatch.setitem(fl.LOSS_CHUNK_BYTES, "cpu", 4 * V * chunk_rows)
+    monkeypatch.setattr(cpu, "LOSS_CHUNK_BYTES", 4 * V * chunk_rows)
     kx, kw, kt = jax.random.split(jax.random.key(3), 3)
     x = jax.random.normal(kx, (n, C))
     w = jax.random.normal(kw, (Vp, C)) * 0.3
@@ -91,22 +92,22 @@ def _finite_floats_from_2_to_the_minus_109():
 
 @pytest.mark.parametrize("codegen", ["tests", "users"])
 def test_bf16_grid_rounds_as_a_conversion_to_bf16(codegen, users_codegen):
-    """_bf16_grid (Veltkamp's split, in fp32) and _to_bf16 give the same numbers as XLA's own rounding to bf16
+    """cpu.bf16_grid (Veltkamp's split, in fp32) and cpu.to_bf16 give the same numbers as XLA's own rounding to bf16
     (nearest, ties to even) for every finite magnitude from 2**-109 up, ties, near-ties and the largest fp32 values
     (which round to inf) included; 0 keeps its sign and NaN stays NaN. Compiled as the suite compiles and as
     users' programs are."""
     x = np.concatenate([_finite_floats_from_2_to_the_minus_109(), np.array([0.0, -0.0, np.nan], np.float32)])
     x = jnp.asarray(x)
     options = users_codegen if codegen == "users" else None
-    grid = jax.jit(fl._bf16_grid).lower(x).compile(compiler_options=options)(x)
-    as_bf16 = jax.jit(fl._to_bf16).lower(x).compile(compiler_options=options)(x)
+    grid = jax.jit(cpu.bf16_grid).lower(x).compile(compiler_options=options)(x)
+    as_bf16 = jax.jit(cpu.to_bf16).lower(x).compile(compiler_options=options)(x)
     want = np.asarray(x.astype(jnp.bfloat16))
     assert as_bf16.dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(as_bf16).view(np.uint16)[:-1], want.view(np.uint16)[:-1])
     np.testing.assert_array_equal(np.asarray(grid).view(np.uint32)[:-1], want.astype(np.float32).view(np.uint32)[:-1])
     assert np.isnan(np.asarray(grid)[-1]) and np.isnan(np.asarray(as_bf16, np.float32)[-1])
     # the gradient passes through unrounded (the product's backward rounds it)
-    np.testing.assert_array_equal(jax.grad(lambda v: jnp.sum(fl._bf16_grid(v) * 1.2345678))(x[:5]), np.float32(1.2345678))
+    np.testing.assert_array_equal(jax.grad(lambda v: jnp.sum(cpu.bf16_grid(v) * 1.2345678))(x[:5]), np.float32(1.2345678))
 
 
 @pytest.mark.parametrize("n", [512, 40])
@@ -135,13 +136,13 @@ def test_a_bf16_loss_of_one_chunk_runs_on_a_cpu(n):
 
 def test_the_bf16_loss_on_a_cpu_rounds_its_logits_without_xlas_conversion(users_codegen):
     """XLA:CPU's own conversion to bf16 inside the loss's passes made them ~4x slower than in fp32; the chunk's
-    (rows, Vp) logits and their gradient are rounded by _bf16_grid instead (no f32 -> bf16 convert of that shape)."""
+    (rows, Vp) logits and their gradient are rounded by cpu.bf16_grid instead (no f32 -> bf16 convert of that shape)."""
     n, C, Vp = 1024, 64, 256
     x = jnp.zeros((n, C), jnp.bfloat16)
     w = jnp.zeros((Vp, C))
     t = jnp.zeros((n,), jnp.int32)
     program = jax.jit(jax.grad(lambda x, w: fl.loss_sum(x, w, t, Vp), argnums=(0, 1))).lower(x, w).compile(
         compiler_options=users_codegen).as_text()
-    rows = fl._chunk_rows(n, Vp)
+    rows = fl.chunk_rows(n, Vp)
     assert re.search(rf"bf16\[{rows},{Vp}\]", program)  # the gradients' bf16 operand is there
     assert not re.search(rf"= bf16\[{rows},{Vp}\]\S* convert\(", program)  # but made by bit operations

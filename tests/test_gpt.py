@@ -6,7 +6,7 @@ from flax import nnx
 
 from flaxchat import sharding
 from flaxchat.model.config import GPTConfig
-from flaxchat.model.gpt import GPT, CausalSelfAttention, init_table, rotary_cos_sin, stacked_matmul
+from flaxchat.model.gpt import GPT, CausalSelfAttention, init_table, rotary_cos_sin, stacked_product
 from flaxchat.export.nanochat import from_nanochat_state_dict, to_nanochat_state_dict
 
 TINY = GPTConfig(sequence_len=64, vocab_size=300, n_layer=2, n_head=2, n_kv_head=2, n_embd=64)
@@ -56,25 +56,6 @@ def test_fused_loss_and_grads_equal_naive():
     np.testing.assert_allclose(float(fused), float(naive), rtol=1e-6)
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-6, rtol=1e-4)
-
-
-def test_cpu_matmul_gradients_equal_autodiff_without_a_transposed_copy_of_the_output_gradient(users_codegen):
-    """A wide weight's gradient on a CPU is taken as (x^T dy)^T: the same gradients as autodiff's, and the
-    compiled backward never holds the (out, tokens) transposed gradient that autodiff's form makes XLA write."""
-    from flaxchat.model.gpt import cpu_matmul
-
-    x = jax.random.normal(jax.random.key(0), (4, 64, 32))
-    w = jax.random.normal(jax.random.key(1), (128, 32)) * 0.2
-
-    def grads(f):
-        return jax.jit(jax.grad(lambda x, w: jnp.sum(jnp.sin(f(x, w))), argnums=(0, 1)))
-
-    plain = grads(lambda x, w: jnp.matmul(x, w.T))
-    for a, b in zip(grads(cpu_matmul)(x, w), plain(x, w)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
-    compiled = lambda f: f.lower(x, w).compile(compiler_options=users_codegen).as_text()
-    assert "f32[128,256]" in compiled(plain)  # 128 outputs x 256 tokens
-    assert "f32[128,256]" not in compiled(grads(cpu_matmul))
 
 
 def test_loss_reductions():
@@ -344,7 +325,7 @@ def test_rotary_table_constants_equal_the_traced_tables():
             np.testing.assert_allclose(a, np.asarray(b), atol=1.2e-7, rtol=0)  # an ulp or so of fp32 cos/sin
 
 
-def test_stacked_matmul_equals_the_layers_one_by_one():
+def test_stacked_product_equals_the_layers_one_by_one():
     """Decode steps run q, k and v as one matmul over stacked weights; plain fp32 layers stack, the others run
     one by one, and either way each output is its own layer's."""
     from flaxchat.model.quantize import quantize_for_generation
@@ -354,34 +335,13 @@ def test_stacked_matmul_equals_the_layers_one_by_one():
     for mode in ("none", "int8", "bf16"):
         attn = quantize_for_generation(GPT(config, rngs=nnx.Rngs(1)), mode).transformer.h[0].attn
         layers = (attn.c_q, attn.c_k, attn.c_v)
-        f = jax.jit(lambda x: stacked_matmul(x, layers))
+        f = jax.jit(lambda x: stacked_product(x, layers))
         stacked = f(x)
         assert [y.shape for y in stacked] == [(3, 1, 64), (3, 1, 32), (3, 1, 32)]
         for y, m in zip(stacked, layers):
             np.testing.assert_allclose(y, m(x), rtol=1e-5, atol=1e-5)
-        # fp32: one stacked product; int8: each layer one row at a time (3 rows <= Int8Linear.split_rows); bf16
-        # weights under fp32 inputs: one product per layer
-        assert f.lower(x).as_text().count("dot_general") == {"none": 1, "int8": 9, "bf16": 3}[mode]
-
-
-def test_a_few_rows_are_multiplied_one_row_at_a_time_on_a_cpu():
-    """Up to split_rows rows (float 2, int8 8) go through one-row products on a CPU: the same numbers as the whole
-    matmul, and more rows (a prefill, a training batch) stay one matmul."""
-    from flaxchat.model.gpt import Linear, row_products
-    from flaxchat.model.quantize import quantize_for_generation
-
-    assert row_products() == (jax.default_backend() == "cpu")
-    config = GPTConfig(sequence_len=32, vocab_size=128, n_layer=1, n_head=4, n_kv_head=2, n_embd=64)
-    for mode, split in (("none", 2), ("int8", 8)):
-        head = quantize_for_generation(make(config), mode).lm_head
-        assert head.split_rows == split and Linear.split_rows == 2
-        for rows in (1, 2, 3, 8, 9):
-            x = jax.random.normal(jax.random.key(rows), (rows, 1, 64))
-            f = jax.jit(lambda x: head(x, out_dtype=jnp.float32))
-            want = jnp.einsum("bti,oi->bto", x, head.matrix(), precision="highest")
-            np.testing.assert_allclose(f(x), want, rtol=1e-5, atol=1e-5)
-            dots = f.lower(x).as_text().count("dot_general")
-            assert dots == (rows if 1 < rows <= split and row_products() else 1), (mode, rows)
+        # fp32: one stacked product; int8 layers, and bf16 weights under fp32 inputs: one product per layer
+        assert f.lower(x).as_text().count("dot_general") == {"none": 1, "int8": 3, "bf16": 3}[mode]
 
 
 def test_a_bfloat16_embedding_sums_its_gradient_in_float32():

@@ -12,9 +12,9 @@ from flaxchat.model.config import GPTConfig
 from flaxchat.model.gpt import GPT
 from flaxchat.train.optim import Schedule, build_optimizer, optimizer_stats
 from flaxchat import sharding
-from flaxchat.train import step as training
+from flaxchat.model import cpu
 from flaxchat.perf.hlo import jaxpr_equations
-from flaxchat.train.step import FlatStep, InFlight, _accumulate_grads, in_flight_depth, sub_batches, train_step
+from flaxchat.train.step import FlatStep, InFlight, accumulate_grads, in_flight_depth, train_step
 
 
 def _model_and_optimizer():
@@ -116,22 +116,22 @@ def test_in_flight_is_on_for_accelerators_unless_told():
 
 @pytest.mark.eight_devices
 def test_sub_batches_keep_a_cpu_devices_rows_within_the_token_budget():
-    assert training.CPU_SUB_BATCH_TOKENS == 2048
-    assert sub_batches(16, 256, "cpu") == 2  # 16 rows of 256 (the demo's SFT micro-batch): two turns of 8
-    assert sub_batches(32, 512, "cpu") == 8 and sub_batches(8, 512, "cpu") == 2
-    assert sub_batches(8, 256, "cpu") == 1  # 2,048 tokens: whole
-    assert sub_batches(6, 512, "cpu") == 2  # 3 rows of 512 fit; 6 / 4 would not divide
-    assert sub_batches(5, 512, "cpu") == 5  # 5 is prime: one row a turn
-    assert sub_batches(3, 4096, "cpu") == 3  # a row alone beyond the budget still runs, one a turn
-    assert sub_batches(32, 512, "gpu") == sub_batches(32, 512, "tpu") == 1
-    assert sub_batches(32, 512, "cpu", splits_model=True) == 1
+    assert cpu.CPU_SUB_BATCH_TOKENS == 2048
+    assert cpu.sub_batches(16, 256, "cpu") == 2  # 16 rows of 256 (the demo's SFT micro-batch): two turns of 8
+    assert cpu.sub_batches(32, 512, "cpu") == 8 and cpu.sub_batches(8, 512, "cpu") == 2
+    assert cpu.sub_batches(8, 256, "cpu") == 1  # 2,048 tokens: whole
+    assert cpu.sub_batches(6, 512, "cpu") == 2  # 3 rows of 512 fit; 6 / 4 would not divide
+    assert cpu.sub_batches(5, 512, "cpu") == 5  # 5 is prime: one row a turn
+    assert cpu.sub_batches(3, 4096, "cpu") == 3  # a row alone beyond the budget still runs, one a turn
+    assert cpu.sub_batches(32, 512, "gpu") == cpu.sub_batches(32, 512, "tpu") == 1
+    assert cpu.sub_batches(32, 512, "cpu", splits_model=True) == 1
     # the training loops' micro-batch line says so
     one = sharding.make_mesh(devices=jax.devices()[:1])
-    assert training.sub_batch_note(16, 256, one) == (" | on this CPU each device's 16 rows run as 2 sub-batches of 8 "
-                                                     "(training.CPU_SUB_BATCH_TOKENS)")
-    assert training.sub_batch_note(8, 256, one) == ""
-    assert training.sub_batch_note(16, 256, sharding.make_mesh(1, 8, 1)) == ""  # FSDP: whole
-    assert training.sub_batch_note(16, 256, sharding.make_mesh(8, 1, 1)) != ""  # data parallel: 16 rows a device
+    assert cpu.sub_batch_note(16, 256, one) == (" | on this CPU each device's 16 rows run as 2 sub-batches of 8 "
+                                                     "(model.cpu.CPU_SUB_BATCH_TOKENS)")
+    assert cpu.sub_batch_note(8, 256, one) == ""
+    assert cpu.sub_batch_note(16, 256, sharding.make_mesh(1, 8, 1)) == ""  # FSDP: whole
+    assert cpu.sub_batch_note(16, 256, sharding.make_mesh(8, 1, 1)) != ""  # data parallel: 16 rows a device
 
 
 def _micro_batches(A, B, T, vocab, seed=0):
@@ -144,13 +144,13 @@ def _micro_batches(A, B, T, vocab, seed=0):
 
 
 def _accumulated(config, mesh, xs, ys):
-    """_accumulate_grads of a fresh fp32 model of `config` over xs, ys (their rows spread over the mesh's batch axes
+    """accumulate_grads of a fresh fp32 model of `config` over xs, ys (their rows spread over the mesh's batch axes
     when there is one): (loss, gradient leaves, the traced jaxpr)."""
     make = lambda: GPT(config, rngs=nnx.Rngs(0), dtype=jnp.float32)
     model = make() if mesh is None else sharding.create_sharded(make, mesh)
     if mesh is not None:
         xs, ys = (jax.device_put(a, NamedSharding(mesh, P(None, ("data", "fsdp")))) for a in (xs, ys))
-    f = lambda x, y: _accumulate_grads(model, x, y)
+    f = lambda x, y: accumulate_grads(model, x, y)
     with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
         jaxpr = jax.make_jaxpr(f)(xs, ys).jaxpr
         loss, grads = jax.jit(f)(xs, ys)
@@ -174,7 +174,7 @@ def test_sub_batched_micro_steps_sum_to_the_whole_micro_batch(monkeypatch, mesh_
     mesh = sharding.make_mesh(*mesh_shape) if mesh_shape else None
 
     def run(budget):
-        monkeypatch.setattr(training, "CPU_SUB_BATCH_TOKENS", budget)
+        monkeypatch.setattr(cpu, "CPU_SUB_BATCH_TOKENS", budget)
         loss, grads, jaxpr = _accumulated(config, mesh, xs, ys)
         return loss, grads, [n for n in _scan_lengths(jaxpr) if n in (2, 8)]
 
@@ -189,13 +189,13 @@ def test_sub_batched_micro_steps_sum_to_the_whole_micro_batch(monkeypatch, mesh_
 @pytest.mark.eight_devices
 def test_model_splitting_meshes_run_micro_batches_whole(monkeypatch):
     """Under FSDP the weights are gathered in every turn of the micro-step loop: no sub-batches there."""
-    monkeypatch.setattr(training, "CPU_SUB_BATCH_TOKENS", 32)
+    monkeypatch.setattr(cpu, "CPU_SUB_BATCH_TOKENS", 32)
     mesh = sharding.make_mesh(1, 8, 1)
     model = sharding.create_sharded(lambda: GPT(GPTConfig.from_depth(2, max_seq_len=32, vocab_size=128),
                                                 rngs=nnx.Rngs(0), dtype=jnp.float32), mesh)
     xs, ys = (jax.device_put(a, NamedSharding(mesh, P(None, "fsdp"))) for a in _micro_batches(2, 32, 32, 128))
     with jax.set_mesh(mesh):
-        jaxpr = jax.make_jaxpr(lambda x, y: _accumulate_grads(model, x, y))(xs, ys).jaxpr
+        jaxpr = jax.make_jaxpr(lambda x, y: accumulate_grads(model, x, y))(xs, ys).jaxpr
     assert 2 in _scan_lengths(jaxpr) and not {8, 64} & set(_scan_lengths(jaxpr))
 
 
@@ -207,8 +207,6 @@ def test_a_cpu_takes_q_k_v_as_one_product_unless_the_mesh_splits_the_model(monke
     """On a CPU attention multiplies by q's, k's and v's weights stacked (gpt.stack_qkv): the step's loss and
     gradients equal the three products', with 6 products fewer per layer and micro-step (forward, input and
     weight gradients: 3 -> 1 each). Where a mesh axis splits the model (FSDP, tensor) the three stay apart."""
-    from flaxchat.model import gpt
-
     config = GPTConfig(sequence_len=32, vocab_size=128, n_layer=2, n_head=4, n_kv_head=4 if mesh_shape else 2,
                        n_embd=64)
     rows = 4 if mesh_shape is None else 16
@@ -220,7 +218,7 @@ def test_a_cpu_takes_q_k_v_as_one_product_unless_the_mesh_splits_the_model(monke
         return loss, grads, sum(n for eqn, n in jaxpr_equations(jaxpr) if eqn.primitive.name == "dot_general")
 
     stacked, stacked_grads, stacked_products = run()
-    monkeypatch.setattr(gpt, "stack_qkv", lambda: False)
+    monkeypatch.setattr(cpu, "stacks_qkv", lambda: False)
     apart, apart_grads, apart_products = run()
     splits_model = mesh_shape is not None and max(mesh_shape[1:]) > 1
     assert apart_products - stacked_products == (0 if splits_model else 6 * config.n_layer * 2)

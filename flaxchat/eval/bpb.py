@@ -14,12 +14,12 @@ import numpy as np
 from flax import nnx
 
 from flaxchat.common import is_main_process, progress_bar
-from flaxchat.train.step import in_sub_batches
+from flaxchat.model.cpu import in_sub_batches
 
 
 def token_losses(model, inputs, targets):
     """Per-token losses (B, T), 0 where the target is ignored; on a CPU in sub-batches of rows
-    (training.in_sub_batches)."""
+    (cpu.in_sub_batches)."""
     return in_sub_batches(model, lambda m, x, y: m(x, y, loss_reduction="none"), inputs, targets)
 
 

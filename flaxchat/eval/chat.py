@@ -23,7 +23,7 @@ import numpy as np
 from flax import nnx
 
 from flaxchat.common import is_main_process, print0, progress_bar, to_host
-from flaxchat.train.step import in_sub_batches
+from flaxchat.model.cpu import in_sub_batches
 
 # Random-guess accuracy of each task: 1 of 4 letters, or ~0 for open-ended answers (nanochat's values).
 BASELINES = {"ARC-Easy": 0.25, "ARC-Challenge": 0.25, "MMLU": 0.25, "GSM8K": 0.0, "HumanEval": 0.0, "SpellingBee": 0.0}
@@ -72,7 +72,7 @@ def chatcore(accuracies: dict[str, float]) -> tuple[float, int]:
 @nnx.jit
 def _logits_at(model, idx, positions):
     """Logits (B, V) at one position per row of idx (B, T): the lm_head of those positions only, on a CPU in
-    sub-batches of rows (training.in_sub_batches)."""
+    sub-batches of rows (cpu.in_sub_batches)."""
     return in_sub_batches(model, lambda m, x, at: m(x, logits_at=at), idx, positions)
 
 

@@ -41,7 +41,7 @@ from flax import nnx
 from flaxchat.common import get_base_dir, is_main_process, print0, progress_bar, to_host
 from flaxchat.eval.bpb import token_losses
 from flaxchat.sharding import batch_sharding
-from flaxchat.train.step import in_sub_batches
+from flaxchat.model.cpu import in_sub_batches
 from tasks.core_bundle import CORE_TASKS, LM, MC, SCHEMA, build_offline_bundle
 
 EVAL_BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"

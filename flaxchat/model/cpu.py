@@ -1,39 +1,93 @@
-"""XLA:CPU-only fast paths, behind one switch.
+"""XLA:CPU-only fast paths: every place where the model computes the same numbers in another form, because XLA's
+CPU backend runs that form faster. On GPUs and TPUs none of this runs, and a reader can skip the whole module:
+`model/gpt.py`, `model/attention.py`, `model/loss.py` and `train/step.py` hold the plain versions and reach these
+through one hook, `use(name)`, which says whether path `name` runs here (the CPU backend, and not switched off).
 
-Everything here exists because XLA's CPU backend runs some forms of the same computation faster than others; on
-GPUs and TPUs none of it runs. The model reaches it only through `enabled()` and the functions below.
+The switch: FLAXCHAT_CPU_PATHS=0 turns every path off (the plain versions then run on the CPU too);
+FLAXCHAT_CPU_PATHS=-stack_qkv,-sub_batches turns the named paths off and keeps the rest. Unset (or 1), every path
+runs. The paths:
+
+    stack_qkv           q, k and v as one product over their stacked weights, in training and prefill
+    chunked_attention   causal attention a cache-sized chunk of rows and query blocks at a time
+    wide_weight_grad    the gradient of a wide weight (the MLP's c_fc) as (x^T dy)^T, with no transposed copy
+    sub_batches         a micro-batch's rows in sub-batches of CPU_SUB_BATCH_TOKENS (training and evaluation)
+    loss_chunks         the fused loss in chunks of at most LOSS_CHUNK_ROWS rows, lm_head's gradient transposed
+    norm_form           RMSNorm's row statistic broadcast back with [..., None] instead of kept as a size-1 axis
+    rotary_form         rotary embeddings as one elementwise expression over the two halves, no concatenation
+    bf16_products       bf16 models: bf16 operands multiplied into fp32, fp32 activations (as torch's autocast)
+    matmul_form         a decode step's rows as x @ w.T, which XLA:CPU runs as one fused loop over w's rows
+
+Each earns its place by a measured gain on the laptop demo's pretraining step or on batch-1 decode (docs/LOG.md,
+docs/cpu-speed.md); tests/test_cpu.py checks that every path gives the plain version's numbers.
 """
 
 from __future__ import annotations
 
 import functools
+import math
+import os
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from jax.extend import source_info_util
+from jax.sharding import PartitionSpec as P
 
-# The traced helpers here (einsum, split_in_two) are not where an op comes from: a compiled program's source lines
-# (hlo.op_sources, a profile's lines) and JAX's filtered tracebacks name the line that called them instead
+from flaxchat import sharding
+
+# The traced helpers here are not where an op comes from: a compiled program's source lines (perf.hlo.op_sources, a
+# profile's lines) and JAX's filtered tracebacks name the model's line that called them instead
 source_info_util.register_exclusion(__file__)
+
+PATHS = ("stack_qkv", "chunked_attention", "wide_weight_grad", "sub_batches", "loss_chunks", "norm_form",
+         "rotary_form", "bf16_products", "matmul_form")
+SWITCH = "FLAXCHAT_CPU_PATHS"
+
+
+def switched_off() -> set[str]:
+    """The paths FLAXCHAT_CPU_PATHS turns off: all of them for 0 (or "none", "off"), those named with a leading '-'
+    in a comma-separated list, none when unset or 1. An unknown name is an error."""
+    value = os.environ.get(SWITCH, "").strip().lower()
+    if value in ("", "1", "all", "on"):
+        return set()
+    if value in ("0", "none", "off"):
+        return set(PATHS)
+    names = [n.strip() for n in value.split(",") if n.strip()]
+    unknown = [n for n in names if not n.startswith("-") or n[1:] not in PATHS]
+    if unknown:
+        raise ValueError(f"{SWITCH}={value!r}: give 0, 1 or -NAME,... with NAME among {', '.join(PATHS)}")
+    return {n[1:] for n in names}
+
+
+def use(name: str, backend: str | None = None) -> bool:
+    """Whether the CPU path `name` runs: on the CPU backend (or `backend`), unless FLAXCHAT_CPU_PATHS turns it off.
+
+    Read when a function is traced: a program compiled with a path keeps it."""
+    if name not in PATHS:
+        raise ValueError(f"unknown CPU path {name!r}")
+    return (backend or jax.default_backend()) == "cpu" and name not in switched_off()
+
+
+# -----------------------------------------------------------------------------
+# bf16 products beside fp32 activations
 
 
 def activation_dtype(dtype, backend: str | None = None):
-    """The dtype a model of compute dtype `dtype` keeps its activations in: fp32 for bf16 on a CPU, else `dtype`.
+    """The dtype a model of compute dtype `dtype` keeps its activations in: fp32 for bf16 under bf16_products.
 
-    On a CPU bf16 is the products' dtype only, as under torch's autocast: operands rounded to bf16, fp32 results
-    kept (see widened_products), norms, rotary, softmax and the residual stream in fp32. XLA:CPU rounds the result
-    of every bf16 elementwise op back to bf16 and runs such a chain ~4x slower than in fp32 (a (4096, 1024)
-    multiply-tanh-sigmoid chain on one Zen 5 core: 12.8 ms in bf16, 2.9 ms in fp32); with fp32 activations a bf16
-    train step at nanochat's small CPU shape (d4, T=256, vocab 4096) runs ~1.35x an fp32 one instead of ~1.05x."""
-    return jnp.float32 if jnp.dtype(dtype) == jnp.bfloat16 and (backend or jax.default_backend()) == "cpu" else dtype
+    On a CPU bf16 is then the products' dtype only, as under torch's autocast: operands rounded to bf16, fp32
+    results kept, norms, rotary, softmax and the residual stream in fp32. XLA:CPU rounds the result of every bf16
+    elementwise op back to bf16 and runs such chains several times slower than fp32 ones."""
+    if jnp.dtype(dtype) == jnp.bfloat16 and use("bf16_products", backend):
+        return jnp.float32
+    return dtype
 
 
 def widened_products(*operands) -> bool:
-    """Whether a product of these operands (all bf16) asks XLA for an fp32 result: on a CPU. XLA:CPU's library
-    multiplies bf16 into fp32 with the CPU's bf16 instructions (AVX512-BF16, AMX) at up to twice its fp32 rate,
-    while a bf16 result takes a path slower than fp32 (upcast operands). Accelerators accumulate bf16 in fp32
-    inside their kernels anyway."""
-    return jax.default_backend() == "cpu" and all(x.dtype == jnp.bfloat16 for x in operands)
+    """Whether a product of these operands (all bf16) asks XLA for an fp32 result (bf16_products). XLA:CPU's
+    library multiplies bf16 into fp32 with the CPU's bf16 instructions (AVX512-BF16, AMX) at up to twice its fp32
+    rate, while a bf16 result takes a path slower than fp32 (upcast operands)."""
+    return all(x.dtype == jnp.bfloat16 for x in operands) and use("bf16_products")
 
 
 def split_in_two(x, axis: int):
@@ -42,18 +96,15 @@ def split_in_two(x, axis: int):
     A bf16 product that contracts the leading (row) axis of both operands (a weight gradient) or a stacked
     product of a matrix with its own transpose is one XLA:CPU's bf16 kernels do not take: XLA converts the
     operands and multiplies at the fp32 rate. Contracting over two axes instead, XLA first lays the operand out
-    for the library's bf16 kernel (a transposing copy) and the product runs at the bf16 rate. The fused loss's
-    lm_head gradient takes the same route in fp32 too (gpt._local_loss_and_grads)."""
+    for the library's bf16 kernel (a transposing copy) and the product runs at the bf16 rate."""
     axis = axis % x.ndim
-    return x.reshape(*x.shape[:axis], 2, x.shape[axis] // 2, *x.shape[axis + 1:])
+    return x.reshape(*x.shape[:axis], 2, x.shape[axis] // 2, *x.shape[axis + 1 :])
 
 
 def einsum(spec: str, a, b, out_dtype=None):
-    """jnp.einsum(spec, a, b) for the model's and optimizer's products; out_dtype defaults to a's dtype.
-
-    bf16 operands on a CPU (see widened_products) multiply into fp32 and round once to out_dtype, and so do
-    both gradients (the cotangent is rounded to bf16 first, as in a bf16 backward pass): JAX's own transpose
-    of such a product would multiply in fp32. Every other case is plain jnp.einsum. The result equals a bf16
+    """jnp.einsum(spec, a, b); out_dtype defaults to a's dtype. bf16 operands under bf16_products multiply into fp32
+    and round once to out_dtype, and so do both gradients (the cotangent is rounded to bf16 first, as in a bf16
+    backward pass): JAX's own transpose of such a product would multiply in fp32. The result equals a bf16
     product's (one rounding of an fp32 accumulation) up to summation order."""
     out_dtype = jnp.dtype(out_dtype or a.dtype)
     if widened_products(a, b):
@@ -81,3 +132,386 @@ def _widened_einsum_bwd(spec, out_dtype, res, g):
 
 
 _widened_einsum.defvjp(_widened_einsum_fwd, _widened_einsum_bwd)
+
+
+@jax.custom_jvp
+def bf16_grid(x):
+    """fp32 x rounded to the nearest bf16 value (ties to even), kept in fp32: the same numbers as
+    x.astype(bf16).astype(fp32) for 0 and every finite |x| >= 2**-109 (checked for each such fp32 value); NaN
+    stays NaN, +-inf becomes NaN, and a smaller |x| lands within 2**-109 of its bf16 value.
+
+    Veltkamp's split with sigma = 2**16 + 1 leaves 24 - 16 = 8 significant bits; x is scaled by 2**-17 around it
+    so that sigma * x cannot overflow. Products and sums only, which XLA:CPU runs at the speed of the fusion
+    around them; its own conversion to bf16 (and as much as a clip or a select beside the soft-cap's tanh) makes
+    the loss's soft-cap and gradient passes several times slower than in fp32. Gradients pass through unchanged
+    (the product's own backward rounds them to bf16)."""
+    s = x * 2.0**-17
+    t = s * 65537.0
+    return (t - (t - s)) * 2.0**17
+
+
+bf16_grid.defjvp(lambda primals, tangents: (bf16_grid(primals[0]), tangents[0]))
+
+
+def to_bf16(x):
+    """x.astype(bf16) for fp32 x, 0 or finite with |x| >= 2**-109 (see bf16_grid): the high 16 bits of its bf16
+    value, taken as a bf16 array."""
+    bits = jax.lax.bitcast_convert_type(bf16_grid(x), jnp.uint32) >> 16
+    return jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.bfloat16)
+
+
+def widen_activations(model) -> None:
+    """Mark a bf16 model's Linears to multiply in bf16 beside fp32 activations (bf16_products): GPT calls this
+    when its activation dtype is wider than its compute dtype."""
+    for _, m in nnx.iter_graph(model):
+        if hasattr(m, "products"):
+            m.products = model.dtype
+
+
+# -----------------------------------------------------------------------------
+# Norms and rotary
+
+
+def rms_norm(x, eps):
+    """gpt.rms_norm in norm_form: the row statistic broadcast back with [..., None] rather than kept as a size-1
+    axis, because XLA:CPU fuses the (..., 1) form's backward into slower kernels. x is fp32."""
+    return x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1) + eps)[..., None]
+
+
+def apply_rotary(x, cos, sin):
+    """gpt.apply_rotary in rotary_form: one elementwise expression over the two halves (x * [cos, cos] + swapped
+    halves * [sin, -sin]) rather than a concatenation of two, which XLA fuses into a single loop; the
+    concatenation is an op of its own after two others."""
+    halves = x.reshape(*x.shape[:-1], 2, x.shape[-1] // 2)
+    signed_sin = jnp.stack([sin, -sin], axis=-2)
+    return (halves * cos[..., None, :] + halves[..., ::-1, :] * signed_sin).reshape(x.shape)
+
+
+# -----------------------------------------------------------------------------
+# Linear
+
+
+@jax.custom_vjp
+def wide_matmul(x, w):
+    """x (..., in) @ w (out, in).T, whose weight gradient is taken as (x^T dy)^T (wide_weight_grad).
+
+    Autodiff's w gradient dy^T x is a product contracting the token rows of both operands; XLA:CPU lays out one
+    operand transposed for it, and for a weight wider out than in (the MLP's c_fc) it picks dy: a transposed copy
+    of the (tokens, 4C) gradient every layer. Taken as x^T dy instead, behind a barrier that keeps XLA from folding
+    the final transpose back into the product, the rows are contracted with no copy and only the small (in, out)
+    result is transposed. Only for wide weights: for the others, x^T dy runs in a slower kernel than the copy
+    costs. Same sums, same precision."""
+    return jnp.matmul(x, w.T)
+
+
+def _wide_matmul_fwd(x, w):
+    return jnp.matmul(x, w.T), (x, w)
+
+
+def _wide_matmul_bwd(res, dy):
+    x, w = res
+    rows = lambda a: a.reshape(-1, a.shape[-1])
+    dw_t = jax.lax.optimization_barrier(jnp.matmul(rows(x).T, rows(dy)))
+    return jnp.matmul(dy, w), dw_t.T
+
+
+wide_matmul.defvjp(_wide_matmul_fwd, _wide_matmul_bwd)
+
+
+def linear(x, w, out_dtype=None, products=None):
+    """x (..., in) @ w (out, in).T as a Linear computes it on a CPU, or None where no CPU path applies (the caller
+    then runs the plain einsum). products: the layer's bf16 products dtype beside wider activations, or None."""
+    if products is not None and x.dtype != products and use("bf16_products"):
+        # wider activations: the product in `products`, the result in the activations' dtype
+        return einsum("...i,oi->...o", x.astype(products), w.astype(products), out_dtype or x.dtype)
+    w = w.astype(x.dtype)
+    if widened_products(x, w):
+        return einsum("...i,oi->...o", x, w, out_dtype)
+    rows = math.prod(x.shape[:-1])
+    if out_dtype is None and w.shape[0] > w.shape[1] and rows > 1 and use("wide_weight_grad"):
+        return wide_matmul(x, w)
+    if rows == 1 and use("matmul_form"):
+        # one row (a decode step): x @ w.T lowers to one fused loop of contiguous dot products over w's rows, where
+        # the einsum form becomes a library call that repacks the weight first
+        return jnp.matmul(x, w.T, preferred_element_type=out_dtype)
+    return None
+
+
+# -----------------------------------------------------------------------------
+# Attention: q, k and v stacked, and chunked causal attention
+
+
+def stacks_qkv() -> bool:
+    """Whether training and prefill take q, k and v as one product over stacked weights (stack_qkv): on a CPU,
+    unless a mesh axis splits the model (FSDP would gather the stack, tensor parallelism split it anew).
+
+    One (tokens, C) x (C, 3C) product instead of three of (C, C): XLA:CPU's GEMMs run square C x C weights below
+    their rate at small widths, and the stacked weight is wide, so its gradient takes wide_matmul's copy-free
+    form instead of a transposed copy of each of the three (tokens, C) gradients."""
+    return use("stack_qkv") and not sharding.free_axes(sharding.MODEL_AXES)
+
+
+# chunked attention: scores per chunk of rows at most this many bytes (about half a core's L2 cache), query blocks
+# of _query_block rows
+CHUNK_SCORE_BYTES = 512 * 2**10
+# bf16 products gain on larger batches than fp32 ones, so the bf16 path's chunks are larger
+BF16_CHUNK_SCORE_BYTES = 2 * 2**20
+
+
+def _query_block(T: int, head_dim: int) -> int:
+    return min(T, 64 if head_dim <= 64 else 128)
+
+
+def _query_blocks(T: int, head_dim: int, window: int):
+    """(start, stop, lo) of each query block: queries [start, stop) over the keys they can see, [lo, stop)."""
+    block = _query_block(T, head_dim)
+    return [(a, min(T, a + block), max(0, a - window)) for a in range(0, T, block)]
+
+
+def _rows_per_chunk(rows: int, heads: int, T: int, head_dim: int, window: int, score_bytes: int) -> int:
+    """The most rows (a divisor of `rows`) whose fp32 scores for one query block fit in score_bytes."""
+    block = _query_block(T, head_dim)
+    n = max(1, min(rows, score_bytes // (4 * heads * block * min(T, window + block))))
+    while rows % n:
+        n -= 1
+    return n
+
+
+def _visible(start, stop, lo, window):
+    """(stop - start, stop - lo) mask: which of the keys [lo, stop) queries [start, stop) may see (causal, within
+    the window)."""
+    qpos, kpos = jnp.arange(start, stop)[:, None], jnp.arange(lo, stop)[None, :]
+    return (kpos <= qpos) & (qpos - kpos <= window)
+
+
+def _window_softmax(s, start, stop, lo, window, dtype):
+    """Softmax over the keys [lo, stop) that queries [start, stop) may see."""
+    s = jnp.where(_visible(start, stop, lo, window), s, -jnp.inf)
+    return jax.nn.softmax(s, axis=-1).astype(dtype)
+
+
+def _attend_block(q, k, v, window, start, stop, lo, heads_major=False):
+    """Queries [start, stop) over the keys they can see, [lo, stop) (_query_blocks); GQA by grouping.
+    q, k, v: (B, T, H, D), or one row's (T, H, D); the output likewise. heads_major: they come as (B, H, T, D) or
+    (H, T, D) (no GQA), the output too."""
+    b = "b" if q.ndim == 4 else ""  # a batch of rows, or one row without a row axis
+    if heads_major:
+        s = jnp.einsum(f"{b}ktd,{b}ksd->{b}kts", q[..., start:stop, :], k[..., lo:stop, :],
+                       preferred_element_type=jnp.float32)
+        p = _window_softmax(s * q.shape[-1] ** -0.5, start, stop, lo, window, q.dtype)
+        return jnp.einsum(f"{b}kts,{b}ksd->{b}ktd", p, v[..., lo:stop, :])
+    *rows, _, H, D = q.shape
+    Hkv = k.shape[-2]
+    # without GQA the group axis is left out: XLA:CPU's fused reductions over (..., 1, t, s) scores run several
+    # times slower than over (..., t, s) ones
+    flat = H == Hkv
+    qb = q[..., start:stop, :, :]
+    qb = qb if flat else qb.reshape(*rows, stop - start, Hkv, H // Hkv, D)
+    g = "" if flat else "g"
+    s = jnp.einsum(f"{b}tk{g}d,{b}skd->{b}k{g}ts", qb, k[..., lo:stop, :, :], preferred_element_type=jnp.float32)
+    p = _window_softmax(s * D**-0.5, start, stop, lo, window, q.dtype)
+    return jnp.einsum(f"{b}k{g}ts,{b}skd->{b}tk{g}d", p, v[..., lo:stop, :, :]).reshape(*rows, stop - start, H, D)
+
+
+def chunked_attention(q, k, v, window):
+    """Causal windowed attention equal to the dense path: rows in chunks whose scores fit in cache (lax.map), each
+    chunk's queries in blocks that see only the keys causality and the window allow, and each chunk recomputed in
+    the backward pass (jax.checkpoint) so no (B, H, T, T) tensor ever reaches memory; runs per shard on a mesh.
+    bf16 q, k and v under bf16_products take the flash-style path below (_bf16_chunks)."""
+    if widened_products(q, k, v):
+        return sharding.per_shard_heads(functools.partial(_bf16_chunks, window=window), q, k, v)
+    B, T, H, D = q.shape
+    # heads-major without GQA: q, k and v transposed once per layer instead of every block's key and value slices
+    # once per block
+    heads_major = H == k.shape[2]
+
+    def rows(q, k, v):
+        blocks = [_attend_block(q, k, v, window, *span, heads_major) for span in _query_blocks(T, D, window)]
+        return jnp.concatenate(blocks, axis=-2 if heads_major else -3)
+
+    def local(q, k, v):
+        b = q.shape[0]
+        n = _rows_per_chunk(b, q.shape[2], T, D, window, CHUNK_SCORE_BYTES)
+        if heads_major:
+            q, k, v = (x.transpose(0, 2, 1, 3) for x in (q, k, v))
+        # one row a chunk goes without a row axis: XLA:CPU's fused reductions over a size-1 axis run several times
+        # slower
+        split = (lambda x: x) if n == 1 else (lambda x: x.reshape(b // n, n, *x.shape[1:]))
+        out = jax.lax.map(jax.checkpoint(lambda a: rows(*a)), (split(q), split(k), split(v)))
+        out = out.reshape(q.shape)  # q as attended: heads-major or not
+        return out.transpose(0, 2, 1, 3) if heads_major else out
+
+    return sharding.per_shard_heads(local, q, k, v)
+
+
+# bf16 (q, k and v rounded to bf16, as in nanochat's bf16 attention): the same query blocks, flash style. Products
+# multiply bf16 into fp32, the softmax is fp32, and the backward is written out (_bf16_flash_bwd): it keeps each
+# row's log-sum-exp instead of recomputing the chunk, and the key and value gradients, which contract the query
+# axis, split it in two so that XLA:CPU's bf16 kernel takes them (split_in_two; autodiff's form of those products
+# runs at its fp32 rate or below).
+
+
+def _bf16_chunks(q, k, v, window):
+    """The bf16 path's chunks of rows: (B, T, H, D) q and (B, T, Hkv, D) k, v in bf16 -> (B, T, H, D) bf16."""
+    B, T, H, D = q.shape
+    Hkv = k.shape[2]
+    n = _rows_per_chunk(B, H, T, D, window, BF16_CHUNK_SCORE_BYTES)
+    # heads-major, each chunk's rows and kv heads on one axis; GQA's query heads grouped under their kv head (no
+    # group axis without GQA: XLA:CPU's reductions over a size-1 axis are slow, see _attend_block)
+    group = (H // Hkv,) if H != Hkv else ()
+    q = q.transpose(0, 2, 1, 3).reshape(B // n, n * Hkv, *group, T, D)
+    k, v = (x.transpose(0, 2, 1, 3).reshape(B // n, n * Hkv, T, D) for x in (k, v))
+    if B == n:
+        out = _bf16_flash(*(x.reshape(x.shape[1:]) for x in (q, k, v)), window)
+    else:
+        out = jax.lax.map(lambda a: _bf16_flash(*a, window), (q, k, v))
+    return out.reshape(B, H, T, D).transpose(0, 2, 1, 3)
+
+
+def _widened(spec, a, b):
+    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+
+
+def _bf16_scores(q, k, start, stop, lo):
+    """Queries [start, stop)'s scaled fp32 scores over keys [lo, stop): (N, [G,] stop - start, stop - lo)."""
+    g = "g" if q.ndim == 4 else ""
+    return _widened(f"n{g}td,nsd->n{g}ts", q[..., start:stop, :], k[:, lo:stop]) * q.shape[-1] ** -0.5
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _bf16_flash(q, k, v, window):
+    """Causal windowed attention in bf16: q (N, T, D), or (N, G, T, D) with G query heads a kv head (GQA); k, v
+    (N, T, D), N a chunk's rows times kv heads. The output is q's shape, bf16."""
+    return _bf16_flash_fwd(q, k, v, window)[0]
+
+
+def _bf16_flash_fwd(q, k, v, window):
+    T, D = q.shape[-2:]
+    g = "g" if q.ndim == 4 else ""
+    outs, lses = [], []
+    for start, stop, lo in _query_blocks(T, D, window):
+        s = jnp.where(_visible(start, stop, lo, window), _bf16_scores(q, k, start, stop, lo), -jnp.inf)
+        m = jnp.max(s, axis=-1, keepdims=True)
+        p = jnp.exp(s - m)
+        total = jnp.sum(p, axis=-1, keepdims=True)
+        p = (p / total).astype(q.dtype)
+        outs.append(_widened(f"n{g}ts,nsd->n{g}td", p, v[:, lo:stop]).astype(q.dtype))
+        lses.append(m + jnp.log(total))
+    out = jnp.concatenate(outs, axis=-2)
+    return out, (q, k, v, out, jnp.concatenate(lses, axis=-2))
+
+
+def _bf16_flash_bwd(window, res, dout):
+    q, k, v, out, lse = res
+    T, D = q.shape[-2:]
+    g = "g" if q.ndim == 4 else ""
+    dout = dout.astype(q.dtype)
+    delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1, keepdims=True)  # rowsum(dO * O)
+    dq, dk, dv = [], jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)
+    for start, stop, lo in _query_blocks(T, D, window):
+        rows = slice(start, stop)
+        s = _bf16_scores(q, k, start, stop, lo)
+        p = jnp.where(_visible(start, stop, lo, window), jnp.exp(s - lse[..., rows, :]), 0.0)
+        dp = _widened(f"n{g}td,nsd->n{g}ts", dout[..., rows, :], v[:, lo:stop])
+        ds = (p * (dp - delta[..., rows, :]) * D**-0.5).astype(q.dtype)
+        p = p.astype(q.dtype)
+        dq.append(_widened(f"n{g}ts,nsd->n{g}td", ds, k[:, lo:stop]))
+        qb, gb = q[..., rows, :], dout[..., rows, :]
+        spec = f"n{g}ts,n{g}td->nsd"
+        if (stop - start) % 2 == 0:  # the query axis contracted as two axes (split_in_two)
+            ds, p, qb, gb = (split_in_two(x, -2) for x in (ds, p, qb, gb))
+            spec = f"n{g}bts,n{g}btd->nsd"
+        dk = dk.at[:, lo:stop].add(_widened(spec, ds, qb))
+        dv = dv.at[:, lo:stop].add(_widened(spec, p, gb))
+    return jnp.concatenate(dq, axis=-2).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+_bf16_flash.defvjp(_bf16_flash_fwd, _bf16_flash_bwd)
+
+
+# -----------------------------------------------------------------------------
+# The fused loss
+
+# A chunk takes at most this many rows: at small vocabularies its logits then stay in the last-level cache for the
+# soft-cap, softmax and gradient passes, while the products stay large enough for full-rate kernels
+LOSS_CHUNK_ROWS = 512
+LOSS_CHUNK_BYTES = 64 * 2**20  # and at most this many bytes of fp32 logits
+
+
+def loss_chunk_rows(n_rows: int, vocab_size: int) -> int:
+    """Rows per chunk of the fused loss on a CPU (loss_chunks)."""
+    return min(n_rows, max(8, LOSS_CHUNK_BYTES // (4 * vocab_size)), LOSS_CHUNK_ROWS)
+
+
+def lm_head_grad(x, dlogits):
+    """The fused loss's lm_head gradient of one chunk, accumulated transposed as (C, Vp) with the rows split in
+    two (loss_chunks): XLA:CPU's kernels take this product, which contracts the rows of both operands, at about
+    the rate of the other two after one transposing copy of each chunk; as (Vp, C) it runs slower."""
+    return jnp.einsum("bnc,bnv->cv", split_in_two(x, 0), split_in_two(dlogits, 0), preferred_element_type=jnp.float32)
+
+
+# -----------------------------------------------------------------------------
+# Sub-batches: a micro-batch's rows a few at a time, so that a layer's activations stay near the caches
+
+CPU_SUB_BATCH_TOKENS = 2048
+
+
+def sub_batches(rows: int, seq_len: int, backend: str | None = None, splits_model: bool = False) -> int:
+    """How many sub-batches a micro-batch of `rows` rows (one device's) runs in: the fewest that divide the rows
+    into at most CPU_SUB_BATCH_TOKENS tokens each (one row each when a row alone is longer); 1 off the CPU, without
+    sub_batches, and when the mesh splits the model (`splits_model`: FSDP or tensor parallelism, whose weight
+    gathers and activation sums would then run once per sub-batch)."""
+    if splits_model or not use("sub_batches", backend):
+        return 1
+    return next(k for k in range(1, rows + 1) if rows % k == 0 and rows // k * seq_len <= CPU_SUB_BATCH_TOKENS
+                or k == rows)
+
+
+def in_sub_batches(model, f, *arrays):
+    """f(model, *arrays) for a forward pass whose rows are independent (evaluation): arrays' and f's results'
+    leading axis is the batch's rows, and the first array is (rows, T) tokens. Each device's rows run in
+    sub_batches() turns of a lax.map, as the training step runs its micro-batches. The results are one pass's but
+    for the products' rounding (XLA may block a smaller product differently)."""
+    rows_total, T = arrays[0].shape[:2]
+    axes = sharding.free_axes(sharding.REPLICA_AXES)
+    devices = sharding.axes_size(axes)
+    rows = rows_total // devices
+    k = sub_batches(rows, T, splits_model=bool(sharding.free_axes(sharding.MODEL_AXES)))
+    if k == 1 or rows * devices != rows_total:  # (rows the devices do not share evenly: whole)
+        return f(model, *arrays)
+    graphdef, state = nnx.split(model)
+
+    def local(state, *local_arrays):  # one device's rows
+        split = lambda a: a.reshape(k, rows // k, *a.shape[1:])
+        out = jax.lax.map(lambda parts: f(nnx.merge(graphdef, state), *parts), tuple(map(split, local_arrays)))
+        return jax.tree.map(lambda o: o.reshape(rows, *o.shape[2:]), out)
+
+    spec = P(axes)
+    return sharding.per_shard(local, axes, (P(), *[spec] * len(arrays)), spec)(state, *arrays)
+
+
+def sub_batch_note(rows: int, seq_len: int, mesh) -> str:
+    """The training loops' note on sub-batches for their micro-batch line ("" when a micro-batch runs whole)."""
+    splits = any(mesh.shape[a] > 1 for a in sharding.MODEL_AXES)
+    k = sub_batches(rows, seq_len, splits_model=splits)
+    return (f" | on this CPU each device's {rows} rows run as {k} sub-batches of {rows // k} "
+            "(model.cpu.CPU_SUB_BATCH_TOKENS)") if k > 1 else ""
+
+
+# -----------------------------------------------------------------------------
+# Checking a path
+
+
+def paths_in_use() -> list[str]:
+    """The CPU paths that run in this process (for logs and benchmark records)."""
+    return [name for name in PATHS if use(name)]
+
+
+def summary() -> str:
+    """One line for a script's start: which CPU paths run, or why none do."""
+    if jax.default_backend() != "cpu":
+        return "CPU paths: none (not a CPU backend)"
+    on = paths_in_use()
+    off = [n for n in PATHS if n not in on]
+    return f"CPU paths: {', '.join(on) or 'none'}" + (f" (off: {', '.join(off)}; {SWITCH})" if off else "")
+

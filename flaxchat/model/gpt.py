@@ -24,9 +24,9 @@ import numpy as np
 from flax import nnx
 
 from flaxchat import sharding
-from flaxchat.model.attention import ATTENTION_IMPLEMENTATIONS, attention, cached_attention, resolve_attention, write_cache
 from flaxchat.common import compute_dtype
-from flaxchat.model.cpu import activation_dtype, einsum, widened_products
+from flaxchat.model import cpu
+from flaxchat.model.attention import ATTENTION_IMPLEMENTATIONS, attention, cached_attention, resolve_attention, write_cache
 from flaxchat.model.config import GPTConfig
 from flaxchat.model.loss import SOFTCAP, loss_sum, softcapped_logits, token_losses
 
@@ -84,13 +84,12 @@ def _param(init, key, shape, axes, dtype=jnp.float32):
 
 
 def rms_norm(x):
-    """Parameter-free RMSNorm over the last dim, eps = the dtype's machine epsilon (as torch's rms_norm)."""
+    """Parameter-free RMSNorm over the last dim, eps = the dtype's machine epsilon (as torch's rms_norm), in fp32."""
     eps = jnp.finfo(x.dtype).eps
-    x32 = x.astype(jnp.float32) if x.dtype != jnp.float32 else x
-    # the row statistic is broadcast back with [..., None] rather than kept as a size-1 axis: XLA:CPU fuses the
-    # (..., 1) form's backward into slower kernels (the QK norm's ~1.35x slower at nanochat's small shapes)
-    y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1) + eps)[..., None]
-    return y.astype(x.dtype)
+    x32 = x.astype(jnp.float32)
+    if cpu.use("norm_form"):
+        return cpu.rms_norm(x32, eps).astype(x.dtype)
+    return (x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)).astype(x.dtype)
 
 
 def rotary_cos_sin(positions, head_dim, dtype):
@@ -101,9 +100,10 @@ def rotary_cos_sin(positions, head_dim, dtype):
 
 
 def rotary_table(T: int, head_dim: int, dtype):
-    """rotary_cos_sin of positions 0..T-1 as numpy constants (XLA would otherwise fuse cos/sin into every rotary
-    multiply and evaluate them per element). The fp32 steps of the traced version are rounded the same way, so
-    the frequencies are bit-equal; cos/sin are correctly rounded (within an ulp of XLA's and torch's)."""
+    """rotary_cos_sin of positions 0..T-1 as numpy constants, precomputed as nanochat keeps them in buffers (XLA
+    would otherwise fuse cos/sin into every rotary multiply and evaluate them per element). The fp32 steps of the
+    traced version are rounded the same way, so the frequencies are bit-equal; cos/sin are correctly rounded
+    (within an ulp of XLA's and torch's)."""
     exponent = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
     power = (float(ROPE_BASE) ** exponent.astype(np.float64)).astype(np.float32)
     inv_freq = (1.0 / power.astype(np.float64)).astype(np.float32)
@@ -113,129 +113,48 @@ def rotary_table(T: int, head_dim: int, dtype):
 
 def apply_rotary(x, cos, sin):
     """x (B, T, H, D); cos/sin (B or 1, T, 1, D/2). Rotates by -theta (nanochat's convention):
-    (x1, x2) -> (x1 cos + x2 sin, x2 cos - x1 sin) for the two halves of each head.
-
-    Written on the halves as one elementwise expression (x * [cos, cos] + swapped halves * [sin, -sin]) rather
-    than a concatenation of two: XLA fuses it into a single loop, where the concatenation is an op of its own
-    after two others (on a CPU decode step, six ops per layer become two)."""
-    halves = x.reshape(*x.shape[:-1], 2, x.shape[-1] // 2)
-    signed_sin = jnp.stack([sin, -sin], axis=-2)
-    return (halves * cos[..., None, :] + halves[..., ::-1, :] * signed_sin).reshape(x.shape)
+    (x1, x2) -> (x1 cos + x2 sin, x2 cos - x1 sin) for the two halves of each head."""
+    if cpu.use("rotary_form"):
+        return cpu.apply_rotary(x, cos, sin)
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    return jnp.concatenate([x1 * cos + x2 * sin, x2 * cos - x1 * sin], axis=-1)
 
 
 class Linear(nnx.Module):
-    """Bias-free linear layer, weight (out, in) like torch; the matmul runs in the input's dtype.
-
-    x @ w.T is written as a transpose and a matmul: for a single row (decode) XLA's CPU backend then emits one
-    fused loop of contiguous dot products over w's rows, about twice as fast as the library call it makes for
-    the einsum form (the lm_head of a 32k vocabulary: ~0.4 vs ~0.9 ms a token); larger inputs lower to the same
-    library matmul either way. Under qwix's LoRA (flaxchat.model.lora) the adapted layers use the einsum form, which
-    qwix intercepts: it finds the weight by identity, and a transposed weight would be missed.
-
-    A few rows (decoding 2 conversations, a speculative check) are the bad case on a CPU: a library matmul of 2
-    rows takes ~4x as long as that one-row loop (it repacks the whole weight for them), so up to `split_rows` rows
-    go through the one-row loop each (see row_products).
-    """
-
-    split_rows = 2  # float weights: at 3 rows and more the library call wins for large matrices (lm_head)
+    """Bias-free linear layer, weight (out, in) like torch's: y = x @ weight.T, in the input's dtype."""
 
     def __init__(self, in_features, out_features, *, init, axes, rngs):
         self.weight = _param(init, rngs.params(), (out_features, in_features), axes)
-        self.einsum_form = False
-        self.products = None  # set by GPT to bf16 when a CPU keeps bf16 models' activations in fp32
+        self.einsum_only = False  # set by model.lora: qwix intercepts this einsum, so no CPU path may replace it
+        self.products = None  # set by cpu.widen_activations: bf16 products beside fp32 activations
 
     def __call__(self, x, out_dtype=None):
-        if self.products is not None and x.dtype != self.products:  # wider activations: products in `products`,
-            p = self.products  # the result in the activations' dtype (common.activation_dtype)
-            return self.multiply(x.astype(p), self.weight[...].astype(p), out_dtype or x.dtype)
-        return self.multiply(x, self.weight[...].astype(x.dtype), out_dtype)
+        return self.product(x, self.weight[...], out_dtype)
 
-    def multiply(self, x, w, out_dtype=None):
-        """x (..., in) @ w (out, in).T in this layer's form."""
-        if self.einsum_form:
-            return jnp.einsum("...i,oi->...o", x, w, preferred_element_type=out_dtype)
-        rows = math.prod(x.shape[:-1])
-        if 1 < rows <= self.split_rows and row_products():
-            flat = x.reshape(rows, x.shape[-1])
-            y = [jnp.matmul(flat[i : i + 1], w.T, preferred_element_type=out_dtype) for i in range(rows)]
-            return jnp.concatenate(y).reshape(*x.shape[:-1], w.shape[0])
-        if widened_products(x, w):  # a CPU's fast bf16 -> fp32 products
-            return einsum("...i,oi->...o", x, w, out_dtype)
-        if out_dtype is None and w.shape[0] > w.shape[1] and row_products():
-            return cpu_matmul(x, w)
-        return jnp.matmul(x, w.T, preferred_element_type=out_dtype)
+    def product(self, x, w, out_dtype=None):
+        """x (..., in) @ w (out, in).T with w in x's dtype; out_dtype: the result's dtype (default x's)."""
+        y = None if self.einsum_only else cpu.linear(x, w, out_dtype, self.products)
+        if y is None:
+            y = jnp.einsum("...i,oi->...o", x, w.astype(x.dtype), preferred_element_type=out_dtype)
+        return y
 
     def matrix(self):
-        """The (out, in) weight as a float array (flaxchat.model.quantize's int8 variant dequantizes here)."""
+        """The (out, in) weight as a float array (model.quantize's int8 variant dequantizes here)."""
         return self.weight[...]
 
 
-def row_products() -> bool:
-    """Whether Linear multiplies a few rows one row at a time: on a CPU (accelerators' libraries handle a few rows
-    well)."""
-    return jax.default_backend() == "cpu"
-
-
-def stack_qkv() -> bool:
-    """Whether attention takes q, k and v as one product over stacked weights in training and prefill too: on a
-    CPU, unless a mesh axis splits the model (FSDP would gather the stack, tensor parallelism split it anew).
-
-    One (tokens, C) x (C, 3C) product instead of three of (C, C): XLA:CPU's GEMMs run square C x C weights
-    below their rate (at C=256, the laptop demo's width: forward 347, weight gradient 308 GFLOP/s, against
-    430-490 for the wider ones), and the stacked weight is wide, so its gradient takes cpu_matmul's
-    copy-free form instead of a transposed copy of each of the three (tokens, C) gradients. Interleaved in one
-    process on two cores: d4 at 16 rows of 256, 376 against 392 ms a step (705 against 723 at 2 accumulation
-    steps); the demo's model at 32 rows, 678 against 692. Same sums per output."""
-    return row_products() and not sharding.free_axes(sharding.MODEL_AXES)
-
-
-@jax.custom_vjp
-def cpu_matmul(x, w):
-    """x (..., in) @ w (out, in).T, whose weight gradient a CPU takes as (x^T dy)^T.
-
-    Autodiff's w gradient dy^T x is a product contracting the token rows of both operands; XLA:CPU lays out one
-    operand transposed for it, and for a weight wider out than in (the MLP's c_fc) it picks dy: a transposed copy
-    of the (tokens, 4C) gradient every layer, next to the row-major one the x gradient reads. Taken as x^T dy
-    instead, behind a barrier that keeps XLA from folding the final transpose back into the product, the rows are
-    contracted with no copy and only the small (in, out) result is transposed (the laptop demo's four MLPs,
-    forward and backward on two cores: 348 -> 335 ms). Only for wide weights: as x^T dy the others' products run
-    in a slower kernel than the copy costs (c_proj's at two thirds of the rate). Same sums, same precision.
-    """
-    return jnp.matmul(x, w.T)
-
-
-def _cpu_matmul_fwd(x, w):
-    return jnp.matmul(x, w.T), (x, w)
-
-
-def _cpu_matmul_bwd(res, dy):
-    x, w = res
-    rows = lambda a: a.reshape(-1, a.shape[-1])
-    dw_t = jax.lax.optimization_barrier(jnp.matmul(rows(x).T, rows(dy)))
-    return jnp.matmul(dy, w), dw_t.T
-
-
-cpu_matmul.defvjp(_cpu_matmul_fwd, _cpu_matmul_bwd)
-
-
-def stacked_matmul(x, layers):
-    """x through several Linear layers at once: one matmul over their weights stacked, split back per layer.
-
-    For a decode step's q, k and v (a few rows each): one (rows, C) x (C, 3C) product costs a CPU less than three
-    small ones (8% of a 16-row step of the demo model); for training and prefill on a CPU see stack_qkv. Weights
-    in the compute dtype are loop-invariant, so XLA stacks them once per decode call. Layers that multiply in a
-    narrower `products` dtype (bf16 models on a CPU) stack their converted weights. int8 and LoRA layers (einsum
-    form) run one by one, as do weights stored narrower than x where they arrive unconverted. (The decode loop
-    converts bf16 weights itself, behind loop_weights' barrier, so there they are stacked each step along with
-    the conversion: bf16 decode speed did not move measurably either way.)"""
-    if not all(type(m) is Linear and not m.einsum_form and m.products == layers[0].products for m in layers):
+def stacked_product(x, layers):
+    """x through several Linear layers at once: one product over their weights stacked, split back per layer (q, k
+    and v). A decode step has a few rows, and one (rows, C) x (C, 3C) product costs less than three small ones.
+    Layers of another kind (int8, adapted by LoRA) go one by one, and so do weights stored narrower than x (bf16
+    weights for generation): converted one by one, each conversion fuses into its own product."""
+    first = layers[0]
+    weights = [m.weight[...] for m in layers]
+    dtype = first.products or x.dtype
+    if any(type(m) is not Linear or m.einsum_only or m.products != first.products for m in layers) or any(
+            w.dtype != dtype and first.products is None for w in weights):
         return tuple(m(x) for m in layers)
-    p, weights, out_dtype = layers[0].products, [m.weight[...] for m in layers], None
-    if p is not None and x.dtype != p:  # as Linear.__call__: products in `products`, the result in x's dtype
-        x, weights, out_dtype = x.astype(p), [w.astype(p) for w in weights], x.dtype
-    elif any(w.dtype != x.dtype for w in weights):
-        return tuple(m(x) for m in layers)
-    y = layers[0].multiply(x, jnp.concatenate(weights), out_dtype)
+    y = first.product(x, jnp.concatenate([w.astype(dtype) for w in weights]))
     return tuple(jnp.split(y, np.cumsum([w.shape[0] for w in weights[:-1]]).tolist(), axis=-1))
 
 
@@ -272,12 +191,12 @@ class CausalSelfAttention(nnx.Module):
         )
 
     def qkv(self, x, ve, cos, sin, fused=False):
-        """fused: q, k and v from one product over their stacked weights (stacked_matmul). Decode steps ask for
-        it; on a CPU every call takes it while no mesh axis splits the model (see stack_qkv)."""
+        """fused: q, k and v from one product over their stacked weights (stacked_product), as decode steps ask;
+        on a CPU training and prefill take it too (cpu.stacks_qkv)."""
         B, T, _ = x.shape
         heads, kv_heads = ("batch", None, "heads", None), ("batch", None, "kv_heads", None)
         layers = (self.c_q, self.c_k, self.c_v)
-        q, k, v = stacked_matmul(x, layers) if fused or stack_qkv() else (m(x) for m in layers)
+        q, k, v = stacked_product(x, layers) if fused or cpu.stacks_qkv() else (m(x) for m in layers)
         q = sharding.constrain(q.reshape(B, T, self.n_head, self.head_dim), heads)  # (B, T, H, D)
         k = sharding.constrain(k.reshape(B, T, self.n_kv_head, self.head_dim), kv_heads)  # (B, T, Hkv, D)
         v = sharding.constrain(v.reshape(B, T, self.n_kv_head, self.head_dim), kv_heads)
@@ -298,8 +217,8 @@ class CausalSelfAttention(nnx.Module):
         new_cache, out_dtype = None, None
         if cache is None:
             if self.c_proj.products is not None and attention_impl == "chunked":
-                # a CPU keeps a bf16 model's activations in fp32: attention over q, k and v rounded to bf16, as
-                # nanochat's bf16 attention (attention._bf16_chunks), its bf16 output c_proj's operand
+                # bf16_products: attention over q, k and v rounded to bf16, as nanochat's bf16 attention, its bf16
+                # output c_proj's operand
                 q, k, v = (t.astype(self.c_proj.products) for t in (q, k, v))
                 out_dtype = x.dtype
             y = sharding.constrain(attention(q, k, v, window, attention_impl), ("batch", None, "heads", None))
@@ -383,7 +302,7 @@ REMAT_POLICIES = {
 class GPT(nnx.Module):
     """nanochat's GPT. dtype: compute dtype (activations, matmuls; also the embedding tables' storage, as
     nanochat stores them, except for fp16); bf16 on a CPU multiplies in bf16 and keeps the training forward's
-    activations in fp32 (`activation_dtype`, see common.activation_dtype). attention: see `resolve_attention`.
+    activations in fp32 (cpu.activation_dtype). attention: see `resolve_attention`.
     remat: what each block keeps for the backward pass (REMAT_POLICIES); "dots" or "full" trade recomputation for
     activation memory."""
 
@@ -392,7 +311,7 @@ class GPT(nnx.Module):
             raise ValueError(f"unknown remat {remat!r}; choose one of {', '.join(REMAT_POLICIES)}")
         self.config = config
         self.dtype = dtype if dtype is not None else compute_dtype()
-        self.activation_dtype = activation_dtype(self.dtype)  # training forwards; forward_cached keeps self.dtype
+        self.activation_dtype = cpu.activation_dtype(self.dtype)  # training forwards; forward_cached keeps self.dtype
         self.attention = resolve_attention(attention, dtype=self.dtype, head_dim=config.head_dim)
         self.remat = remat
         self.window_sizes = config.window_sizes()
@@ -416,9 +335,7 @@ class GPT(nnx.Module):
             }
         )
         if self.activation_dtype != self.dtype:
-            for _, m in nnx.iter_graph(self):
-                if isinstance(m, Linear):
-                    m.products = self.dtype
+            cpu.widen_activations(self)
 
     # --- forward pieces -------------------------------------------------------
 

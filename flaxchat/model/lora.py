@@ -117,7 +117,7 @@ def apply_lora(model: GPT, config: LoraConfig, seed: int = 0) -> GPT:
     provider = qwix.LoraProvider(module_path="|".join(map(re.escape, paths)), rank=config.rank, alpha=config.alpha)
     for path, m in nnx.iter_modules(model):  # qwix intercepts the einsum (see gpt.Linear)
         if isinstance(m, Linear) and "/".join(map(str, path)) in paths:
-            m.einsum_form = True
+            m.einsum_only = True
     idx = jnp.zeros((1, min(8, model.config.sequence_len)), jnp.int32)  # qwix creates the adapters on one call
     with warnings.catch_warnings():  # qwix 0.1.8 reads Variable.value, which flax 0.12 deprecates
         warnings.simplefilter("ignore", DeprecationWarning)

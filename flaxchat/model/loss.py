@@ -20,23 +20,20 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from flaxchat import sharding
-from flaxchat.model.cpu import einsum, split_in_two, widened_products
+from flaxchat.model import cpu
 
 SOFTCAP = 15.0  # nanochat's logit soft-cap: SOFTCAP * tanh(logits / SOFTCAP), in (-15, 15)
 
-# Most logits bytes per chunk (counted as fp32): on an accelerator thousands of rows per chunk keep the matmuls
-# large (the chunks' logits are transient, a few of them live at once). A CPU takes at most LOSS_CHUNK_ROWS_CPU
-# rows a chunk: at small vocabularies a chunk's logits then stay in the last-level cache for the soft-cap, softmax
-# and gradient passes, while the products stay large enough for full-rate kernels (measured best at vocab 4096 and
-# 32768 alike)
-LOSS_CHUNK_BYTES = {"cpu": 64 * 2**20, "accelerator": 512 * 2**20}
-LOSS_CHUNK_ROWS_CPU = 512
+# Most bytes of (fp32) logits per chunk: thousands of rows per chunk keep the products large, and the chunks' logits
+# are transient (a few of them live at once). A CPU takes smaller chunks (cpu.loss_chunk_rows).
+LOSS_CHUNK_BYTES = 512 * 2**20
 
 
-def _chunk_rows(n_rows, vocab_size):
-    cpu = jax.default_backend() == "cpu"
-    rows = min(n_rows, max(8, LOSS_CHUNK_BYTES["cpu" if cpu else "accelerator"] // (4 * vocab_size)))
-    return min(rows, LOSS_CHUNK_ROWS_CPU) if cpu else rows
+def chunk_rows(n_rows, vocab_size):
+    """Rows per chunk of the fused loss."""
+    if cpu.use("loss_chunks"):
+        return cpu.loss_chunk_rows(n_rows, vocab_size)
+    return min(n_rows, max(8, LOSS_CHUNK_BYTES // (4 * vocab_size)))
 
 
 def softcapped_logits(x, w, vocab_size=None):
@@ -47,41 +44,14 @@ def softcapped_logits(x, w, vocab_size=None):
     before the fp32 soft-cap (the same numbers as nanochat's), and on a GPU the largest tensor of the step is
     written and read back at half the bytes."""
     w = w.astype(x.dtype)
-    if widened_products(x, w):
-        # bf16 on a CPU: an fp32 product rounded to bf16's values in fp32 (_bf16_grid), the same numbers but for
-        # an infinite logit (an overflowed product), which becomes NaN instead of +-SOFTCAP
-        logits = _bf16_grid(einsum("nc,vc->nv", x, w, out_dtype=jnp.float32))
+    if cpu.widened_products(x, w):
+        # bf16_products: an fp32 product rounded to bf16's values in fp32 (cpu.bf16_grid), the same numbers but
+        # for an infinite logit (an overflowed product), which becomes NaN instead of +-SOFTCAP
+        logits = cpu.bf16_grid(cpu.einsum("nc,vc->nv", x, w, out_dtype=jnp.float32))
     else:
-        logits = einsum("nc,vc->nv", x, w).astype(jnp.float32)
+        logits = jnp.einsum("nc,vc->nv", x, w).astype(jnp.float32)
     logits = logits if vocab_size is None else logits[:, :vocab_size]
     return SOFTCAP * jnp.tanh(logits / SOFTCAP)
-
-
-@jax.custom_jvp
-def _bf16_grid(x):
-    """fp32 x rounded to the nearest bf16 value (ties to even), kept in fp32: the same numbers as
-    x.astype(bf16).astype(fp32) for 0 and every finite |x| >= 2**-109 (checked for each such fp32 value); NaN
-    stays NaN, +-inf becomes NaN, and a smaller |x| lands within 2**-109 of its bf16 value.
-
-    Veltkamp's split with sigma = 2**16 + 1 leaves 24 - 16 = 8 significant bits; x is scaled by 2**-17 around it
-    so that sigma * x cannot overflow. Products and sums only, which XLA:CPU runs at the speed of the fusion
-    around them. Its own conversion to bf16 (convert, reduce_precision, or the same rounding in integer bit
-    operations), and as much as a clip or a select beside the soft-cap's tanh, made the loss's soft-cap and
-    gradient passes ~3-4x slower than in fp32: at the bench shape's vocabulary of 32,768, ~20 ms a chunk of 512
-    rows. Gradients pass through unchanged (the product's own backward rounds them to bf16, as before)."""
-    s = x * 2.0**-17
-    t = s * 65537.0
-    return (t - (t - s)) * 2.0**17
-
-
-_bf16_grid.defjvp(lambda primals, tangents: (_bf16_grid(primals[0]), tangents[0]))
-
-
-def _to_bf16(x):
-    """x.astype(bf16) for fp32 x, 0 or finite with |x| >= 2**-109 (see _bf16_grid): the high 16 bits of its bf16
-    value, taken as a bf16 array."""
-    bits = jax.lax.bitcast_convert_type(_bf16_grid(x), jnp.uint32) >> 16
-    return jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.bfloat16)
 
 
 def _token_losses(z, t, lse):
@@ -91,7 +61,7 @@ def _token_losses(z, t, lse):
     return jnp.where(t >= 0, lse - zt, 0.0)
 
 
-def _split_rows(x, t, chunk):
+def _in_chunks(x, t, chunk):
     """Pad rows to a multiple of chunk (padded targets are -1) and reshape to (n_chunks, chunk, ...)."""
     n = x.shape[0]
     pad = (-n) % chunk
@@ -109,8 +79,8 @@ def _over_rows(f, x, targets, w, row_outputs):
 
 
 def _local_token_losses(x, targets, w, vocab_size, axes):
-    chunk = _chunk_rows(x.shape[0], vocab_size)
-    xs, ts = _split_rows(x, targets, chunk)
+    chunk = chunk_rows(x.shape[0], vocab_size)
+    xs, ts = _in_chunks(x, targets, chunk)
 
     def chunk_losses(a):
         z = softcapped_logits(a[0], w, vocab_size)
@@ -135,27 +105,23 @@ def loss_sum(x, w, targets, vocab_size):
 def _local_loss_and_grads(x, targets, w, vocab_size, axes):
     """Loss sum and the gradients of x and w over this device's rows; sums over devices via psum."""
     n, C = x.shape
-    chunk = _chunk_rows(n, vocab_size)
-    xs, ts = _split_rows(x, targets, chunk)
+    chunk = chunk_rows(n, vocab_size)
+    xs, ts = _in_chunks(x, targets, chunk)
     pad_v = w.shape[0] - vocab_size
-    # XLA:CPU's kernels take w's gradient (a product contracting the rows of both operands) at about the rate
-    # of the other two products when it is accumulated as (C, Vp) with the rows split in two, after one
-    # transposing copy of each chunk; as (Vp, C) over the rows it runs ~1.4x slower (fp32 and bf16 alike)
-    transposed = jax.default_backend() == "cpu" and chunk % 2 == 0  # dw accumulated as (C, Vp)
+    transposed = cpu.use("loss_chunks") and chunk % 2 == 0  # dw accumulated as (C, Vp): cpu.lm_head_grad
     wc = w.astype(x.dtype)  # lm_head in the compute dtype, for the logits and x's gradient
-    widened = widened_products(x, wc)  # bf16 on a CPU
+    widened = cpu.widened_products(x, wc)  # bf16_products
 
     def step(carry, a):
         total, dw = carry
         xc, tc = a
         # logits over all Vp columns, the padded ones' exp(z) zeroed: they add nothing to the sum, and their
         # gradient, e / sum - one-hot, is 0. A crop to the vocab and a pad back to Vp would copy the chunk's
-        # logits twice (the laptop demo's vocab of 3,875, padded to 3,904: a real-run step's 8,192 rows, loss
-        # and gradients on two cores, 252 -> 228 ms; the same numbers)
+        # logits twice
         z = softcapped_logits(xc, wc)
         # |z| < SOFTCAP, so exp(z) cannot overflow (a row sums to at most V * e^15): the log-sum-exp needs no max
         # pass, the softmax reuses exp(z) and the target's one-hot is subtracted in the gradient's pass (no
-        # scatter); the laptop demo's loss: its elementwise passes 26 -> 16 ms a step on one core
+        # scatter)
         e, cols = jnp.exp(z), jnp.arange(z.shape[-1])[None, :]
         if pad_v:
             e = jnp.where(cols < vocab_size, e, 0.0)
@@ -168,12 +134,11 @@ def _local_loss_and_grads(x, targets, w, vocab_size, axes):
         # the two gradient matmuls run in the compute dtype and accumulate in fp32 (as autocast's backward does),
         # so bf16 runs do not pay for fp32 matmuls here
         # |dlogits| <= 1, and 0 or at least e**-30 / vocab x 2**-24 (a probability times a soft-cap factor of 0 or
-        # at least 2**-24), far above 2**-109: the same bf16 values as a conversion (_to_bf16)
-        dlogits = _to_bf16(dlogits) if widened else dlogits.astype(x.dtype)
+        # at least 2**-24), far above 2**-109: the same bf16 values as a conversion (cpu.to_bf16)
+        dlogits = cpu.to_bf16(dlogits) if widened else dlogits.astype(x.dtype)
         dx = jnp.einsum("nv,vc->nc", dlogits, wc, preferred_element_type=jnp.float32).astype(x.dtype)
         if transposed:
-            dw = dw + jnp.einsum("bnc,bnv->cv", *(split_in_two(a, 0) for a in (xc, dlogits)),
-                                 preferred_element_type=jnp.float32)
+            dw = dw + cpu.lm_head_grad(xc, dlogits)
         else:
             dw = dw + jnp.einsum("nv,nc->vc", dlogits, xc, preferred_element_type=jnp.float32)
         return (total + jnp.sum(losses), dw), dx

@@ -39,12 +39,8 @@ class Int8Linear(Linear):
     """A Linear whose weight is int8 (out, in) with one scale per output channel: weight ~= int8 * scale[:, None].
 
     The scale is constant along the contraction, so it multiplies the (..., out) result once rather than every
-    weight (qwix's own weight-only einsum dequantizes the whole matrix first). Up to 8 rows are multiplied one
-    row at a time (Linear.multiply): the library matmul XLA calls for a few rows converts the whole int8 matrix
-    first and takes 4-10x as long as the one-row loops (d4, vocab 32768, 2 rows: 4.4 vs 0.45 ms for the lm_head).
+    weight (qwix's own weight-only einsum dequantizes the whole matrix first).
     """
-
-    split_rows = 8
 
     def __init__(self, linear: Linear):  # pylint: disable=super-init-not-called
         w = linear.weight
@@ -52,11 +48,11 @@ class Int8Linear(Linear):
         axes = w.get_metadata().get("out_sharding") or (None, None)
         self.weight = nnx.Param(q.qvalue, out_sharding=axes, eager_sharding=False)  # (out, in) int8
         self.scale = nnx.Param(q.scale[:, 0], out_sharding=axes[:1], eager_sharding=False)  # (out,) fp32
-        self.einsum_form = linear.einsum_form
+        self.einsum_only = linear.einsum_only
         self.products = None  # multiplies in the activations' dtype (Linear.products)
 
     def __call__(self, x, out_dtype=None):
-        y = self.multiply(x, self.weight[...].astype(x.dtype), out_dtype)
+        y = self.product(x, self.weight[...], out_dtype)
         return y * self.scale[...].astype(y.dtype)
 
     def matrix(self):

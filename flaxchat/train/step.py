@@ -17,68 +17,15 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from flaxchat import sharding
+from flaxchat.model import cpu
 
-# On a CPU each micro-batch runs in sub-batches of at most this many tokens, one after another in the micro-step
-# loop, their gradients summed: the same sums as one pass over the whole micro-batch, in another order. The step's
-# live activations shrink with them and stay nearer the caches: d4 at T=256 (the laptop demo's shape) 16 rows as
-# 2 x 8 ran 3% faster, d6 at T=512 32 rows as 8 x 4 10% faster, the bench shape (vocab 32768, T=512) 8 rows as
-# 2 x 4 alike. Accelerators run the micro-batch whole (larger products keep them busier), and so does a step whose
-# devices split the model (FSDP, tensor parallelism).
-CPU_SUB_BATCH_TOKENS = 2048
-
-
-def sub_batches(rows: int, seq_len: int, backend: str | None = None, splits_model: bool = False) -> int:
-    """How many sub-batches a micro-batch of `rows` rows (one device's) runs in: on a CPU the fewest that divide the
-    rows into at most CPU_SUB_BATCH_TOKENS tokens each (one row each when a row alone is longer); 1 on accelerators
-    and when the mesh splits the model (`splits_model`: FSDP or tensor parallelism)."""
-    if splits_model or (backend or jax.default_backend()) != "cpu":
-        return 1
-    return next(k for k in range(1, rows + 1) if rows % k == 0 and rows // k * seq_len <= CPU_SUB_BATCH_TOKENS
-                or k == rows)
-
-
-def in_sub_batches(model, f, *arrays):
-    """f(model, *arrays) for a forward pass whose rows are independent (evaluation): arrays' and f's results'
-    leading axis is the batch's rows, and the first array is (rows, T) tokens. On a CPU each device's rows run in
-    sub_batches() turns of a lax.map, as the training step runs its micro-batches, so that a layer's activations
-    stay near the caches: the laptop demo's val batches (32 rows of 256, as 4 x 8) 431 -> 359 ms, 16 rows of 512
-    483 -> 414, d6 at 32 rows of 512 with a 32k vocabulary 4.05 -> 3.70 s. The results are one pass's but for
-    the products' rounding (XLA may block a smaller product differently: up to 2e-6 in a loss). Whole where
-    sub_batches() says so: on accelerators, under FSDP or tensor parallelism, within CPU_SUB_BATCH_TOKENS."""
-    rows_total, T = arrays[0].shape[:2]
-    axes = sharding.free_axes(sharding.REPLICA_AXES)
-    devices = sharding.axes_size(axes)
-    rows = rows_total // devices
-    k = sub_batches(rows, T, splits_model=bool(sharding.free_axes(sharding.MODEL_AXES)))
-    if k == 1 or rows * devices != rows_total:  # (rows the devices do not share evenly: whole)
-        return f(model, *arrays)
-    graphdef, state = nnx.split(model)
-
-    def local(state, *local_arrays):  # one device's rows
-        split = lambda a: a.reshape(k, rows // k, *a.shape[1:])
-        out = jax.lax.map(lambda parts: f(nnx.merge(graphdef, state), *parts), tuple(map(split, local_arrays)))
-        return jax.tree.map(lambda o: o.reshape(rows, *o.shape[2:]), out)
-
-    spec = P(axes)
-    return sharding.per_shard(local, axes, (P(), *[spec] * len(arrays)), spec)(state, *arrays)
-
-
-def sub_batch_note(rows: int, seq_len: int, mesh) -> str:
-    """The training loops' note on sub-batches for their micro-batch line ("" when a micro-batch runs whole). The
-    mesh splits the model when an axis other than the replica axes has devices, as _accumulate_grads sees it."""
-    splits = any(mesh.shape[a] > 1 for a in sharding.MODEL_AXES)
-    k = sub_batches(rows, seq_len, splits_model=splits)
-    return (f" | on this CPU each device's {rows} rows run as {k} sub-batches of {rows // k} "
-            "(training.CPU_SUB_BATCH_TOKENS)") if k > 1 else ""
-
-
-def _accumulate_grads(model, xs, ys, wrt=nnx.Param):
+def accumulate_grads(model, xs, ys, wrt=nnx.Param):
     """Mean loss and mean gradient of the `wrt` parameters over micro-batches xs/ys (A, B, T), via lax.scan
     (one compile for any A).
 
     Each micro-step's loss is its mean over the non-ignored targets of the whole (global) micro-batch, and
     the step's loss and gradient are the means over micro-steps, as nanochat's loss / grad_accum_steps. On a CPU
-    a micro-batch runs in sub_batches(): each sub-batch's summed loss is divided by its whole micro-batch's count,
+    a micro-batch runs in cpu.sub_batches(): each sub-batch's summed loss is divided by its whole micro-batch's count,
     so the sub-batches add up to the micro-step's loss and gradient.
     """
     graphdef, params, rest = nnx.split(model, wrt, ...)
@@ -102,7 +49,7 @@ def _accumulate_grads(model, xs, ys, wrt=nnx.Param):
         n, batch, T = xs.shape
         # n * k loop turns, each with its micro-batch's count. Not under FSDP or tensor parallelism, whose weight
         # gathers and activation sums would then run once per sub-batch
-        k = sub_batches(batch, T, splits_model=bool(sharding.free_axes(sharding.MODEL_AXES)))
+        k = cpu.sub_batches(batch, T, splits_model=bool(sharding.free_axes(sharding.MODEL_AXES)))
         split = lambda a: a.reshape(n * k, batch // k, T)
         grads, losses = jax.lax.scan(micro, zeros, (split(xs), split(ys), jnp.repeat(counts, k)))
         losses = losses.reshape(n, k).sum(axis=1)
@@ -120,7 +67,7 @@ def _train_step(model, optimizer, xs, ys):
     rest gets none). Jitted two ways: train_step (nnx.jit, the model and optimizer buffers donated) and FlatStep,
     which the training loops call.
     """
-    loss, grads = _accumulate_grads(model, jnp.stack(xs), jnp.stack(ys), optimizer.wrt)
+    loss, grads = accumulate_grads(model, jnp.stack(xs), jnp.stack(ys), optimizer.wrt)
     optimizer.update(model, grads)
     sharding.pin_state(optimizer)
     return loss
