@@ -42,15 +42,14 @@ from flax import nnx
 
 from flaxchat import sharding
 from flaxchat.data.chat_data import make_sft_loader
-from flaxchat.train.checkpoint import Checkpointer, checkpoint_dir, find_model_tag, git_commit
+from flaxchat.train.checkpoint import checkpoint_dir, Checkpointer, find_model_tag, git_commit, merge_lora_checkpoint
 from flaxchat.common import agree_max, compute_dtype, is_main_process, parse_args, print0, progress_bar
 from flaxchat.perf.machine import peak_flops_per_device
 from flaxchat.model.config import GPTConfig
 from flaxchat.model.gpt import GPT, add_kernel_flags
-from flaxchat.model.lora import (DEFAULT_TARGETS, LoraConfig, adapter_modules, apply_lora, build_lora_optimizer, count_params,
-                           merge_checkpoint, merge_lora)
+from flaxchat.model.lora import DEFAULT_TARGETS, LoraConfig, adapter_modules, apply_lora, count_params, merge_lora
 from flaxchat.eval.bpb import evaluate_bpb
-from flaxchat.train.optim import Schedule, build_optimizer
+from flaxchat.train.optim import build_lora_optimizer, build_optimizer, Schedule
 from flaxchat.eval.report import metrics_logger, plot_training, read_jsonl
 from flaxchat.data.tokenizer import get_token_bytes, get_tokenizer
 from flaxchat.model.cpu import sub_batch_note
@@ -448,7 +447,7 @@ def main(argv=None):
             output_tag = args.output_tag or f"{tag}-merged"
             if output_tag == tag:
                 parser.error("--merge writes a new checkpoint: --output-tag must differ from --model-tag")
-            out = merge_checkpoint(tag, args.model_step, output_tag)
+            out = merge_lora_checkpoint(tag, args.model_step, output_tag)
         except (FileNotFoundError, ValueError) as e:
             sys.exit(f"error: {e}")
         print0(f"merged the LoRA adapters of sft {tag} into full weights: {out}")

@@ -83,7 +83,8 @@ def test_fresh_adapters_are_the_base_and_merging_is_exact():
 
 
 def test_only_the_adapters_and_the_full_parameters_train():
-    from flaxchat.model.lora import LoraConfig, apply_lora, build_lora_optimizer
+    from flaxchat.model.lora import LoraConfig, apply_lora
+    from flaxchat.train.optim import build_lora_optimizer
     from flaxchat.train.step import train_step
 
     config = LoraConfig(rank=4, alpha=8.0, full=("lm_head",))  # sft's default: the lm_head trains in full too

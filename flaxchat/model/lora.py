@@ -29,12 +29,10 @@ import warnings
 
 import jax
 import jax.numpy as jnp
-import optax
 import qwix
 from flax import nnx
 
 from flaxchat.model.gpt import GPT, Linear
-from flaxchat.train.optim import in_float32, skip_nonfinite
 
 BLOCK_MATRICES = ("c_q", "c_k", "c_v", "c_proj", "c_fc", "ve_gate")
 DEFAULT_TARGETS = "c_q,c_k,c_v,c_proj,c_fc"  # every block matrix but the tiny value-embedding gates
@@ -151,45 +149,3 @@ def merge_lora(model, config: LoraConfig) -> GPT:
         target = functools.reduce(lambda node, k: node[k] if isinstance(k, int) else getattr(node, k), path, plain)
         target.weight.set_value(_merged(m.weight[...], m.weight_lora_a[...], m.weight_lora_b[...], config.scale))
     return plain
-
-
-def build_lora_optimizer(model, lr: float, config: LoraConfig | None = None, weight_decay: float = 0.0,
-                         betas=(0.9, 0.999)) -> nnx.Optimizer:
-    """AdamW over what `config` trains (the adapters, and its `full` parameters): the frozen base weights get no
-    gradients and no optimizer state.
-
-    AdamW rather than Muon: the adapters are thin (rank r) matrices, and AdamW is what LoRA was made with; in
-    fp32 whatever the parameters' dtype (flaxchat.train.optim.in_float32: the embeddings may be bf16).
-    lr_multiplier is an injected hyperparameter, as in flaxchat.train.optim, so the SFT schedule drives it the same
-    way; steps with non-finite (or beyond 1e15) gradients are skipped and counted the same way too.
-    """
-
-    def factory(lr_multiplier):
-        adamw = optax.adamw(lr * lr_multiplier, *betas, eps=1e-8, weight_decay=weight_decay)
-        return skip_nonfinite(in_float32(adamw))
-
-    wrt = config.trainable() if config is not None else nnx.LoRAParam
-    return nnx.Optimizer(model, optax.inject_hyperparams(factory)(lr_multiplier=1.0), wrt=wrt)
-
-
-def merge_checkpoint(model_tag: str, step: int | None, output_tag: str) -> str:
-    """Write the LoRA checkpoint sft/<model_tag> (latest or `step`) as an ordinary sft checkpoint of merged weights
-    under output_tag (replacing what was there); returns its directory."""
-    from flaxchat.train.checkpoint import Checkpointer, checkpoint_dir, load_model
-
-    ckpt = Checkpointer(checkpoint_dir("sft", model_tag), async_save=False)
-    try:
-        meta = ckpt.read_meta(step)
-    finally:
-        ckpt.close()
-    if "lora" not in meta:
-        raise ValueError(f"{ckpt.directory} step {meta['step']} holds full weights, not LoRA adapters: nothing to merge")
-    model, _, meta = load_model("sft", model_tag, meta["step"])
-    out = Checkpointer(checkpoint_dir("sft", output_tag), keep=1, keep_best=0, async_save=False)
-    for old in out.all_steps():
-        out.manager.delete(old)
-    kept = {k: v for k, v in meta.items() if k not in ("lora", "loop_state", "step", "model_config")}
-    out.save(meta["step"], model, meta={**kept, "merged_from": {"phase": "sft", "model_tag": model_tag,
-                                                                  "step": meta["step"], "lora": meta["lora"]}})
-    out.close()
-    return out.directory

@@ -20,7 +20,11 @@ from jax.experimental import multihost_utils
 from orbax.checkpoint import checkpoint_managers as ocm
 
 from flaxchat.common import get_base_dir, print0
+from flaxchat.data.tokenizer import get_tokenizer
 from flaxchat.model.config import GPTConfig
+from flaxchat.model.gpt import GPT
+from flaxchat.model.lora import LoraConfig, apply_lora, merge_lora
+from flaxchat.sharding import state_shardings
 
 PHASE_DIRS = {"base": "base_checkpoints", "sft": "chatsft_checkpoints", "rl": "chatrl_checkpoints"}
 
@@ -42,8 +46,6 @@ def git_commit() -> str:
 
 def abstract_state(tree, mesh=None):
     """ShapeDtypeStructs (with target shardings) for every Variable of `tree` (a model or an nnx.Optimizer)."""
-    from flaxchat.sharding import state_shardings  # local: sharding imports nothing from here, keep it that way
-
     state = nnx.state(tree)
     if mesh is None:
         single = jax.sharding.SingleDeviceSharding(jax.devices()[0])
@@ -180,9 +182,6 @@ def load_model(phase: str = "base", model_tag: str | None = None, step: int | No
 
     A LoRA checkpoint (meta["lora"]: the adapters and any weights trained in full, nothing else) loads its base
     checkpoint (meta["base"]) and returns the base with them merged in (flaxchat.model.lora.merge_lora): an ordinary GPT."""
-    from flaxchat.model.gpt import GPT
-    from flaxchat.data.tokenizer import get_tokenizer
-
     model_tag = model_tag or find_model_tag(phase, base_dir)
     ckpt = Checkpointer(checkpoint_dir(phase, model_tag, base_dir), async_save=False)
     try:
@@ -214,8 +213,6 @@ def load_named_model(spec: str, default_source: str, flag: str, dtype=None):
 
 def _load_lora(ckpt: Checkpointer, meta: dict, mesh, base_dir, dtype):
     """(merged model, tokenizer, meta) of the adapter checkpoint `ckpt` at meta["step"]."""
-    from flaxchat.model.lora import LoraConfig, apply_lora, merge_lora
-
     base = meta["base"]
     try:
         model, tokenizer, _ = load_model(base["phase"], base["model_tag"], base["step"], mesh, base_dir, dtype)
@@ -229,3 +226,24 @@ def _load_lora(ckpt: Checkpointer, meta: dict, mesh, base_dir, dtype):
     lora_model = apply_lora(model, lora)
     ckpt.restore(lora_model, step=meta["step"], mesh=mesh, params=lora.trainable())
     return merge_lora(lora_model, lora), tokenizer, meta
+
+
+def merge_lora_checkpoint(model_tag: str, step: int | None, output_tag: str) -> str:
+    """Write the LoRA checkpoint sft/<model_tag> (latest or `step`) as an ordinary sft checkpoint of merged weights
+    under output_tag (replacing what was there); returns its directory."""
+    ckpt = Checkpointer(checkpoint_dir("sft", model_tag), async_save=False)
+    try:
+        meta = ckpt.read_meta(step)
+    finally:
+        ckpt.close()
+    if "lora" not in meta:
+        raise ValueError(f"{ckpt.directory} step {meta['step']} holds full weights, not LoRA adapters: nothing to merge")
+    model, _, meta = load_model("sft", model_tag, meta["step"])
+    out = Checkpointer(checkpoint_dir("sft", output_tag), keep=1, keep_best=0, async_save=False)
+    for old in out.all_steps():
+        out.manager.delete(old)
+    kept = {k: v for k, v in meta.items() if k not in ("lora", "loop_state", "step", "model_config")}
+    out.save(meta["step"], model, meta={**kept, "merged_from": {"phase": "sft", "model_tag": model_tag,
+                                                                  "step": meta["step"], "lora": meta["lora"]}})
+    out.close()
+    return out.directory

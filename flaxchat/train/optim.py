@@ -639,3 +639,22 @@ def optimizer_stats(optimizer: nnx.Optimizer) -> dict[str, jax.Array]:
     stats = {name: _value(v) for name, v in state.hyperparams.items()}
     stats["skipped_steps"] = _value(state.inner_state.skipped_steps)
     return stats
+
+
+def build_lora_optimizer(model, lr: float, config=None, weight_decay: float = 0.0,
+                         betas=(0.9, 0.999)) -> nnx.Optimizer:
+    """AdamW over what a model.lora.LoraConfig `config` trains (the adapters, and its `full` parameters): the frozen base weights get no
+    gradients and no optimizer state.
+
+    AdamW rather than Muon: the adapters are thin (rank r) matrices, and AdamW is what LoRA was made with; in
+    fp32 whatever the parameters' dtype (flaxchat.train.optim.in_float32: the embeddings may be bf16).
+    lr_multiplier is an injected hyperparameter, as in flaxchat.train.optim, so the SFT schedule drives it the same
+    way; steps with non-finite (or beyond 1e15) gradients are skipped and counted the same way too.
+    """
+
+    def factory(lr_multiplier):
+        adamw = optax.adamw(lr * lr_multiplier, *betas, eps=1e-8, weight_decay=weight_decay)
+        return skip_nonfinite(in_float32(adamw))
+
+    wrt = config.trainable() if config is not None else nnx.LoRAParam
+    return nnx.Optimizer(model, optax.inject_hyperparams(factory)(lr_multiplier=1.0), wrt=wrt)
