@@ -221,7 +221,7 @@ done
 # nanochat in these rows (its bench step takes random tokens only); with --nanochat, a pair of real runs after them.
 read -r REAL_DEPTH REAL_ROWS REAL_VOCAB REAL_DOCS <<< "${REAL[*]}"
 REAL_BASE=$OUT/real_base
-if wanted real && step real_data python -m flaxchat.data.dataset --source synthetic-stories --num-shards 2 --docs-per-shard "$REAL_DOCS" \
+if wanted real && step real_data python -m scripts.data --source synthetic-stories --num-shards 2 --docs-per-shard "$REAL_DOCS" \
         --out-dir "$REAL_BASE/base_data" --overwrite \
     && step real_tokenizer env FLAXCHAT_BASE_DIR="$REAL_BASE" python -m scripts.tok_train --vocab-size "$REAL_VOCAB"; then
     vocab=$(FLAXCHAT_BASE_DIR="$REAL_BASE" python -c "from flaxchat.data.tokenizer import get_tokenizer as g; print(g().get_vocab_size())")

@@ -24,7 +24,7 @@ export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-$FLAXCHAT_BASE_DIR
 
 # once, on every host (or on the shared disk): data and tokenizer
 if [ ! -f "$FLAXCHAT_BASE_DIR/tokenizer/tokenizer.json" ]; then
-  python -m flaxchat.data.dataset --source parquet-download --num-shards 240
+  python -m scripts.data --source parquet-download --num-shards 240
   python -m scripts.tok_train --vocab-size 32768
 fi
 

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # The whole pipeline on a CPU box (no GPU), offline: synthetic stories, a depth-4 model, SFT, RL, eval.
 # Expect ~1 hour on 2 cores (most of it pretraining); more cores go proportionally faster.
-# For a 7-minute version use the laptop demo: python -m scripts.run_tinystories
+# For a much shorter version use the laptop demo: python -m scripts.run_tinystories
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export FLAXCHAT_BASE_DIR=${FLAXCHAT_BASE_DIR:-$HOME/.cache/flaxchat/cpu}
 
-python -m flaxchat.data.dataset --source synthetic-stories --num-shards 8
+python -m scripts.data --source synthetic-stories --num-shards 8
 python -m scripts.tok_train --vocab-size 4096
 python -m scripts.tok_eval
 python -m tasks.offline --fetch

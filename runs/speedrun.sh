@@ -15,8 +15,8 @@ GPU="--expect-backend gpu"   # stop at once if JAX fell back to the CPU (a broke
 pip install -e ".[gpu]"
 
 # data + tokenizer (the bulk of the shards download while the tokenizer trains)
-python -m flaxchat.data.dataset --source parquet-download --num-shards 8
-python -m flaxchat.data.dataset --source parquet-download --num-shards 170 &
+python -m scripts.data --source parquet-download --num-shards 8
+python -m scripts.data --source parquet-download --num-shards 170 &
 DOWNLOAD=$!
 python -m scripts.tok_train --vocab-size 32768
 python -m scripts.tok_eval

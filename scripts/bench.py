@@ -24,7 +24,7 @@ The CPU suite (the shapes compared with nanochat; one JSON line per shape; the "
 shards in $FLAXCHAT_BASE_DIR):
     python -m scripts.bench --what train --suite cpu
 Side by side with nanochat (a checkout of github.com/karpathy/nanochat and PyTorch installed): each row first
-times nanochat's own step (its GPT, MuonAdamW and torch.compile, in a process of its own; flaxchat.perf.nanochat_bench),
+times nanochat's own step (its GPT, MuonAdamW and torch.compile, in a process of its own; scripts.nanochat_bench),
 then flaxchat's, and adds "nanochat" and "vs_nanochat" (flaxchat tok/s over nanochat's) to the JSON:
     python -m scripts.bench --what train --suite cpu --nanochat ~/src/nanochat
     nanochat's record gives the rate of its PyTorch's own matmul (matmul_peak_flops); on an AMD CPU, where the stock
@@ -47,13 +47,12 @@ On a GPU or TPU add --expect-backend gpu|tpu so a silent fall-back to the CPU st
 """
 
 import argparse
+import importlib.util
 import json
-import math
 import os
 import platform
 import re
 import resource
-import shlex
 import shutil
 import statistics
 import subprocess
@@ -64,25 +63,36 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.extend import source_info_util
 
 from flaxchat import sharding
 from flaxchat.common import compute_dtype, get_base_dir, parse_args, quiet_library_logs
-from flaxchat.perf.machine import (
-    huge_pages_active,
-    MachineLoad,
-    malloc_library,
-    peak_flops_per_device,
-    without_huge_pages,
-)
-from flaxchat.perf.profiler import StepProfiler
+from flaxchat.data.dataloader import make_loader
+from flaxchat.data.dataset import default_data_dir, list_parquet_files
+from flaxchat.data.tokenizer import get_tokenizer
+from flaxchat.eval.report import read_jsonl
+from flaxchat.export.nanochat import save_nanochat_tokenizer
+from flaxchat.generate.speculative import add_draft_flags
 from flaxchat.model.config import GPTConfig, add_model_flags, config_from_flags
 from flaxchat.model.gpt import GPT, add_kernel_flags
-from flaxchat.perf.hlo import jaxpr_equations, source_line
-from flaxchat.perf.measure import measure_generation, measure_speculative, measure_throughput
 from flaxchat.model.quantize import add_quantize_flag, quantize_for_generation, weight_bytes
-from flaxchat.generate.speculative import add_draft_flags
-from flaxchat.train.step import IN_FLIGHT_CHOICES, in_flight_depth
+from flaxchat.perf.hlo import program_stats
+from flaxchat.perf.machine import MachineLoad, huge_pages_active, malloc_library, peak_flops_per_device
+from flaxchat.perf.measure import measure_generation, measure_speculative, measure_throughput
+from flaxchat.perf.processes import (NANOCHAT_MKL, failure_line, link, nanochat_env, nanochat_step_times, run_trainer,
+                                     step_times)
+from flaxchat.perf.products import format_census, product_census
+from flaxchat.perf.profiler import StepProfiler, profile_summary
+from flaxchat.perf.trace import format_summary
+from flaxchat.train.checkpoint import checkpoint_dir, load_named_model
+from flaxchat.train.flags import add_batch_flags, add_dtype_flag
+from flaxchat.train.optim import build_optimizer
+from flaxchat.train.step import IN_FLIGHT_CHOICES, FlatStep, InFlight, compile_train_step, in_flight_depth
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: scripts.* run from here
+
+
+# -----------------------------------------------------------------------------
+# CLI
 
 
 def build_parser():
@@ -92,7 +102,7 @@ def build_parser():
                         "steps on one device, beside nanochat's base_train with --nanochat)")
     add_model_flags(p, depth=4, max_seq_len=512)
     p.add_argument("--vocab-size", type=int, default=32768, help="vocabulary size (random tokens)")
-    p.add_argument("--device-batch-size", type=int, default=8, help="training sequences per device")
+    add_batch_flags(p, device_batch_size=8)
     p.add_argument("--grad-accum", type=int, default=1, help="micro-steps per training step")
     p.add_argument("--steps", type=int, default=10,
                    help="timed training steps (median reported), run as pretrain runs them; a step's time runs from "
@@ -112,39 +122,43 @@ def build_parser():
     p.add_argument("--batch-size", type=int, default=1, help="generation rows")
     p.add_argument("--prompt-len", type=int, default=16, help="generation prompt tokens")
     p.add_argument("--max-new-tokens", type=int, default=256, help="generated tokens per row")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="compute dtype")
+    add_dtype_flag(p)
     add_quantize_flag(p)
     p.add_argument("--checkpoint", default=None, metavar="[SOURCE:]TAG",
-                   help="generate: time a trained checkpoint (e.g. sft:d4) instead of a random model of the flags' shape")
+                   help="generate: time a trained checkpoint (e.g. sft:d4) instead of a random model of the flags' "
+                        "shape")
     add_draft_flags(p)
     p.add_argument("-t", "--temperature", type=float, default=1.0, help="generate: sampling temperature (0 = greedy)")
-    p.add_argument("--show-ops", action="store_true", help="comms: list every collective (kind, shape, times, source op)")
+    p.add_argument("--show-ops", action="store_true",
+                   help="comms: list every collective (kind, shape, times, source op)")
     p.add_argument("--suite", choices=["cpu"], default=None,
                    help="train: run every shape of a suite (CPU_SUITE), one JSON line each; other flags still apply")
     p.add_argument("--real-data", action="store_true",
                    help="train: batches from the Grain loader over $FLAXCHAT_BASE_DIR's tokenizer and shards")
     p.add_argument("--cycle-batches", type=int, default=0, metavar="N",
-                   help="train, with --real-data: read N steps' batches from the loader once, then cycle through them "
-                        "(the loader's text without the loader in the step; 0 = a new batch from the loader every step)")
+                   help="train, with --real-data: read N steps' batches from the loader once, then cycle through "
+                        "them (the loader's text without the loader in the step; 0 = a new batch from the loader "
+                        "every step)")
     p.add_argument("--fresh-batches", action="store_true",
                    help="train, random tokens: new host arrays placed on the devices every step, as the loader's "
                         "batches arrive (by default two batches stay on the devices and alternate)")
     p.add_argument("--nanochat", metavar="DIR", default=None,
-                   help="train: also time nanochat's step (the checkout at DIR, with PyTorch) on the same shape, first; "
-                        "run: run nanochat's scripts/base_train.py first, with the same flags and data")
+                   help="train: also time nanochat's step (the checkout at DIR, with PyTorch) on the same shape, "
+                        "first; run: run nanochat's scripts/base_train.py first, with the same flags and data")
     p.add_argument("--nanochat-mkl", choices=NANOCHAT_MKL, default="as-installed",
                    help="with --nanochat on a CPU: the BLAS kernels nanochat's PyTorch runs. as-installed: what its "
-                        "wheel picks (the stock wheel's MKL takes its AVX2 path on AMD CPUs, ~half the AVX-512 rate); "
+                        "wheel picks (the stock wheel's MKL takes its slower AVX2 path on AMD CPUs); "
                         "avx512: MKL's AVX-512 path, as on an Intel Xeon, through a one-line C library preloaded "
                         "into nanochat's processes only (built with the system's C compiler). nanochat's JSON gives "
                         "the fp32 matmul rate its PyTorch reached either way")
     StepProfiler.add_flag(p, "--profile-dir (train; the JSON adds where their time went: ms by kind of op and the "
                              "slowest ops, and nanochat's beside them with --nanochat)")
-    p.add_argument("--profile-dir", type=str, default=None, help="where the trace goes (default $FLAXCHAT_BASE_DIR/profile/bench)")
+    p.add_argument("--profile-dir", type=str, default=None,
+                   help="where the trace goes (default $FLAXCHAT_BASE_DIR/profile/bench)")
     p.add_argument("--products", action="store_true",
                    help="train, one device: also time every matrix product of the step alone, one after another "
-                        "(the JSON adds \"products\": their time beside the step's, the slowest, and their time and rate "
-                        "by line of the program)")
+                        "(the JSON adds \"products\": their time beside the step's, the slowest, and their time and "
+                        "rate by line of the program)")
     add_kernel_flags(p)
     sharding.add_mesh_flags(p)
     return p
@@ -160,6 +174,9 @@ def peak_mem_gb() -> float:
 def make_config(args) -> GPTConfig:
     return config_from_flags(args, args.vocab_size)
 
+
+# -----------------------------------------------------------------------------
+# Training step (--what train, --suite, --nanochat)
 
 # The CPU suite (`--suite cpu`): the shapes the project compares with nanochat on a CPU. The last is nanochat's
 # runs/runcpu.sh model; "real" rows read batches from the Grain loader (tokenizer and shards in the base dir)
@@ -178,77 +195,36 @@ CPU_SUITE = {
 
 def real_batches(args, mesh, tokenizer):
     """(next_micro_batches(), loader): the Grain loader over the base dir's shards, tokenized by `tokenizer`."""
-    from flaxchat.data.dataloader import make_loader
-
     dp = mesh.shape["data"] * mesh.shape["fsdp"]
     loader = make_loader(tokenizer, args.device_batch_size * dp, args.max_seq_len, "train", mesh=mesh)
     take = lambda: tuple(zip(*(next(loader) for _ in range(args.grad_accum))))
     return take, loader
 
 
-def failure_line(text: str) -> str:
-    """What a failed process said: the last exception or `error: ` line of its output where there is one, else its
-    last line."""
-    lines = [line.strip() for line in re.split(r"[\r\n]", text) if line.strip()] or ["it printed nothing"]
-    errors = [line for line in lines if re.match(r"(error: |[\w.]+(Error|Exception)\b)", line)]
-    return (errors or lines)[-1]
-
-
-# --nanochat-mkl avx512: MKL asks this function whether it runs on an Intel CPU and, where not, keeps to its AVX2
-# kernels. Preloaded, this answer wins over the one inside PyTorch's MKL: its AVX-512 kernels then run on AMD CPUs
-# too (a 2048^3 fp32 matmul on a 2-core Zen 5 VM: ~240 -> ~520 GFLOP/s). Intel CPUs already get that answer.
-NANOCHAT_MKL = ("as-installed", "avx512")
-MKL_AVX512_SOURCE = "int mkl_serv_intel_cpu_true(void) { return 1; }\n"
-
-
-def mkl_avx512_library(directory: str) -> str:
-    """The shared library for --nanochat-mkl avx512, built in `directory` with the C compiler ($CC, else cc or gcc)
-    where it is missing or its source changed; SystemExit with one line where there is no compiler or it fails."""
-    library, source = os.path.join(directory, "mkl_avx512.so"), os.path.join(directory, "mkl_avx512.c")
-    if os.path.isfile(library) and os.path.isfile(source):
-        with open(source) as f:
-            if f.read() == MKL_AVX512_SOURCE:
-                return library
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not compiler:
-        sys.exit("error: --nanochat-mkl avx512 builds a one-line C library: no C compiler found ($CC, cc or gcc)")
-    os.makedirs(directory, exist_ok=True)
-    with open(source, "w") as f:
-        f.write(MKL_AVX512_SOURCE)
-    try:  # $CC may hold a command with arguments (ccache gcc), as make reads it
-        proc = subprocess.run([*shlex.split(compiler), "-O2", "-shared", "-fPIC", "-o", library, source],
-                              capture_output=True, text=True)
-    except OSError as e:
-        sys.exit(f"error: --nanochat-mkl avx512: the C compiler {compiler} did not start: {e.strerror}")
-    if proc.returncode != 0:
-        sys.exit(f"error: --nanochat-mkl avx512: {compiler} failed: {failure_line(proc.stderr)}")
-    return library
-
-
-def nanochat_env(args) -> dict:
-    """The environment nanochat's processes start with: ours without the huge-pages tunable flaxchat sets for itself,
-    and with the --nanochat-mkl choice made (avx512 preloads mkl_avx512_library before any library LD_PRELOAD names
-    already)."""
-    env = without_huge_pages(os.environ)
-    if args.nanochat_mkl != "avx512":
-        return env
-    library = mkl_avx512_library(os.path.join(get_base_dir(), "bench_run", "mkl_avx512"))
-    return {**env, "LD_PRELOAD": " ".join(p for p in (library, env.get("LD_PRELOAD", "")) if p)}
+def nanochat_environment(args) -> dict:
+    """processes.nanochat_env for --nanochat-mkl (its library built under the base dir's bench_run/); one line and
+    exit where it cannot be built."""
+    try:
+        return nanochat_env(args.nanochat_mkl, os.path.join(get_base_dir(), "bench_run", "mkl_avx512"))
+    except RuntimeError as e:
+        sys.exit(f"error: {e}")
 
 
 def time_nanochat(args, config, batch_size: int) -> dict:
-    """nanochat's step for the same model and batch, in a process of its own (flaxchat.perf.nanochat_bench), run before
+    """nanochat's step for the same model and batch, in a process of its own (scripts.nanochat_bench), run before
     flaxchat's so neither runs beside the other. nanochat runs as it would on its own: the compute dtype through
     NANOCHAT_DTYPE, and without the glibc huge-pages tunable flaxchat sets for itself."""
-    env = nanochat_env(args)
+    env = nanochat_environment(args)
     env["NANOCHAT_DTYPE"] = jnp.dtype(compute_dtype(args.dtype)).name
-    cmd = [sys.executable, "-m", "flaxchat.perf.nanochat_bench", "--dir", args.nanochat, "--batch-size", str(batch_size),
-           "--config", json.dumps(config.to_dict()), "--grad-accum", str(args.grad_accum), "--steps", str(args.steps),
-           "--warmup", str(args.warmup), "--device", "cuda" if jax.default_backend() == "gpu" else "cpu"]
+    # run from the repository (scripts.* import from there), so the checkout's path is made absolute first
+    cmd = [sys.executable, "-m", "scripts.nanochat_bench", "--dir", os.path.abspath(os.path.expanduser(args.nanochat)),
+           "--batch-size", str(batch_size), "--config", json.dumps(config.to_dict()),
+           "--grad-accum", str(args.grad_accum), "--steps", str(args.steps), "--warmup", str(args.warmup),
+           "--device", "cuda" if jax.default_backend() == "gpu" else "cpu"]
     if args.profile_steps:  # as many steps of nanochat's under torch.profiler, after its timed ones
         cmd += ["--profile", str(args.profile_steps[1] - args.profile_steps[0])]
     load = MachineLoad()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     machine = load.stop()  # over nanochat's whole process, compilation included
     if proc.returncode != 0:
         sys.exit(f"error: timing nanochat failed: {failure_line(proc.stderr)}")
@@ -259,16 +235,9 @@ def bench_train(args, mesh) -> dict:
     """flaxchat's training step: the median of --steps timed steps after compilation and --warmup steps, in
     --rounds rounds. With --nanochat, each round first times nanochat's step on the same shape (time_nanochat),
     so every pair of numbers comes from the same minutes of a machine whose speed may drift."""
-    from flaxchat.train.optim import build_optimizer
-    from flaxchat.perf.trace import format_summary
-    from flaxchat.perf.profiler import profile_summary
-    from flaxchat.train.step import FlatStep, InFlight
-
     dp = mesh.shape["data"] * mesh.shape["fsdp"]
     B, T, A = args.device_batch_size * dp, args.max_seq_len, args.grad_accum
     if args.real_data:
-        from flaxchat.data.tokenizer import get_tokenizer
-
         tokenizer = get_tokenizer()
         args.vocab_size = tokenizer.get_vocab_size()
     theirs = [time_nanochat(args, make_config(args), B)] if args.nanochat else []  # before the loader's threads start
@@ -367,7 +336,7 @@ def bench_train(args, mesh) -> dict:
         "num_params": model.num_scaling_params()["total"], "attention": model.attention, "remat": model.remat,
         "data": data, "grad_accum": A,
         "in_flight": bool(in_flight.depth),
-        "machine": rounds[0]["machine"],  # quiet: a start load of ~0-1 and steal ~0 (see common.MachineLoad)
+        "machine": rounds[0]["machine"],  # how busy the machine was in the first round (perf.machine.MachineLoad)
         "times_s": times,  # every timed step in order: a run whose steps slow down as it goes shows it here
     }
     if theirs:  # over several rounds: nanochat's median tok/s and the median of the rounds' ratios
@@ -388,119 +357,12 @@ def bench_train(args, mesh) -> dict:
     return out
 
 
-def _source(eqn) -> str:
-    """Where a jaxpr equation came from, named as hlo.source_line names a compiled op's: "flaxchat/model/gpt.py:165
-    Linear.multiply (transpose(jvp()))" (file, line, function, then the transformations it was made under)."""
-    where = source_info_util.summarize(eqn.source_info)
-    m = re.match(r"(.*):(\d+):\d+ \((.*)\)$", where)
-    where = source_line(*m.groups()) if m else where
-    stack = str(eqn.source_info.name_stack)
-    return f"{where} ({stack})" if stack else where
-
-
-def _spec(lhs_ndim: int, rhs_ndim: int, dimension_numbers) -> str:
-    """A dot_general's dimension numbers as an einsum spec: ((1,), (0,)), ((), ()) on 2-d operands -> "ab,bc->ac"."""
-    (lc, rc), (lb, rb) = dimension_numbers
-    partner = dict(zip((*lb, *lc), (*rb, *rc)))
-    letters = iter("abcdefghijklmnopqrstuvwxyz")
-    lhs, rhs = [next(letters) for _ in range(lhs_ndim)], [None] * rhs_ndim
-    for i, j in partner.items():
-        rhs[j] = lhs[i]
-    rhs = [x or next(letters) for x in rhs]
-    out = [lhs[i] for i in lb] + [x for i, x in enumerate(lhs) if i not in partner]
-    out += [x for j, x in enumerate(rhs) if j not in (*rb, *rc)]
-    return f"{''.join(lhs)},{''.join(rhs)}->{''.join(out)}"
-
-
-def _products(jaxpr):
-    """(equation, executions per call) for every dot_general in jaxpr and the jaxprs inside it."""
-    return ((eqn, n) for eqn, n in jaxpr_equations(jaxpr) if eqn.primitive.name == "dot_general")
-
-
-def _time_product(lhs, rhs, params, repeats: int, rng) -> tuple[float, int]:
-    """(seconds, FLOPs) of one dot_general of these operand types and params, compiled and run alone: the fastest
-    of `repeats` calls, the rate XLA's kernel reaches on that shape. Not the median: on a 2-vCPU VM the same
-    product's calls took either ~3 or ~6 ms, in runs of several at a time (a (16, 256, 256) weight gradient of the
-    laptop demo's model at batch 16), so the median of 5 read anywhere from 90 to 160 GFLOP/s and the fastest of 40
-    read 183-186."""
-    a, b = (jnp.asarray(rng.standard_normal(x.shape), x.dtype) for x in (lhs, rhs))
-    product = jax.jit(lambda a, b: jax.lax.dot_general(a, b, params["dimension_numbers"],
-                                                      preferred_element_type=params["preferred_element_type"]))
-    out = product(a, b).block_until_ready()
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        product(a, b).block_until_ready()
-        samples.append(time.perf_counter() - t0)
-    contracted = math.prod(lhs.shape[i] for i in params["dimension_numbers"][0][0])
-    return min(samples), 2 * math.prod(out.shape) * contracted
-
-
-def product_census(model, optimizer, batch, mesh, repeats: int = 10) -> dict:
-    """Every matrix product of the train step (its dot_generals: forward, backward, loss, optimizer), each
-    timed alone as XLA compiles it on its own (the fastest of `repeats` calls), times how often the step runs it.
-
-    Their sum is how long the step's products take one after another at the rates XLA's kernels reach on
-    those shapes in isolation; beside the step's time it says how much of the step the products are (the rest:
-    elementwise passes, copies, reductions, overlap). One device: on a mesh the partitioner's products and Muon's
-    shared-out stacks are not the jaxpr's."""
-    from flaxchat.train.step import train_step
-
-    graphdef, state = nnx.split((model, optimizer))
-
-    def step(state, xs, ys):
-        return train_step(*nnx.merge(graphdef, state), xs, ys)
-
-    with jax.set_mesh(mesh):
-        jaxpr = jax.make_jaxpr(step)(state, *batch).jaxpr
-    timed, groups = {}, {}
-    rng = np.random.default_rng(0)
-    for eqn, n in _products(jaxpr):
-        lhs, rhs = (v.aval for v in eqn.invars)
-        key = (lhs.shape, lhs.dtype, rhs.shape, rhs.dtype, eqn.params["dimension_numbers"],
-               eqn.params["preferred_element_type"])
-        if key not in timed:
-            timed[key] = _time_product(lhs, rhs, eqn.params, repeats, rng)
-        spec = _spec(lhs.ndim, rhs.ndim, key[4])
-        group = groups.setdefault((_source(eqn), spec, lhs.shape, rhs.shape), [0, 0.0, 0])
-        group[0] += n
-        group[1] += n * timed[key][0]
-        group[2] += n * timed[key][1]
-    alone = sum(g[1] for g in groups.values())
-    flops = sum(g[2] for g in groups.values())
-    top = sorted(groups.items(), key=lambda kv: -kv[1][1])[:12]
-    # by the line of the program that made them (forward and backward together): where products run slow
-    lines = {}
-    for (src, *_), (n, s, f) in groups.items():
-        line = lines.setdefault(src.split(" (")[0], [0, 0.0, 0])
-        line[0] += n
-        line[1] += s
-        line[2] += f
-    return {"calls": sum(g[0] for g in groups.values()), "distinct": len(timed), "gflop": flops / 1e9,
-            "alone_s": alone, "flops_per_s": flops / alone,
-            "top": [{"source": src, "spec": spec, "lhs": list(a), "rhs": list(b), "calls": n, "ms": 1e3 * s,
-                     "gflops": f / s / 1e9} for (src, spec, a, b), (n, s, f) in top],
-            "by_line": [{"source": src, "calls": n, "gflop": f / 1e9, "ms": 1e3 * s, "gflops": f / s / 1e9}
-                        for src, (n, s, f) in sorted(lines.items(), key=lambda kv: -kv[1][1])]}
-
-
-def format_census(census: dict, step_s: float) -> str:
-    lines = [f"the step's {census['calls']} products ({census['distinct']} distinct shapes), each timed alone: "
-             f"{1e3 * census['alone_s']:.1f} ms of the {1e3 * step_s:.1f} ms step "
-             f"({100 * census['alone_s'] / step_s:.0f}%), {census['flops_per_s'] / 1e9:.0f} GFLOP/s"]
-    lines += [f"  {p['ms']:9.2f} ms  {p['gflops']:6.0f} GFLOP/s  x{p['calls']:<4} {p['spec']} {tuple(p['lhs'])} "
-              f"{tuple(p['rhs'])} <- {p['source']}" for p in census["top"]]
-    lines.append("by line of the program (forward and backward together):")
-    lines += [f"  {p['ms']:9.2f} ms  {p['gflops']:6.0f} GFLOP/s  {p['gflop']:7.2f} GFLOP  x{p['calls']:<5} {p['source']}"
-              for p in census["by_line"]]
-    return "\n".join(lines)
+# -----------------------------------------------------------------------------
+# Communication, generation, data loading (--what comms / generate / data)
 
 
 def bench_comms(args, mesh) -> dict:
     """Compile the train step from abstract arrays and read its collectives and per-device FLOPs."""
-    from flaxchat.perf.hlo import program_stats
-    from flaxchat.train.step import compile_train_step
-
     config = make_config(args)
     dp = mesh.shape["data"] * mesh.shape["fsdp"]
     t0 = time.perf_counter()
@@ -520,8 +382,6 @@ def bench_comms(args, mesh) -> dict:
 
 
 def bench_generate(args, mesh) -> dict:
-    from flaxchat.train.checkpoint import load_named_model
-
     if args.checkpoint:
         model = load_named_model(args.checkpoint, "sft", "--checkpoint", dtype=compute_dtype(args.dtype))
     else:
@@ -529,8 +389,6 @@ def bench_generate(args, mesh) -> dict:
     model = quantize_for_generation(model, args.quantize)
     info = {"quantize": args.quantize, "weight_mb": weight_bytes(model) / 2**20, "checkpoint": args.checkpoint}
     if args.draft_model:
-        from flaxchat.data.tokenizer import get_tokenizer
-
         source = args.checkpoint.rpartition(":")[0] or "sft"
         draft = load_named_model(args.draft_model, source, "--draft-model", dtype=compute_dtype(args.dtype))
         draft = quantize_for_generation(draft, args.quantize)
@@ -546,16 +404,13 @@ def bench_generate(args, mesh) -> dict:
 
 
 def bench_data(args, mesh) -> dict:
-    from flaxchat.data.tokenizer import get_tokenizer
-
     tokenizer = get_tokenizer()
     out = measure_throughput(tokenizer, batch_size=args.device_batch_size, seq_len=args.max_seq_len)
     return {"what": "data", "tok_per_s": out["tokens_per_s"], **out, "vocab_size": tokenizer.get_vocab_size()}
 
 
+# -----------------------------------------------------------------------------
 # --what run: real runs, flaxchat's scripts.pretrain beside nanochat's scripts/base_train.py
-
-NANOCHAT_STEP = re.compile(r"^step (\d+)/\d+ .*?\| dt: ([\d.]+)ms", re.M)  # base_train's line per step (0-based)
 
 
 def run_flags(args, tokens: int) -> list[str]:
@@ -569,53 +424,9 @@ def run_flags(args, tokens: int) -> list[str]:
             "--sample-every", "-1"]
 
 
-def stream(cmd, log_path, **popen) -> tuple[int, str]:
-    """Run cmd with its output (stdout and stderr) copied to our stderr as it comes (progress bars included) and
-    to log_path; returns the exit status and the whole output."""
-    chunks = []
-    with open(log_path, "wb") as log, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                                        **popen) as proc:
-        while chunk := proc.stdout.read1(65536):
-            chunks.append(chunk)
-            log.write(chunk)
-            sys.stderr.write(chunk.decode(errors="replace"))
-            sys.stderr.flush()
-    return proc.returncode, b"".join(chunks).decode(errors="replace")
-
-
-def run_trainer(name: str, cmd, log_path, **popen) -> tuple[str, dict]:
-    """One trainer's run through stream(), timed and watched (MachineLoad); exits with its failure line if it fails.
-    Returns its output and {"process_s", "machine", "log"}."""
-    load, start = MachineLoad(), time.perf_counter()
-    rc, out = stream(cmd, log_path, **popen)
-    process_s, machine = time.perf_counter() - start, load.stop()
-    if rc != 0:
-        sys.exit(f"error: {name} exited with {rc}: {failure_line(out).removeprefix('error: ')} (its output: {log_path})")
-    return out, {"process_s": process_s, "machine": machine, "log": log_path}
-
-
-def step_times(times: dict[int, float], first: int, tokens: int) -> dict:
-    """The median step of steps first.. of a run ({step (1-based): seconds}), its tok/s, spread and total."""
-    timed = [dt for step, dt in sorted(times.items()) if step >= first]
-    if not timed:
-        raise ValueError(f"the run logged no step from step {first} on (steps logged: {len(times)})")
-    median = statistics.median(timed)
-    return {"step_s": median, "tok_per_s": tokens / median, "step_s_min": min(timed), "step_s_max": max(timed),
-            "timed_steps": len(timed), "timed_min": sum(timed) / 60}
-
-
-def link(target: str, name: str) -> None:
-    """name -> target (a folder), replacing a link already there."""
-    if os.path.lexists(name):
-        os.remove(name)
-    os.symlink(os.path.abspath(target), name, target_is_directory=True)
-
-
 def run_base_dir(run_dir: str) -> str:
     """A base dir of flaxchat's own for the benchmark's run: the tokenizer and shards of $FLAXCHAT_BASE_DIR linked
     in, and its checkpoints, report and compiled programs kept apart from your runs' (checkpoints cleared first)."""
-    from flaxchat.data.dataset import default_data_dir
-
     base = os.path.join(run_dir, "flaxchat_base")
     os.makedirs(base, exist_ok=True)
     link(os.path.join(get_base_dir(), "tokenizer"), os.path.join(base, "tokenizer"))
@@ -628,11 +439,6 @@ def nanochat_base_dir(run_dir: str, tokenizer) -> tuple[str, str | None]:
     """NANOCHAT_BASE_DIR for base_train on flaxchat's data: our tokenizer in nanochat's format and our shards as
     its pretraining data; and a folder with an empty `wandb` module where wandb is not installed (base_train
     imports it even when it does not log), else None."""
-    import importlib.util
-
-    from flaxchat.data.dataset import default_data_dir
-    from flaxchat.export.nanochat import save_nanochat_tokenizer
-
     base = os.path.join(run_dir, "nanochat_base")
     save_nanochat_tokenizer(tokenizer, os.path.join(base, "tokenizer"))
     link(default_data_dir(), os.path.join(base, "base_data_climbmix"))
@@ -655,7 +461,7 @@ def run_nanochat(args, flags, run_dir, tokenizer, first, tokens) -> dict:
     """nanochat's scripts/base_train.py, unmodified, with `flags` on flaxchat's tokenizer and shards (its own
     environment: the compute dtype through NANOCHAT_DTYPE, without flaxchat's huge-pages tunable)."""
     base, stub = nanochat_base_dir(run_dir, tokenizer)
-    env = {**nanochat_env(args), "NANOCHAT_BASE_DIR": base, "PYTHONUNBUFFERED": "1"}
+    env = {**nanochat_environment(args), "NANOCHAT_BASE_DIR": base, "PYTHONUNBUFFERED": "1"}
     if args.dtype:
         env["NANOCHAT_DTYPE"] = args.dtype
     # nanochat's scripts/ is a namespace package (no __init__.py): a path entry holding flaxchat's `scripts` package
@@ -666,21 +472,17 @@ def run_nanochat(args, flags, run_dir, tokenizer, first, tokens) -> dict:
     cmd = [sys.executable, "-m", "scripts.base_train", *flags, *device_type_flags(args)]
     out, run = run_trainer("nanochat's base_train", cmd, os.path.join(run_dir, "nanochat.log"),
                            cwd=os.path.expanduser(args.nanochat), env=env)
-    times = {int(m.group(1)) + 1: float(m.group(2)) / 1e3 for m in NANOCHAT_STEP.finditer(out)}
+    times = nanochat_step_times(out)
     return {**step_times(times, first, tokens), **run, "mkl": args.nanochat_mkl}
 
 
 def run_flaxchat(args, flags, run_dir, base, first, tokens) -> dict:
     """scripts.pretrain with `flags` in `base`, a base dir of its own (run_base_dir); the steps' times from its
     metrics.jsonl."""
-    from flaxchat.train.checkpoint import checkpoint_dir
-    from flaxchat.eval.report import read_jsonl
-
     cmd = [sys.executable, "-m", "scripts.pretrain", *flags, "--in-flight", args.in_flight]
     cmd += ["--dtype", args.dtype] if args.dtype else []
     cmd += ["--expect-backend", args.expect_backend] if args.expect_backend else []
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    _, run = run_trainer("scripts.pretrain", cmd, os.path.join(run_dir, "flaxchat.log"), cwd=root,
+    _, run = run_trainer("scripts.pretrain", cmd, os.path.join(run_dir, "flaxchat.log"), cwd=ROOT,
                          env={**os.environ, "FLAXCHAT_BASE_DIR": base, "PYTHONUNBUFFERED": "1"})
     metrics = os.path.join(checkpoint_dir("base", f"d{args.depth}", base_dir=base), "metrics.jsonl")
     times = {r["step"]: r["dt"] for r in read_jsonl(metrics) if "dt" in r}
@@ -691,9 +493,6 @@ def bench_run(args) -> dict:
     """A real scripts.pretrain run of --steps steps (and nanochat's base_train first with --nanochat), each in a
     process of its own, one after the other: the median step after the first and --warmup more, tok/s, the
     timed steps' total minutes, the whole process's seconds (start-up and compilation included)."""
-    from flaxchat.data.dataset import default_data_dir, list_parquet_files
-    from flaxchat.data.tokenizer import get_tokenizer
-
     tokenizer = get_tokenizer()  # FileNotFoundError where there is none, before either run starts
     if len(list_parquet_files()) < 2:
         raise FileNotFoundError(f"--what run needs at least 2 parquet shards (train + val) in {default_data_dir()}")
@@ -712,11 +511,15 @@ def bench_run(args) -> dict:
     return record
 
 
+# -----------------------------------------------------------------------------
+# Main
+
+
 def environment(args, mesh) -> dict:
     return {"device": jax.devices()[0].device_kind, "backend": jax.default_backend(), "num_devices": jax.device_count(),
             "mesh": dict(mesh.shape), "dtype": jnp.dtype(compute_dtype(args.dtype)).name, "jax": jax.__version__,
             "python": platform.python_version(), "huge_pages": huge_pages_active(), "allocator": malloc_library(),
-            "xla_flags": os.environ.get("XLA_FLAGS", "")}  # as the run's backend read them (sharding.native_gpu_atomics)
+            "xla_flags": os.environ.get("XLA_FLAGS", "")}  # as the backend read them (sharding.native_gpu_atomics)
 
 
 def run_suite(args, mesh) -> None:
@@ -745,7 +548,7 @@ def run_main(parser, args) -> None:
         parser.error(f"--nanochat {args.nanochat}: not a nanochat checkout (no scripts/base_train.py in it)")
     try:
         record = bench_run(args)
-    except (FileNotFoundError, ValueError) as e:
+    except (FileNotFoundError, ValueError, RuntimeError) as e:  # RuntimeError: a trainer failed (its line)
         sys.exit(f"error: {e}")
     print(json.dumps(record, indent=2))
 

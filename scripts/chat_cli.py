@@ -20,9 +20,12 @@ import argparse
 import os
 import sys
 
-from flaxchat.common import parse_args
-from flaxchat.model.quantize import add_quantize_flag
+from flaxchat.common import enable_compilation_cache, get_base_dir, parse_args
+from flaxchat.generate.engine import Engine
+from flaxchat.generate.reply import Reply
 from flaxchat.generate.speculative import add_draft_flags
+from flaxchat.model.quantize import add_quantize_flag, quantize_for_generation
+from flaxchat.train.checkpoint import load_model, load_named_model
 
 DIM, RESET = "\033[2m", "\033[0m"
 # How each part of an assistant message is shown; the brackets stand for the special tokens around it.
@@ -83,8 +86,6 @@ class ReplyPrinter:
     call and its output appear, dimmed, once complete."""
 
     def __init__(self, tokenizer, out, color: bool):
-        from flaxchat.generate.reply import Reply
-
         self.reply, self.out, self.color = Reply(tokenizer), out, color
 
     def _show(self) -> None:
@@ -194,11 +195,6 @@ def run_chat(engine, tokenizer, args, read_line=input, out=None) -> list[dict]:
 
 def main(argv=None) -> int:
     args = get_args(argv)
-    from flaxchat.train.checkpoint import load_model, load_named_model
-    from flaxchat.common import enable_compilation_cache, get_base_dir
-    from flaxchat.generate.engine import Engine
-    from flaxchat.model.quantize import quantize_for_generation
-
     # compiled prefill/decode programs survive restarts, so a second session starts answering at once (also on CPU)
     enable_compilation_cache(os.path.join(get_base_dir(), "jax_cache"))
 

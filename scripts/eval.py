@@ -31,12 +31,17 @@ import time
 
 import jax
 
-from flaxchat.eval import chat as chat_eval
-
-from flaxchat.eval import core as core_eval
-from flaxchat.train.checkpoint import find_model_tag, load_model
 from flaxchat.common import compute_dtype, get_base_dir, is_main_process, is_out_of_memory, parse_args, print0
+from flaxchat.data.dataloader import make_val_loader
+from flaxchat.data.tokenizer import get_token_bytes
+from flaxchat.eval import chat as chat_eval
+from flaxchat.eval import core as core_eval
+from flaxchat.eval.bpb import evaluate_bpb
+from flaxchat.eval.report import Report
+from flaxchat.generate.engine import Engine
 from flaxchat.model.quantize import add_quantize_flag, quantize_for_generation
+from flaxchat.sharding import make_mesh
+from flaxchat.train.checkpoint import find_model_tag, load_model
 from tasks import offline
 
 CHAT_NAMES = {"mmlu": "MMLU", "arc-easy": "ARC-Easy", "arc-challenge": "ARC-Challenge", "gsm8k": "GSM8K",
@@ -100,10 +105,6 @@ def parse_tasks(spec: str) -> list[str]:
 
 
 def eval_bpb(model, tokenizer, args, mesh) -> dict:
-    from flaxchat.data.dataloader import make_val_loader
-    from flaxchat.eval.bpb import evaluate_bpb
-    from flaxchat.data.tokenizer import get_token_bytes
-
     t0 = time.perf_counter()
     seq_len = model.config.sequence_len
     split = 1 if mesh is None else mesh.shape.get("data", 1) * mesh.shape.get("fsdp", 1)
@@ -136,8 +137,6 @@ def eval_core(model, tokenizer, args, mesh) -> tuple[dict, dict]:
 def make_engine(model, tokenizer, task, max_problems: int, max_new_tokens: int):
     """An Engine whose KV cache holds the longest prompt plus max_new_tokens: nanochat's engine never cuts a
     prompt (its cache grows as needed), so neither does this one. Calculator only, as nanochat's tool."""
-    from flaxchat.generate.engine import Engine
-
     longest = max(len(tokenizer.render_for_completion(task[i])) for i in range(max_problems))
     capacity = max(model.config.sequence_len, -(-(longest + max_new_tokens) // 256) * 256)
     return Engine(model, tokenizer, capacity=capacity, use_sandbox=False)
@@ -210,8 +209,6 @@ def summary_lines(core: dict | None, rows: dict) -> list[str]:
 def write_outputs(args, meta: dict, model_tag: str, rows: dict, failures: dict, core: dict | None,
                   out_of_memory: dict | None = None) -> tuple[str, str]:
     """<base_dir>/eval/<phase>_<tag>_<step>.json, and the run report's "<phase>-eval" section."""
-    from flaxchat.eval.report import Report
-
     step = meta.get("step", 0)
     json_path = os.path.join(get_base_dir(), "eval", f"{args.model}_{model_tag}_{step}.json")
     os.makedirs(os.path.dirname(json_path), exist_ok=True)
@@ -253,8 +250,6 @@ def main(argv=None) -> int:
 
     mesh = None
     if jax.device_count() > 1:
-        from flaxchat.sharding import make_mesh
-
         mesh = make_mesh()
     try:
         model, tokenizer, meta = load_model(args.model, args.model_tag, args.step, mesh=mesh, dtype=compute_dtype(args.dtype))

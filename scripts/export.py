@@ -3,7 +3,7 @@
     python -m scripts.export -i sft --format safetensors --out exports/d4-sft          # any framework
     python -m scripts.export -i base --model-tag d20 --format nanochat --out ~/.cache/nanochat/base_checkpoints/d20
     python -m scripts.export -i sft --format litert --litert-quantize int8 --out exports/d4-litert   # needs flaxchat[export]
-    python -m flaxchat.export.litert_chat exports/d4-litert -p "Tell me a story"                  # run it, no JAX needed
+    python -m scripts.litert_chat exports/d4-litert -p "Tell me a story"                          # run it, no JAX needed
 
 The nanochat format writes `model_<step>.pt` + `meta_<step>.json` (and, with --with-tokenizer, `tokenizer.pkl` +
 `token_bytes.pt` into --tokenizer-out) so nanochat's scripts can load flaxchat models; it needs `flaxchat[torch]`.
@@ -29,7 +29,7 @@ from flaxchat.export.litert import QUANTIZE, LiteRTExportError, export_litert
 def build_parser():
     p = argparse.ArgumentParser(description="Export a flaxchat checkpoint to safetensors, nanochat format or LiteRT "
                                 "(model.tflite with prefill + KV-cache decode signatures; run it with "
-                                "`python -m flaxchat.export.litert_chat OUT`).")
+                                "`python -m scripts.litert_chat OUT`).")
     p.add_argument("-i", "--source", choices=["base", "sft", "rl"], default="sft", help="which training phase")
     p.add_argument("--model-tag", type=str, default=None, help="model tag (default: the largest model of the phase)")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")

@@ -8,8 +8,8 @@
     python -m scripts.gpu_check report DIR --mode gpu       # DIR's step outputs -> DIR/report.json + DIR/summary.md
     python -m scripts.gpu_check lock cuda12         # rewrite requirements/cuda12.txt (needs PyPI; maintainers)
 
-Nothing here imports flaxchat, flax or torch before a subcommand needs it: `requirements`, `missing` and `pins` run
-before flaxchat's dependencies are installed. JAX itself (and its CUDA plugin) is never installed or replaced here.
+Nothing here imports JAX, flax, torch or the flaxchat modules that need them before a subcommand does:
+`requirements`, `missing` and `pins` run before flaxchat's dependencies are installed. JAX itself (and its CUDA plugin) is never installed or replaced here.
 """
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ try:
 except ImportError:  # a bare GPU image may lack packaging; pip always carries it
     from pip._vendor.packaging.requirements import Requirement
     from pip._vendor.packaging.utils import canonicalize_name
+
+from flaxchat.perf.trace import KINDS  # the standard library only: importable before flaxchat's dependencies
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # What an accelerator install brings: installed ones are kept exactly as they are (pins), never resolved here.
@@ -339,8 +341,6 @@ def generate_row(r) -> list[str]:
 def profile_lines(steps) -> list[str]:
     """`--profile`: per training shape, each program's step time by kind of op, its slowest ops, then flaxchat's
     lines by the time of their ops."""
-    from flaxchat.perf.trace import KINDS
-
     lines = []
     for s in steps:
         ours = s["ok"] and s["result"].get("profile")

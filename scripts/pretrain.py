@@ -11,7 +11,7 @@ Many devices / hosts (same script; the mesh spans every device of every process)
 Resume a run from its latest checkpoint (exactly: model, optimizer, data position, loop state):
     python -m scripts.pretrain --depth 4 ... --resume
 
-Data: parquet shards under $FLAXCHAT_BASE_DIR/base_data (python -m flaxchat.data.dataset --help).
+Data: parquet shards under $FLAXCHAT_BASE_DIR/base_data (python -m scripts.data --help).
 Tokenizer: $FLAXCHAT_BASE_DIR/tokenizer (python -m scripts.tok_train).
 Outputs: $FLAXCHAT_BASE_DIR/base_checkpoints/d<depth>/ with checkpoints, metrics.jsonl and training.png.
 """
@@ -30,20 +30,23 @@ import numpy as np
 from flax import nnx
 
 from flaxchat import sharding
-from flaxchat.train.checkpoint import Checkpointer, checkpoint_dir, git_commit
 from flaxchat.common import compute_dtype, is_main_process, parse_args, print0, progress_bar, quiet_library_logs
-from flaxchat.perf.machine import cpu_bf16_instructions, huge_pages_active, HUGE_PAGES_TUNABLE, peak_flops_per_device
-from flaxchat.perf.profiler import StepProfiler
-from flaxchat.model.config import GPTConfig, add_model_flags, config_from_flags, derive_training
 from flaxchat.data.dataloader import make_loader, make_val_loader
-from flaxchat.model.gpt import GPT, add_kernel_flags
-from flaxchat.eval.bpb import evaluate_bpb
-from flaxchat.train.optim import Schedule, build_optimizer, optimizer_stats, skip_report
-from flaxchat.eval.report import Report, metrics_logger, plot_training, read_jsonl
 from flaxchat.data.tokenizer import get_token_bytes, get_tokenizer
-from flaxchat.perf.trace import format_summary
-from flaxchat.perf.profiler import profile_summary
+from flaxchat.eval.bpb import evaluate_bpb
+from flaxchat.eval.core import evaluate_core
+from flaxchat.eval.report import Report, metrics_logger, plot_training, read_jsonl
+from flaxchat.generate.engine import generate
+from flaxchat.generate.reply import stop_tokens
+from flaxchat.model.config import GPTConfig, add_model_flags, config_from_flags, derive_training
 from flaxchat.model.cpu import sub_batch_note
+from flaxchat.model.gpt import GPT, add_kernel_flags
+from flaxchat.perf.machine import cpu_bf16_instructions, huge_pages_active, HUGE_PAGES_TUNABLE, peak_flops_per_device
+from flaxchat.perf.profiler import StepProfiler, profile_summary
+from flaxchat.perf.trace import format_summary
+from flaxchat.train.checkpoint import Checkpointer, checkpoint_dir, git_commit
+from flaxchat.train.flags import add_batch_flags, add_dtype_flag, add_optimizer_flags, add_run_flag, add_schedule_flags
+from flaxchat.train.optim import Schedule, build_optimizer, optimizer_stats, skip_report
 from flaxchat.train.step import add_in_flight_flag, FlatStep, in_flight_depth, InFlight
 
 SAMPLE_PROMPTS = [
@@ -63,28 +66,22 @@ SAMPLE_PROMPTS = [
 
 def build_parser():
     p = argparse.ArgumentParser(description="Pretrain a base model (nanochat's base_train for JAX).")
-    p.add_argument("--run", type=str, default="dummy", help="wandb run name ('dummy' disables wandb; needs wandb installed)")
+    add_run_flag(p)
     # model
     add_model_flags(p)
-    p.add_argument("--dtype", type=str, default=None, choices=["float32", "bfloat16"], help="compute dtype (default: bf16 on GPU/TPU, fp32 on CPU; bfloat16 trains faster on CPUs with AVX512-BF16/AMX: bf16 products, fp32 activations)")
+    add_dtype_flag(p)
     add_kernel_flags(p)
     # horizon (first positive one wins, in this order)
     p.add_argument("--num-iterations", type=int, default=-1, help="explicit number of optimizer steps (-1 = off)")
     p.add_argument("--target-flops", type=float, default=-1.0, help="steps to reach this many training FLOPs (-1 = off)")
     p.add_argument("--target-param-data-ratio", type=float, default=12, help="tokens : scaling-params ratio (-1 = off)")
     # optimisation
-    p.add_argument("--device-batch-size", type=int, default=32, help="sequences per device per micro-step")
-    p.add_argument("--total-batch-size", type=int, default=-1, help="tokens per optimizer step (-1 = derive from depth)")
-    p.add_argument("--embedding-lr", type=float, default=0.3, help="AdamW LR for the token embedding")
-    p.add_argument("--unembedding-lr", type=float, default=0.008, help="AdamW LR for lm_head")
-    p.add_argument("--matrix-lr", type=float, default=0.02, help="Muon LR for the block matrices")
-    p.add_argument("--scalar-lr", type=float, default=0.5, help="AdamW LR for the per-layer scalars")
-    p.add_argument("--weight-decay", type=float, default=0.28, help="Muon cautious weight decay (scaled with batch and horizon)")
+    add_batch_flags(p, device_batch_size=32, total_batch_size=-1, total_note="-1 = derive from depth")
+    add_optimizer_flags(p, embedding_lr=0.3, unembedding_lr=0.008, matrix_lr=0.02, scalar_lr=0.5, weight_decay=0.28,
+                        weight_decay_note="scaled with batch and horizon")
     p.add_argument("--no-hparam-scaling", action="store_true",
                    help="use the LRs and weight decay as given, without nanochat's batch-size/horizon scaling (small CPU runs)")
-    p.add_argument("--warmup-steps", type=int, default=40, help="LR warmup steps")
-    p.add_argument("--warmdown-ratio", type=float, default=0.65, help="fraction of steps spent in LR warmdown")
-    p.add_argument("--final-lr-frac", type=float, default=0.05, help="final LR as a fraction of the peak")
+    add_schedule_flags(p, warmup_steps=40, warmdown_ratio=0.65, final_lr_frac=0.05)
     p.add_argument("--seed", type=int, default=0, help="parameter init seed")
     # evaluation, sampling, checkpoints
     p.add_argument("--eval-every", type=int, default=250, help="val bpb every N steps (-1 = off)")
@@ -235,10 +232,10 @@ def main(argv=None):
     print0(f"peak FLOP/s per device: {peak:.3e} ({peak_source})")
     if jax.default_backend() == "cpu" and sys.platform.startswith("linux") and not huge_pages_active():
         print0(f"tip: GLIBC_TUNABLES={HUGE_PAGES_TUNABLE} in the environment makes CPU steps faster (pixi tasks and "
-               "the laptop demo set it; README, 'Speed on a CPU')")
+               "the laptop demo set it; docs/cpu-speed.md)")
     if jax.default_backend() == "cpu" and jnp.dtype(dtype) == jnp.float32 and cpu_bf16_instructions():
-        print0("tip: this CPU multiplies bf16 in hardware: --dtype bfloat16 (or FLAXCHAT_DTYPE=bfloat16) trains ~1.4x "
-               "faster than fp32 here (bf16 products, fp32 activations; README, 'bf16 on a CPU')")
+        print0("tip: this CPU multiplies bf16 in hardware: --dtype bfloat16 (or FLAXCHAT_DTYPE=bfloat16) trains "
+               "faster than fp32 here (bf16 products, fp32 activations; docs/cpu-speed.md, 'bf16 on a CPU')")
     log = metrics_logger(metrics_path, args.run, "flaxchat", user_config)
 
     def evaluate():
@@ -251,9 +248,6 @@ def main(argv=None):
             val_loader.close()
 
     def sample():
-        from flaxchat.generate.engine import generate
-        from flaxchat.generate.reply import stop_tokens
-
         prompts = [tokenizer.encode(prompt, prepend="<|bos|>") for prompt in SAMPLE_PROMPTS]
         stops = stop_tokens(tokenizer)
         # greedy, every prompt a row of one jitted loop; a row ends at a stop token, which is not printed
@@ -326,8 +320,6 @@ def main(argv=None):
                 bar.write(f"step {step:05d} | val bpb {loop['val_bpb']:.4f}")
             log({"step": step, "val_bpb": loop["val_bpb"]})
         if do_core:
-            from flaxchat.eval.core import evaluate_core
-
             core = evaluate_core(model, tokenizer, max_per_task=args.core_metric_max_per_task)
             log({"step": step, "core_metric": core["core_metric"]})
         if do_sample:

@@ -6,7 +6,7 @@ nanochat calls it "GRPO" in quotes; it is closer to plain REINFORCE:
     not a z-score;
   - the policy-gradient loss is normalised per token (DAPO), not per sequence.
 
-CPU / laptop (generated arithmetic problems, pass@k on a held-out generated set; ~11 min on 2 cores):
+CPU / laptop (generated arithmetic problems, pass@k on a held-out generated set):
     python -m scripts.rl --config configs/rl_cpu.yaml
     python -m scripts.rl --task arithmetic --num-steps 30 --examples-per-step 16 --num-samples 16 \
         --device-batch-size 16 --max-new-tokens 160 --init-lr-frac 0.1 --eval-every 15 --eval-samples 8
@@ -31,11 +31,17 @@ import numpy as np
 from flax import nnx
 
 from flaxchat import sharding
-from flaxchat.eval.chat import sample_problems
-from flaxchat.train.checkpoint import Checkpointer, checkpoint_dir, find_model_tag, git_commit, load_model
 from flaxchat.common import compute_dtype, is_main_process, parse_args, print0, progress_bar
-from flaxchat.train.optim import build_optimizer
+from flaxchat.eval.chat import sample_problems
 from flaxchat.eval.report import metrics_logger, plot_panels, read_jsonl
+from flaxchat.generate.engine import Engine
+from flaxchat.generate.scheduler import auto_slots
+from flaxchat.train.checkpoint import Checkpointer, checkpoint_dir, find_model_tag, git_commit, load_model
+from flaxchat.train.flags import add_batch_flags, add_dtype_flag, add_optimizer_flags, add_run_flag
+from flaxchat.train.optim import build_optimizer
+from tasks.common import hub_reachable
+from tasks.gsm8k import GSM8K
+from tasks.synthetic_chat import ArithmeticProblems
 
 SEQ_BUCKET = 32  # rollout batches are padded to a multiple of this many tokens: a few shapes, a few compiles
 
@@ -46,11 +52,11 @@ SEQ_BUCKET = 32  # rollout batches are padded to a multiple of this many tokens:
 
 def build_parser():
     p = argparse.ArgumentParser(description="Reinforcement learning on math word problems (nanochat's chat_rl).")
-    p.add_argument("--run", type=str, default="dummy", help="wandb run name ('dummy' disables wandb; needs wandb installed)")
+    add_run_flag(p)
     p.add_argument("--source", type=str, default="sft", choices=["sft", "rl"], help="checkpoint phase to start from")
     p.add_argument("--model-tag", type=str, default=None, help="checkpoint tag, also the output tag (default: the largest)")
     p.add_argument("--model-step", type=int, default=None, help="checkpoint step (default: the latest)")
-    p.add_argument("--dtype", type=str, default=None, choices=["float32", "bfloat16"], help="compute dtype")
+    add_dtype_flag(p)
     # task
     p.add_argument("--task", type=str, default="auto", choices=["auto", "gsm8k", "arithmetic"],
                    help="gsm8k (train split from the hub) or generated arithmetic problems; auto = gsm8k if the hub is reachable")
@@ -61,9 +67,9 @@ def build_parser():
     p.add_argument("--num-epochs", type=int, default=1, help="epochs over the training problems")
     p.add_argument("--num-steps", type=int, default=-1, help="optimizer steps (-1 = from --num-epochs)")
     # batch sizes / sampling
-    p.add_argument("--device-batch-size", type=int, default=8,
-                   help="rollouts per training forward pass (micro-batch), padded to their own longest; a micro-batch "
-                        "whose advantages are all zero runs no pass")
+    add_batch_flags(p, device_batch_size=8,
+                    device_help="rollouts per training forward pass (micro-batch), padded to their own longest; a "
+                                "micro-batch whose advantages are all zero runs no pass")
     p.add_argument("--sample-rows", type=int, default=0,
                    help="most rollouts (KV-cache rows) sampled at once, whole groups of --num-samples; several "
                         "questions share one batch (0 = auto: every rollout of a step, or as many as have their KV "
@@ -75,11 +81,7 @@ def build_parser():
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of rollouts")
     p.add_argument("--top-k", type=int, default=50, help="top-k sampling of rollouts (0 = off)")
     # optimisation
-    p.add_argument("--embedding-lr", type=float, default=0.2, help="AdamW LR for the token embedding")
-    p.add_argument("--unembedding-lr", type=float, default=0.004, help="AdamW LR for lm_head")
-    p.add_argument("--matrix-lr", type=float, default=0.02, help="Muon LR for the block matrices")
-    p.add_argument("--weight-decay", type=float, default=0.0, help="Muon weight decay")
-    p.add_argument("--init-lr-frac", type=float, default=0.05, help="every LR as a fraction of its base value")
+    add_optimizer_flags(p, embedding_lr=0.2, unembedding_lr=0.004, matrix_lr=0.02, weight_decay=0.0, init_lr_frac=0.05)
     # evaluation / checkpoints
     p.add_argument("--eval-every", type=int, default=60, help="pass@k every N steps and at the end")
     p.add_argument("--eval-examples", type=int, default=400, help="held-out problems per pass@k evaluation")
@@ -134,7 +136,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 # The policy-gradient step
 
 
-def _pg_loss(model, inputs, targets, advantages):
+def policy_gradient_loss(model, inputs, targets, advantages):
     """-sum(logp * advantage) / valid tokens of this micro-batch: DAPO's token-level normalisation."""
     logp = -model(inputs, targets, loss_reduction="none")  # (B, T), 0 where the target is -1
     num_valid = jnp.maximum(jnp.sum(targets >= 0), 1)
@@ -142,9 +144,9 @@ def _pg_loss(model, inputs, targets, advantages):
 
 
 @nnx.jit(donate_argnums=1)
-def _add_policy_gradient(model, grads, inputs, targets, advantages):
+def add_policy_gradient(model, grads, inputs, targets, advantages):
     """grads + one micro-batch's policy gradient, and its loss."""
-    loss, g = nnx.value_and_grad(_pg_loss)(model, inputs, targets, advantages)
+    loss, g = nnx.value_and_grad(policy_gradient_loss)(model, inputs, targets, advantages)
     return jax.tree.map(jnp.add, grads, g), loss
 
 
@@ -152,7 +154,8 @@ _zeros_like = jax.jit(lambda tree: jax.tree.map(jnp.zeros_like, tree))
 
 
 @nnx.jit(donate_argnums=(0, 1, 2))
-def _apply_policy_gradient(model, optimizer, grads, passes):
+def apply_policy_gradient(model, optimizer, grads, passes):
+    """One optimizer step on the gradients summed over `passes` micro-batches, averaged."""
     optimizer.update(model, jax.tree.map(lambda g: g / passes, grads))
 
 
@@ -171,9 +174,9 @@ def rl_step(model, optimizer, batches, mesh=None) -> float:
     grads, losses = _zeros_like(nnx.state(model, nnx.Param)), []
     for inputs, targets, advantages in batches:
         if np.any(advantages):
-            grads, loss = _add_policy_gradient(model, grads, put(inputs), put(targets), put(advantages))
+            grads, loss = add_policy_gradient(model, grads, put(inputs), put(targets), put(advantages))
             losses.append(loss)
-    _apply_policy_gradient(model, optimizer, grads, jnp.float32(len(batches)))
+    apply_policy_gradient(model, optimizer, grads, jnp.float32(len(batches)))
     return sum(float(loss) for loss in losses) / len(batches)
 
 
@@ -207,30 +210,21 @@ def rollout_batches(sequences, masks, advantages, pad_token, device_batch_size, 
 
 def build_tasks(args):
     """(train task, eval task, which): GSM8K train/test from the hub, or generated train/held-out problems."""
-    from tasks.common import hub_reachable
-
     which = args.task if args.task != "auto" else ("gsm8k" if hub_reachable() else "arithmetic")
     if which == "gsm8k":
-        from tasks.gsm8k import GSM8K
-
         # as nanochat: the test split is only ever evaluated on, never trained on
         return GSM8K("main", "train", source="hub"), GSM8K("main", "test", source="hub"), which
-    from tasks.synthetic_chat import ArithmeticProblems
-
     return ArithmeticProblems(args.train_size, "train", args.seed), ArithmeticProblems(args.eval_size, "val", args.seed), which
 
 
-CPU_SAMPLE_ROWS = 16  # auto --sample-rows on a CPU. There a decode step's time grows with its rows past ~16 (a d4
-# model: 1,176 / 4,037 / 4,075 / 4,569 tok/s at 1 / 16 / 64 / 256 rows on a 2-core Xeon), and a wider batch waits
-# longer for its longest reply: a step's 256 rollouts took ~9.3 s 16 at a time, ~11.8 s 64 at a time (packing
-# the rows still going, Engine(compact=True)), and 12-13 s 16 at a time without packing
+CPU_SAMPLE_ROWS = 16  # auto --sample-rows on a CPU. Past about this many rows a CPU's decode step takes longer
+# in proportion to its rows (the cores are already busy), while a wider batch waits longer for its longest reply:
+# sampling more rollouts at once makes a step slower there, not faster
 
 
 def rollout_rows(model, args) -> int:
     """Rollouts sampled at once: --sample-rows, or (auto) every rollout of a step when their KV cache fits in a
     quarter of the free memory, else the largest power of two that does; on a CPU at most CPU_SAMPLE_ROWS."""
-    from flaxchat.generate.scheduler import auto_slots
-
     total = args.examples_per_step * args.num_samples
     most = 1 << (total - 1).bit_length()
     if jax.default_backend() == "cpu":
@@ -298,8 +292,6 @@ def main(argv=None):
         train_task, eval_task, which = build_tasks(args)
     except (FileNotFoundError, ValueError) as e:
         sys.exit(f"error: {e}")
-    from flaxchat.generate.engine import Engine
-
     engine = Engine(model, tokenizer, compact=jax.default_backend() == "cpu")  # a long job: packing earns its compiles
     rows = rollout_rows(model, args)
     num_steps = args.num_steps if args.num_steps > 0 else (len(train_task) // args.examples_per_step) * args.num_epochs

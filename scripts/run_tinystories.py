@@ -1,7 +1,7 @@
 """The laptop demo: the whole pipeline on one machine, from stories to a model you can chat with.
 
-    python -m scripts.run_tinystories            # ~15 minutes on 2 CPU cores
-    python -m scripts.run_tinystories --quick    # ~3 minutes: the same stages, a tiny model
+    python -m scripts.run_tinystories            # sized for a laptop's 2 CPU cores
+    python -m scripts.run_tinystories --quick    # the same stages, a tiny model, a few minutes
     pixi run demo
 
 Stages (each one is a normal flaxchat command, printed as it runs; a second run reuses finished stages):
@@ -23,7 +23,11 @@ import sys
 import time
 
 from flaxchat.common import get_base_dir, parse_args
+from flaxchat.eval.report import Report
+from flaxchat.generate.engine import Engine
 from flaxchat.perf.machine import with_huge_pages
+from flaxchat.train.checkpoint import Checkpointer, load_model
+from tasks.common import hub_reachable
 
 # name -> (full, quick) settings. Sized so the full demo fits ~15 minutes on 2 CPU cores.
 SIZES = {
@@ -45,7 +49,7 @@ CHAT_PROMPTS = ["Tell me a story about a cat named Tom.", "Who are you?"]
 
 def build_parser():
     p = argparse.ArgumentParser(description="Run the whole flaxchat pipeline on stories, laptop-sized.")
-    p.add_argument("--quick", action="store_true", help="a tiny model in ~3 minutes (the same stages)")
+    p.add_argument("--quick", action="store_true", help="a tiny model in a few minutes (the same stages)")
     p.add_argument("--base-dir", type=str, default=os.path.join(get_base_dir(create=False), "tinystories"),
                    help="where the demo's data, tokenizer and checkpoints go (default: tinystories/ inside "
                         "$FLAXCHAT_BASE_DIR, or inside ~/.cache/flaxchat when that is unset; now %(default)s)")
@@ -92,14 +96,12 @@ class Demo:
             return
         source = self.args.source
         if source == "auto":
-            from tasks.common import hub_reachable
-
             source = "tinystories" if hub_reachable() else "synthetic-stories"
             print(f"stories: {source} ({'hub reachable' if source == 'tinystories' else 'offline: built-in generator'})")
         flags = ["--source", source, "--num-shards", self.size["num_shards"], "--overwrite"]
         if source == "synthetic-stories":
             flags += ["--docs-per-shard", self.size["docs_per_shard"]]
-        self.run("data", "flaxchat.data.dataset", *flags)
+        self.run("data", "scripts.data", *flags)
 
     def tokenizer(self):
         if self.done("tokenizer", self.path("tokenizer", "tokenizer.json")):
@@ -116,8 +118,6 @@ class Demo:
                  "--warmup-steps", 10, "--eval-every", max(s["pretrain_iterations"] // 3, 1), "--eval-tokens", 65536,
                  "--sample-every", -1, "--save-every", max(s["pretrain_iterations"] // 3, 1), "--model-tag", self.tag,
                  "--no-hparam-scaling"]  # small batches: nanochat's sqrt(B) LR rule would stall a run this short
-        from flaxchat.train.checkpoint import Checkpointer
-
         ckpt_dir = self.path("base_checkpoints", self.tag)
         if not self.args.fresh and os.path.isdir(ckpt_dir) and Checkpointer(ckpt_dir, async_save=False).latest_step():
             flags.append("--resume")  # an interrupted earlier run continues where it stopped
@@ -135,9 +135,6 @@ class Demo:
                  "--reply-check", 16)
 
     def samples(self, phase, prompts, chat):
-        from flaxchat.train.checkpoint import load_model
-        from flaxchat.generate.engine import Engine
-
         os.environ["FLAXCHAT_BASE_DIR"] = self.args.base_dir
         t0 = time.perf_counter()
         model, tokenizer, _ = load_model(phase, self.tag)
@@ -169,9 +166,6 @@ def main(argv=None):
     demo.sft()
     demo.samples("sft", CHAT_PROMPTS, chat=True)
     total = time.perf_counter() - t0
-
-    from flaxchat.eval.report import Report
-
     report = Report(args.base_dir)
     report.log("demo", {"mode": "quick" if args.quick else "full", "total minutes": total / 60,
                         **{f"{k} (s)": v for k, v in demo.timings.items()}})

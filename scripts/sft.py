@@ -41,19 +41,31 @@ import jax.numpy as jnp
 from flax import nnx
 
 from flaxchat import sharding
-from flaxchat.data.chat_data import make_sft_loader
-from flaxchat.train.checkpoint import checkpoint_dir, Checkpointer, find_model_tag, git_commit, merge_lora_checkpoint
 from flaxchat.common import agree_max, compute_dtype, is_main_process, parse_args, print0, progress_bar
-from flaxchat.perf.machine import peak_flops_per_device
+from flaxchat.data.chat_data import make_sft_loader
+from flaxchat.data.tokenizer import get_token_bytes, get_tokenizer
+from flaxchat.eval import chat as chat_eval
+from flaxchat.eval.bpb import evaluate_bpb
+from flaxchat.eval.report import metrics_logger, plot_training, read_jsonl
+from flaxchat.generate.engine import Engine
 from flaxchat.model.config import GPTConfig
+from flaxchat.model.cpu import sub_batch_note
 from flaxchat.model.gpt import GPT, add_kernel_flags
 from flaxchat.model.lora import DEFAULT_TARGETS, LoraConfig, adapter_modules, apply_lora, count_params, merge_lora
-from flaxchat.eval.bpb import evaluate_bpb
+from flaxchat.perf.machine import peak_flops_per_device
+from flaxchat.train.checkpoint import checkpoint_dir, Checkpointer, find_model_tag, git_commit, merge_lora_checkpoint
+from flaxchat.train.flags import (FROM_BASE, add_batch_flags, add_dtype_flag, add_optimizer_flags, add_run_flag,
+                                  add_schedule_flags)
 from flaxchat.train.optim import build_lora_optimizer, build_optimizer, Schedule
-from flaxchat.eval.report import metrics_logger, plot_training, read_jsonl
-from flaxchat.data.tokenizer import get_token_bytes, get_tokenizer
-from flaxchat.model.cpu import sub_batch_note
 from flaxchat.train.step import FlatStep, InFlight, add_in_flight_flag, in_flight_depth
+from tasks.arc import ARC
+from tasks.common import TaskMixture, hub_reachable
+from tasks.customjson import CustomJSON, weighted
+from tasks.gsm8k import GSM8K
+from tasks.mmlu import MMLU
+from tasks.smoltalk import SmolTalk
+from tasks.spellingbee import SimpleSpelling, SpellingBee
+from tasks.synthetic_chat import ArithmeticProblems, IdentityChat, StoryRequests
 
 # flag -> (fallback, where the base checkpoint keeps it): None means "inherit from the base model"
 INHERITED = {
@@ -81,27 +93,21 @@ EPILOG = """your own chats and LoRA:
 def build_parser():
     p = argparse.ArgumentParser(description="Supervised fine-tuning of a base model into a chat model.",
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG)
-    p.add_argument("--run", type=str, default="dummy", help="wandb run name ('dummy' disables wandb; needs wandb installed)")
+    add_run_flag(p)
     # model loading
     p.add_argument("--model-tag", type=str, default=None, help="base checkpoint tag, also the output tag (default: the largest)")
     p.add_argument("--model-step", type=int, default=None, help="base checkpoint step (default: the latest; with --merge: the sft step)")
     p.add_argument("--output-tag", type=str, default=None, help="tag of the output checkpoint (default: --model-tag's; with --merge: TAG-merged)")
     p.add_argument("--load-optimizer", type=int, default=1, choices=[0, 1], help="warm-start the optimizer state from the base checkpoint")
-    p.add_argument("--dtype", type=str, default=None, choices=["float32", "bfloat16"], help="compute dtype (default: bf16 on GPU/TPU, fp32 on CPU; bfloat16 trains faster on CPUs with AVX512-BF16/AMX)")
+    add_dtype_flag(p)
     add_kernel_flags(p)
     # horizon and batch (None = inherit from the base checkpoint)
     p.add_argument("--num-iterations", type=int, default=-1, help="optimizer steps (-1 = one epoch of the mixture)")
     p.add_argument("--max-seq-len", type=int, default=None, help="row length in tokens (default: the base model's)")
-    p.add_argument("--device-batch-size", type=int, default=None, help="rows per device per micro-step (default: pretraining's)")
-    p.add_argument("--total-batch-size", type=int, default=None, help="tokens per optimizer step (default: pretraining's)")
-    # optimisation (None = inherit the base run's flags)
-    p.add_argument("--embedding-lr", type=float, default=None, help="AdamW LR for the token embedding (default: pretraining's flag)")
-    p.add_argument("--unembedding-lr", type=float, default=None, help="AdamW LR for lm_head (default: pretraining's flag)")
-    p.add_argument("--matrix-lr", type=float, default=None, help="Muon LR for the block matrices (default: pretraining's flag)")
-    p.add_argument("--init-lr-frac", type=float, default=0.8, help="every LR as a fraction of its base value")
-    p.add_argument("--warmup-ratio", type=float, default=0.0, help="fraction of the run spent in LR warmup")
-    p.add_argument("--warmdown-ratio", type=float, default=0.5, help="fraction of the run spent in LR warmdown")
-    p.add_argument("--final-lr-frac", type=float, default=0.0, help="final LR as a fraction of the initial LR")
+    add_batch_flags(p, device_batch_size=FROM_BASE, total_batch_size=FROM_BASE)
+    # optimisation (FROM_BASE = inherit the base run's flags)
+    add_optimizer_flags(p, embedding_lr=FROM_BASE, unembedding_lr=FROM_BASE, matrix_lr=FROM_BASE, init_lr_frac=0.8)
+    add_schedule_flags(p, warmup_ratio=0.0, warmdown_ratio=0.5, final_lr_frac=0.0)
     # evaluation
     p.add_argument("--eval-every", type=int, default=200, help="val bpb every N steps (-1 = only at the end)")
     p.add_argument("--eval-tokens", type=int, default=40 * 524288, help="tokens of val conversations per evaluation")
@@ -136,9 +142,9 @@ def build_parser():
                    "transformer/h/[0-3]/mlp/c_fc")
     p.add_argument("--lora-full", type=str, default="lm_head", help="also train these in full, next to the adapters: a "
                    "comma list of lm_head, wte, value_embeds, or none. A base model has never written the chat's special "
-                   "tokens: with a frozen lm_head no reply learns to end (measured on the demo's d4: 0%% vs 94%%)")
+                   "tokens: with a frozen lm_head no reply learns to end")
     p.add_argument("--lora-lr", type=float, default=1e-2, help="AdamW LR of the adapters (and --lora-full), scaled by "
-                   "--init-lr-frac and the schedule (the best of 2e-3 / 1e-2 on the demo's d4; large models may want less)")
+                   "--init-lr-frac and the schedule (tuned on the laptop demo's model; large models may want less)")
     p.add_argument("--merge", action="store_true", help="no training: write the LoRA checkpoint of --model-tag (step "
                    "--model-step) as full merged weights, an ordinary sft checkpoint under --output-tag")
     # checkpoints
@@ -209,13 +215,6 @@ def inherit(args, meta: dict) -> None:
 
 
 def online_mixture(args):
-    from tasks.common import TaskMixture
-    from tasks.gsm8k import GSM8K
-    from tasks.mmlu import MMLU
-    from tasks.smoltalk import SmolTalk
-    from tasks.spellingbee import SimpleSpelling, SpellingBee
-    from tasks.synthetic_chat import IdentityChat
-
     train = TaskMixture([
         SmolTalk(split="train", source="hub"),
         *[MMLU(subset="all", split="auxiliary_train", source="hub") for _ in range(args.mmlu_epochs)],
@@ -233,12 +232,6 @@ def online_mixture(args):
 
 
 def offline_mixture(args):
-    from tasks.arc import ARC
-    from tasks.common import TaskMixture
-    from tasks.mmlu import MMLU
-    from tasks.spellingbee import SimpleSpelling, SpellingBee
-    from tasks.synthetic_chat import ArithmeticProblems, IdentityChat, StoryRequests
-
     synthetic = [(IdentityChat, args.identity_size), (ArithmeticProblems, args.arithmetic_size),
                  (StoryRequests, args.story_size)]
     train = [task(size, "train", args.seed) for task, size in synthetic if size]
@@ -258,17 +251,12 @@ def offline_mixture(args):
 
 def custom_tasks(args) -> list:
     """(train, val, weight) of every --chats source; reading validates every line (ChatFileError, a ValueError)."""
-    from tasks.customjson import CustomJSON
-
     return [(CustomJSON(path, "train", args.chats_val_fraction, args.seed),
              CustomJSON(path, "val", args.chats_val_fraction, args.seed), weight) for path, weight in args.chats]
 
 
 def build_mixtures(args, custom=()):
     """(train, val, which) where which is "online", "offline" or "none"; custom: custom_tasks(args), mixed in."""
-    from tasks.common import TaskMixture, hub_reachable
-    from tasks.customjson import weighted
-
     which = args.mixture
     if which == "auto":  # every process must train on the same mixture: online only if every process reaches the hub
         (unreachable,) = agree_max(not hub_reachable())
@@ -391,8 +379,6 @@ def reply_end_rate(model, tokenizer, conversations, max_tokens: int, seed: int =
     counts as a reply that ended. The calculator tool runs as in chat. Conversation i samples with seed + i,
     `rows` conversations a batch.
     """
-    from flaxchat.generate.engine import Engine
-
     engine = Engine(model, tokenizer)
     end = tokenizer.encode_special("<|assistant_end|>")
     ended = 0
@@ -416,9 +402,6 @@ def reply_end_rate(model, tokenizer, conversations, max_tokens: int, seed: int =
 
 def run_chatcore(model, tokenizer, args, source: str) -> dict:
     """ChatCORE over --chatcore-tasks (flaxchat.eval.chat); {"chatcore", "chatcore_tasks", per-task accuracy}."""
-    from flaxchat.eval import chat as chat_eval
-    from flaxchat.generate.engine import Engine
-
     engine = Engine(model, tokenizer)
     accuracies = {}
     for name in [t.strip() for t in args.chatcore_tasks.split(",") if t.strip()]:

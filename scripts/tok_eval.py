@@ -19,8 +19,8 @@ from unittest import mock
 import tiktoken
 import tiktoken.load
 
+from flaxchat.data.dataset import iter_source_documents
 from flaxchat.data.tokenizer import get_tokenizer
-from scripts.tok_train import iter_documents
 
 # -----------------------------------------------------------------------------
 # Sample texts (written for this script)
@@ -126,7 +126,7 @@ def load_cached_encoding(name: str) -> tiktoken.Encoding | None:
 def val_text(source: str | None, max_chars: int) -> str | None:
     """The first ~max_chars of the source's val split joined by newlines; None if it has none."""
     docs, n = [], 0
-    for doc in iter_documents(source, "val"):
+    for doc in iter_source_documents(source, "val"):
         docs.append(doc)
         n += len(doc)
         if n >= max_chars:

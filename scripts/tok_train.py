@@ -4,7 +4,7 @@ Writes tokenizer.json (ranks, pattern, specials, content hash) and token_bytes.n
 token id, for bits-per-byte). The tokenizer is nanochat's: same split pattern, same specials.
 
     # default: the train split of the parquet shards in <base_dir>/base_data/ (2B chars max),
-    # e.g. after `python -m flaxchat.data.dataset --source synthetic-stories --num-shards 4`
+    # e.g. after `python -m scripts.data --source synthetic-stories --num-shards 4`
     python -m scripts.tok_train
     # smaller vocab and budget, on a text file or a folder of .txt/.md/.jsonl/.parquet files
     python -m scripts.tok_train --vocab-size 4096 --max-chars 100000000 --source path/to/texts/
@@ -22,39 +22,13 @@ import os
 import time
 from collections.abc import Iterator
 
-from flaxchat.data import dataset
 from flaxchat.common import get_base_dir, progress_bar
+from flaxchat.data.dataset import iter_source_documents
 from flaxchat.data.tokenizer import Tokenizer
 
 # -----------------------------------------------------------------------------
-# Document sources: every --source goes through flaxchat.data.dataset, so "a folder of text" means the
-# same thing here as for pretraining.
-
-
-def resolve_source(source: str | None) -> tuple[str, dict]:
-    """(flaxchat.data.dataset source name, iter_documents kwargs) for a --source value.
-
-    None -> the parquet shards in <base_dir>/base_data/ (last shard = val); a folder holding two or
-    more parquet shards -> those shards; any other existing file or folder -> the "text" source
-    (.txt/.md/.jsonl/.parquet files, last 5% of documents = val); otherwise a source name.
-    """
-    if source is None:
-        return "parquet", {}
-    if os.path.exists(source):
-        if os.path.isdir(source) and len(dataset.list_parquet_files(source)) >= 2:
-            return "parquet", {"data_dir": source}
-        return "text", {"path": source}
-    if os.sep in source or source.startswith("."):
-        raise FileNotFoundError(f"--source {source} does not exist")
-    if source in ("text", "parquet-download"):
-        raise ValueError(f"--source {source} is not a readable source here; pass the path of your text or shards instead")
-    return source, {}
-
-
-def iter_documents(source: str | None, split: str = "train") -> Iterator[str]:
-    """Documents (strings) of --source for one split; errors about the source come before any reading."""
-    name, kwargs = resolve_source(source)
-    return dataset.iter_documents(name, split, **kwargs)
+# Document sources: every --source goes through flaxchat.data.dataset (iter_source_documents), so "a folder of
+# text" means the same thing here as for pretraining and for scripts.tok_eval.
 
 
 def capped_documents(docs: Iterator[str], max_chars: int, doc_cap: int, stats: dict) -> Iterator[str]:
@@ -121,7 +95,7 @@ def main(argv: list[str] | None = None) -> Tokenizer:
     stats: dict = {}
     t0 = time.perf_counter()
     try:
-        docs = capped_documents(iter_documents(args.source, "train"), args.max_chars, args.doc_cap, stats)
+        docs = capped_documents(iter_source_documents(args.source, "train"), args.max_chars, args.doc_cap, stats)
         tokenizer = Tokenizer.train_from_iterator(docs, args.vocab_size)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         parser.error(str(e))

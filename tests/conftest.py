@@ -181,7 +181,7 @@ def tiny_base_dir(tiny_corpus, tmp_path, monkeypatch):
     return base
 
 
-# A stand-in for a nanochat checkout (tests run offline): nanochat/gpt.py with the interface flaxchat.perf.nanochat_bench
+# A stand-in for a nanochat checkout (tests run offline): nanochat/gpt.py with the interface scripts.nanochat_bench
 # uses (GPTConfig, GPT built on the meta device, init_weights, setup_optimizer, forward(idx, targets) -> loss,
 # COMPUTE_DTYPE), a one-layer model, and a note of the environment it ran in.
 STAND_IN = '''

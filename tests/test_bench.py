@@ -216,9 +216,9 @@ def test_nanochat_on_a_gpu_needs_one(nanochat_checkout):
 
     if torch.cuda.is_available():
         pytest.skip("this PyTorch sees a CUDA GPU")
-    r = subprocess.run([sys.executable, "-m", "flaxchat.perf.nanochat_bench", "--dir", str(nanochat_checkout), "--config",
+    r = subprocess.run([sys.executable, "-m", "scripts.nanochat_bench", "--dir", str(nanochat_checkout), "--config",
                         json.dumps({"sequence_len": 8, "vocab_size": 16}), "--batch-size", "1", "--device", "cuda"],
-                       capture_output=True, text=True, timeout=120)
+                       capture_output=True, text=True, timeout=120, cwd=os.path.dirname(os.path.dirname(__file__)))
     assert r.returncode != 0 and r.stdout == ""
     assert r.stderr.strip().splitlines()[-1].startswith("error: --device cuda, but this PyTorch (")
 
@@ -313,7 +313,7 @@ def test_product_census_counts_every_product_the_compiled_step_runs():
     from flaxchat.perf.hlo import program_stats
     from flaxchat.train.optim import build_optimizer
     from flaxchat.train.step import train_step
-    from scripts.bench import format_census, product_census
+    from flaxchat.perf.products import format_census, product_census
 
     mesh = sharding.make_mesh(data=1, devices=jax.devices()[:1])
     config = GPTConfig(sequence_len=64, vocab_size=512, n_layer=2, n_head=2, n_kv_head=2, n_embd=64,
@@ -345,11 +345,11 @@ def test_product_census_counts_every_product_the_compiled_step_runs():
 
 
 def test_products_spec_and_cli_errors(capsys):
-    from scripts.bench import _spec
+    from flaxchat.perf.products import einsum_spec
 
-    assert _spec(2, 2, (((1,), (0,)), ((), ()))) == "ab,bc->ac"
-    assert _spec(3, 3, (((0, 1), (0, 1)), ((), ()))) == "abc,abd->cd"  # a weight gradient: rows contracted
-    assert _spec(4, 4, (((3,), (3,)), ((0, 1), (0, 1)))) == "abcd,abed->abce"  # attention scores
+    assert einsum_spec(2, 2, (((1,), (0,)), ((), ()))) == "ab,bc->ac"
+    assert einsum_spec(3, 3, (((0, 1), (0, 1)), ((), ()))) == "abc,abd->cd"  # a weight gradient: rows contracted
+    assert einsum_spec(4, 4, (((3,), (3,)), ((0, 1), (0, 1)))) == "abcd,abed->abce"  # attention scores
     with pytest.raises(SystemExit):
         main(TINY + ["--what", "train", "--products", "--fsdp", "2"])
     assert "--products times one device's products" in capsys.readouterr().err

@@ -173,7 +173,6 @@ def compile_cache_restored():
 
 
 def test_main_loads_a_checkpoint(tok, capsys, monkeypatch, compile_cache_restored):
-    import flaxchat.generate.engine
     from flaxchat.train.checkpoint import Checkpointer, checkpoint_dir
     from flaxchat.common import get_base_dir
 
@@ -184,7 +183,7 @@ def test_main_loads_a_checkpoint(tok, capsys, monkeypatch, compile_cache_restore
             super().__init__(*args, **kwargs)
             engines.append(self)
 
-    monkeypatch.setattr(flaxchat.generate.engine, "Engine", Recorded)
+    monkeypatch.setattr(chat_cli, "Engine", Recorded)
     assert chat_cli.main(["-i", "sft", "-p", "hi"]) == 1
     assert "no sft checkpoints" in capsys.readouterr().err  # one clear line, no traceback
     config = GPTConfig(sequence_len=64, vocab_size=tok.get_vocab_size(), n_layer=1, n_head=1, n_kv_head=1, n_embd=32)

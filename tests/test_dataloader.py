@@ -370,7 +370,7 @@ def test_batch_must_split_over_the_mesh(data_dir):
 
 
 def test_missing_data_names_the_command(tmp_path):
-    with pytest.raises(FileNotFoundError, match="python -m flaxchat.data.dataset"):
+    with pytest.raises(FileNotFoundError, match="python -m scripts.data"):
         make_loader(ByteTokenizer(), 2, 16, data_dir=str(tmp_path))
 
 

@@ -11,8 +11,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from flaxchat.data import dataset
-from flaxchat.data.dataset import (ParquetDocuments, download, iter_documents, list_parquet_files, main, split_files,
-                              text_documents, write_shards)
+from flaxchat.data.dataset import (ParquetDocuments, download, iter_documents, list_parquet_files, split_files,
+                                   text_documents, write_shards)
+from scripts.data import main
 
 DOCS = [f"doc{i}: " + "word " * (i % 37) for i in range(500)]
 
@@ -96,7 +97,7 @@ def test_textless_parquet_error_names_the_file(data_dir):
 
 
 def test_missing_data_says_which_command_gets_it(tmp_path):
-    with pytest.raises(FileNotFoundError, match="python -m flaxchat.data.dataset --source"):
+    with pytest.raises(FileNotFoundError, match="python -m scripts.data --source"):
         list(iter_documents(data_dir=str(tmp_path / "nothing")))
     with pytest.raises(ValueError, match="split must be"):
         list(iter_documents(split="test", data_dir=str(tmp_path)))

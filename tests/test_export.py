@@ -170,7 +170,7 @@ def test_litert_runner_needs_no_jax(litert_exports):
     code = ("import runpy, sys\n"
             "for name in ('jax', 'jaxlib', 'flax', 'tensorflow', 'orbax', 'rustbpe'): sys.modules[name] = None\n"
             f"sys.argv = ['litert_chat', {str(dirs['none'])!r}, '-p', {LITERT_PROMPT!r}, '--complete', '-m', '12']\n"
-            "runpy.run_module('flaxchat.export.litert_chat', run_name='__main__')\n")
+            "runpy.run_module('scripts.litert_chat', run_name='__main__')\n")
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=repo, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]

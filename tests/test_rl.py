@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from scripts.rl import _pg_loss, group_advantages, pass_at_k, rl_step, rollout_batches
+from scripts.rl import group_advantages, pass_at_k, policy_gradient_loss, rl_step, rollout_batches
 from tasks.synthetic_chat import ArithmeticProblems
 
 
@@ -98,7 +98,7 @@ def test_rl_step_moves_policy_toward_rewarded_samples():
 
     # a group whose samples all got the same reward has zero advantages, so its policy gradient is exactly zero
     inputs, targets, a = rollout_batches(seqs, masks, group_advantages([1.0] * 4), 0, 2, bucket=8)[0]
-    grads = nnx.grad(_pg_loss)(model, jnp.asarray(inputs), jnp.asarray(targets), jnp.asarray(a))
+    grads = nnx.grad(policy_gradient_loss)(model, jnp.asarray(inputs), jnp.asarray(targets), jnp.asarray(a))
     assert all(float(jnp.abs(g).max()) == 0.0 for g in jax.tree.leaves(grads))
 
 
@@ -139,7 +139,7 @@ def test_rl_step_skips_zero_advantage_batches_with_the_same_update(monkeypatch):
     assert batches[0][0].shape[1] < width  # the first micro-batch is narrower than the longest
     model = make()
     before = [np.asarray(p) for p in jax.tree.leaves(nnx.state(model, nnx.Param))]
-    grad = nnx.jit(nnx.value_and_grad(_pg_loss))
+    grad = nnx.jit(nnx.value_and_grad(policy_gradient_loss))
     losses, grads = [], None
     for (inputs, targets), (_, _, a) in zip(wide, batches):
         lp, g = grad(model, jnp.asarray(inputs), jnp.asarray(targets), jnp.asarray(a))
@@ -151,8 +151,8 @@ def test_rl_step_skips_zero_advantage_batches_with_the_same_update(monkeypatch):
     atol = 1e-5 * max(np.abs(g).max() for g in want)  # a scalar's gradient sums terms that nearly cancel
 
     passes = []
-    add = rl._add_policy_gradient
-    monkeypatch.setattr(rl, "_add_policy_gradient", lambda *a: passes.append(a[2].shape) or add(*a))
+    add = rl.add_policy_gradient
+    monkeypatch.setattr(rl, "add_policy_gradient", lambda *a: passes.append(a[2].shape) or add(*a))
     mesh = sharding.make_mesh(8, 1, 1)
     for on_mesh in (False, True):
         passes.clear()

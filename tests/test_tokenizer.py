@@ -325,7 +325,7 @@ def test_tok_train_needs_data(tmp_path, monkeypatch, capsys):
 
 
 def test_source_resolution(tmp_path, monkeypatch):
-    from scripts.tok_train import iter_documents, resolve_source
+    from flaxchat.data.dataset import iter_source_documents, resolve_source
 
     monkeypatch.setenv("FLAXCHAT_BASE_DIR", str(tmp_path))
     data = tmp_path / "base_data"
@@ -335,8 +335,8 @@ def test_source_resolution(tmp_path, monkeypatch):
     # Default and shard folders: the last shard is val, as in nanochat.
     assert resolve_source(None) == ("parquet", {})
     assert resolve_source(str(data)) == ("parquet", {"data_dir": str(data)})
-    assert list(iter_documents(None, "train")) == [f"shard {k} doc {j}" for k in range(2) for j in range(4)]
-    assert list(iter_documents(str(data), "val")) == [f"shard 2 doc {j}" for j in range(4)]
+    assert list(iter_source_documents(None, "train")) == [f"shard {k} doc {j}" for k in range(2) for j in range(4)]
+    assert list(iter_source_documents(str(data), "val")) == [f"shard 2 doc {j}" for j in range(4)]
     # Any other file or folder is flaxchat.data.dataset's "text" source; names pass through.
     single = tmp_path / "one.md"
     single.write_text("First paragraph.\n\nSecond paragraph.\n", encoding="utf-8")

@@ -4,28 +4,19 @@ Every source ends up as parquet shards with a single `text` column in `$FLAXCHAT
 named `shard_XXXXX.parquet`; the last shard (in sorted order) is the val split, everything before it
 is train. Later stages (tokenizer training, the dataloader, bpb evaluation) read only that format.
 
-    # nanochat's pretraining data (ClimbMix) from the HF hub: 8 train shards + the val shard
-    python -m flaxchat.data.dataset --source parquet-download --num-shards 8
-    # TinyStories from the HF hub, converted to 4 train shards + 1 val shard
-    python -m flaxchat.data.dataset --source tinystories --num-shards 4
-    # your own text: a file, or a folder of .txt/.md/.jsonl/.parquet files
-    python -m flaxchat.data.dataset --source text --path ~/my_corpus --num-shards 2
-    # fully offline: the built-in synthetic story generator
-    python -m flaxchat.data.dataset --source synthetic-stories --num-shards 4 --docs-per-shard 20000
-
-In Python, `iter_documents(source, split, shard=(index, count), start)` streams the documents of
-any source for one of `count` readers, starting after `start` of that reader's documents.
+`python -m scripts.data` writes the shards from any source (its docstring gives the commands). In Python,
+`iter_documents(source, split, shard=(index, count), start)` streams the documents of any source for one of
+`count` readers, starting after `start` of that reader's documents; `iter_source_documents(source, split)` does
+the same for what a script's --source names (a path or a source name).
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
 import hashlib
 import http.client
 import itertools
 import json
-import math
 import os
 import random
 import re
@@ -53,8 +44,8 @@ ROW_GROUP_SIZE = 1024  # documents per parquet row group, as in nanochat's repac
 SOURCE_MARKER = "source.json"  # records which source wrote a base_data folder, so sources never mix
 _SHARD_RE = re.compile(r"^shard_\d{5}\.parquet(\.tmp)?$")
 GET_DATA_HINT = (
-    "run `python -m flaxchat.data.dataset --source synthetic-stories --num-shards 4` (offline) or "
-    "`python -m flaxchat.data.dataset --source parquet-download --num-shards 8` to get some"
+    "run `python -m scripts.data --source synthetic-stories --num-shards 4` (offline) or "
+    "`python -m scripts.data --source parquet-download --num-shards 8` to get some"
 )
 
 
@@ -321,7 +312,7 @@ def load_tinystories(split: str):
         return datasets.load_dataset(TINYSTORIES_REPO, split=hf_split)
     except Exception as e:  # the hub raises many error types when offline; all mean the same to the user
         raise RuntimeError(f"could not load {TINYSTORIES_REPO} from the Hugging Face hub ({type(e).__name__}); "
-                           "offline, use `python -m flaxchat.data.dataset --source synthetic-stories` instead") from e
+                           "offline, use `python -m scripts.data --source synthetic-stories` instead") from e
 
 
 def tinystories_documents(split: str, ds=None) -> Iterator[str]:
@@ -372,6 +363,35 @@ def iter_documents(source: str = "parquet", split: str = "train", shard: tuple[i
     else:
         raise ValueError(f"unknown source {source!r}; choose one of parquet, {', '.join(SOURCES[1:])}")
     return itertools.islice(docs, index + start * count, None, count)
+
+
+
+def resolve_source(source: str | None) -> tuple[str, dict]:
+    """(iter_documents source name, its kwargs) for what a script's --source names.
+
+    None -> the parquet shards in <base_dir>/base_data/ (last shard = val); a folder holding two or
+    more parquet shards -> those shards; any other existing file or folder -> the "text" source
+    (.txt/.md/.jsonl/.parquet files, last 5% of documents = val); otherwise a source name.
+    """
+    if source is None:
+        return "parquet", {}
+    if os.path.exists(source):
+        if os.path.isdir(source) and len(list_parquet_files(source)) >= 2:
+            return "parquet", {"data_dir": source}
+        return "text", {"path": source}
+    if os.sep in source or source.startswith("."):
+        raise FileNotFoundError(f"--source {source} does not exist")
+    if source in ("text", "parquet-download"):
+        raise ValueError(f"--source {source} is not a readable source here; pass the path of your text or shards "
+                         "instead")
+    return source, {}
+
+
+def iter_source_documents(source: str | None, split: str = "train") -> Iterator[str]:
+    """Documents (strings) of a --source value (resolve_source) for one split; errors about the source come before
+    any reading."""
+    name, kwargs = resolve_source(source)
+    return iter_documents(name, split, **kwargs)
 
 
 # -----------------------------------------------------------------------------
@@ -510,69 +530,3 @@ def download(num_shards: int, data_dir: str | None = None, base_url: str = BASE_
     if failures:
         raise RuntimeError(f"{len(failures)} of {len(ids)} shards failed; first: {failures[0]}")
     return sorted(paths)
-
-
-# -----------------------------------------------------------------------------
-# CLI
-
-
-def _source_documents(args):
-    """(train docs, their count, docs per train shard, val docs, their count) for a streamed source.
-
-    Loading happens here, before the output folder is touched, so a failing source leaves old shards alone.
-    """
-    n = args.num_shards
-    if args.source == "synthetic-stories":
-        per_shard = args.docs_per_shard
-        train = itertools.islice(synthetic_documents("train", args.seed), n * per_shard)
-        val = itertools.islice(synthetic_documents("val", args.seed), per_shard)
-        return train, n * per_shard, per_shard, val, per_shard
-    if args.source == "text":
-        train, val = split_train_val(text_documents(args.path, args.max_doc_chars), args.val_fraction, args.seed)
-        return train, len(train), math.ceil(len(train) / n), val, len(val)
-    train_ds, val_ds = load_tinystories("train"), load_tinystories("val")
-    return (tinystories_documents("train", train_ds), len(train_ds), math.ceil(len(train_ds) / n),
-            tinystories_documents("val", val_ds), len(val_ds))
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Write pretraining documents as parquet shards (the last shard is val).")
-    parser.add_argument("--source", required=True, choices=SOURCES, help="where the documents come from")
-    parser.add_argument("--num-shards", type=int, default=8, help="number of train shards (one val shard is added)")
-    parser.add_argument("--out-dir", default=None, help="output folder (default: $FLAXCHAT_BASE_DIR/base_data)")
-    parser.add_argument("--overwrite", action="store_true", help="replace shards another source wrote there")
-    parser.add_argument("--path", default=None, help="text source: a file or a folder of .txt/.md/.jsonl/.parquet")
-    parser.add_argument("--max-doc-chars", type=int, default=4000, help="text source: split longer texts at paragraphs")
-    parser.add_argument("--val-fraction", type=float, default=0.05, help="text source: share of documents for val")
-    parser.add_argument("--docs-per-shard", type=int, default=20000, help="synthetic-stories: documents per shard")
-    parser.add_argument("--seed", type=int, default=0, help="synthetic-stories: generator seed; text: shuffle seed")
-    parser.add_argument("--base-url", default=BASE_URL, help="parquet-download: where shard_XXXXX.parquet files live")
-    parser.add_argument("--max-shard", type=int, default=MAX_SHARD, help="parquet-download: index of the val shard")
-    parser.add_argument("--num-workers", type=int, default=4, help="parquet-download: parallel downloads")
-    args = parser.parse_args(argv)
-    if args.num_shards < 1:
-        parser.error("--num-shards must be >= 1")
-    if args.source == "text" and not args.path:
-        parser.error("--source text needs --path (a text file or a folder)")
-    if args.docs_per_shard < 1:
-        parser.error("--docs-per-shard must be >= 1")
-    if not 0 < args.val_fraction < 1:
-        parser.error("--val-fraction must be between 0 and 1")
-    out_dir = os.path.expanduser(args.out_dir) if args.out_dir else default_data_dir()
-    try:
-        if args.source == "parquet-download":
-            paths = download(args.num_shards, out_dir, args.base_url, args.max_shard, args.num_workers,
-                             overwrite=args.overwrite)
-        else:
-            train, n_train, per_shard, val, n_val = _source_documents(args)
-            details = {"path": os.path.abspath(args.path)} if args.source == "text" else {}
-            prepare_out_dir(out_dir, args.source, args.overwrite, **details)
-            paths = write_shards(train, out_dir, per_shard, 0, total=n_train, desc="train shards")
-            paths += write_shards(val, out_dir, n_val, len(paths), total=n_val, desc="val shard")
-    except (OSError, ValueError, RuntimeError, ImportError) as e:
-        parser.exit(1, f"error: {e}\n")
-    print(f"{len(paths)} shards in {out_dir} (train: {len(paths) - 1}, val: {os.path.basename(paths[-1])})")
-
-
-if __name__ == "__main__":
-    main()

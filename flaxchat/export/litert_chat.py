@@ -1,24 +1,16 @@
 """Generate from a LiteRT export (`scripts.export --format litert`) with no JAX or TensorFlow installed.
 
-    pip install ai-edge-litert numpy tiktoken         # all this file needs
-    python -m flaxchat.export.litert_chat exports/d4-litert -p "Tell me a story about a cat."    # one reply
-    python -m flaxchat.export.litert_chat exports/d4-litert                                       # chat in the terminal
-    python -m flaxchat.export.litert_chat exports/base-litert -p "Once upon a time" --complete    # plain continuation
-
 The loop an app runs: zeros for the KV cache, the prompt through the `prefill` signature in chunks of its
 fixed length, then one `decode` call per new token, each call's caches fed into the next (flaxchat.export.litert
-documents the signatures). Imports only numpy, tiktoken and ai_edge_litert; the tool (calculator) is not run.
+documents the signatures). Imports only numpy, tiktoken and ai_edge_litert (`pip install ai-edge-litert numpy
+tiktoken` is all it needs); the tool (calculator) is not run. `python -m scripts.litert_chat` is its command line.
 """
 
 from __future__ import annotations
 
-import argparse
 import base64
-import codecs
 import json
 import os
-import sys
-import time
 
 import numpy as np
 import tiktoken
@@ -125,77 +117,3 @@ def generate(model: LiteRTModel, prompt: list[int], max_tokens: int, temperature
         if token in stop_tokens or i == max_tokens - 1 or model.pos >= model.capacity:
             return
         logits = model.step(token)
-
-
-# -----------------------------------------------------------------------------
-# Command line
-
-
-def build_parser():
-    p = argparse.ArgumentParser(description="Generate from a LiteRT export (model.tflite) without JAX: "
-                                "prefill + a KV-cache decode loop in the LiteRT interpreter.")
-    p.add_argument("model_dir", help="directory written by `python -m scripts.export --format litert`")
-    p.add_argument("-p", "--prompt", type=str, default=None, help="one prompt, one reply (default: chat in the terminal)")
-    p.add_argument("--complete", action="store_true", help="continue the prompt as plain text (default for base "
-                   "models) instead of answering it as a chat turn (default for sft/rl models)")
-    p.add_argument("-m", "--max-tokens", type=int, default=256, help="most new tokens per reply (the cache also limits)")
-    p.add_argument("-t", "--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("-k", "--top-k", type=int, default=None, help="sample among the k likeliest tokens")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed")
-    p.add_argument("--threads", type=int, default=None, help="interpreter threads (default: LiteRT's choice)")
-    p.add_argument("--stats", action="store_true", help="print prefill time and decode tokens/s to stderr")
-    return p
-
-
-def _reply(model, enc, prompt, args, stops) -> int:
-    """Stream one reply to stdout; returns the last token produced (not in the cache yet)."""
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    max_tokens = max(1, min(args.max_tokens, model.capacity - model.pos - len(prompt) + 1))
-    t0 = time.perf_counter()
-    t_first, token, n = None, None, 0
-    for token in generate(model, prompt, max_tokens, args.temperature, args.top_k, args.seed, stops):
-        t_first, n = t_first or time.perf_counter(), n + 1
-        if token not in stops:
-            print(decoder.decode(enc.decode_single_token_bytes(token)), end="", flush=True)
-    print(decoder.decode(b"", final=True), flush=True)
-    if args.stats and t_first is not None:
-        decode_s = time.perf_counter() - t_first
-        rate = f"{(n - 1) / decode_s:.1f} tok/s" if n > 1 and decode_s > 0 else "n/a"
-        print(f"[prefill {len(prompt)} tokens: {1000 * (t_first - t0):.1f} ms; decode {n - 1} tokens: {rate}]",
-              file=sys.stderr)
-    return token
-
-
-def main(argv=None):
-    args = build_parser().parse_args(argv)
-    try:
-        model = LiteRTModel(args.model_dir, args.threads)
-        enc = load_tokenizer(args.model_dir)
-    except (FileNotFoundError, ValueError) as e:
-        sys.exit(f"error: {e}")
-    special = model.config["special_tokens"]
-    chat = not args.complete and model.config.get("phase", "sft") != "base" and "<|user_start|>" in special
-    stops = set(model.config["stop_token_ids"])
-    turn = lambda text: [special["<|user_start|>"], *enc.encode_ordinary(text), special["<|user_end|>"],
-                         special["<|assistant_start|>"]]
-    pending = [model.config["bos_token_id"]]  # tokens not yet in the cache
-    try:
-        if args.prompt is not None:
-            _reply(model, enc, pending + (turn(args.prompt) if chat else enc.encode_ordinary(args.prompt)), args, stops)
-            return
-        print(f"LiteRT chat ({model.config.get('quantize')} weights, {model.capacity}-token cache). Ctrl-D quits.")
-        while True:
-            try:
-                text = input("\nUser: ")
-            except EOFError:
-                return
-            print("Assistant: ", end="", flush=True)
-            last = _reply(model, enc, pending + (turn(text) if chat else enc.encode_ordinary(text)), args, stops)
-            end = special.get("<|assistant_end|>")
-            pending = [last] + ([end] if chat and last != end else [])
-    except ValueError as e:  # the cache is full
-        sys.exit(f"error: {e}")
-
-
-if __name__ == "__main__":
-    main()

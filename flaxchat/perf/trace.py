@@ -1,7 +1,7 @@
 """Where a step's time goes: a profiler trace summed by op and by kind of work.
 
 `scripts.bench --profile-steps A:B` writes a jax.profiler trace (common.StepProfiler) and adds this summary to its
-JSON; `flaxchat.perf.nanochat_bench --profile N` makes the same summary of nanochat's step from torch.profiler, so the
+JSON; `scripts.nanochat_bench --profile N` makes the same summary of nanochat's step from torch.profiler, so the
 two programs' kernels can be read side by side (runs/gpu_check.sh --profile puts both in summary.md).
 
 Kinds: matmul (dots, GEMM libraries, fusions around a dot), attention (fused attention kernels), collective,

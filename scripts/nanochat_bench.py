@@ -12,7 +12,7 @@ says which). Tokens are random, as in the flaxchat benchmark's random-token rows
 full speed (the stock CPU wheel's MKL takes its AVX2 kernels on AMD CPUs; `bench --nanochat-mkl avx512` gives it
 its AVX-512 ones):
 
-    python -m flaxchat.perf.nanochat_bench --dir ~/src/nanochat --config '{"n_layer": 4, "n_head": 4, ...}' \\
+    python -m scripts.nanochat_bench --dir ~/src/nanochat --config '{"n_layer": 4, "n_head": 4, ...}' \\
         --batch-size 16 --grad-accum 1 --steps 10 --warmup 2
 
 The config is a flaxchat GPTConfig as a dict (the same field names as nanochat's); fields nanochat's GPTConfig
@@ -29,6 +29,8 @@ import os
 import statistics
 import sys
 import time
+
+from flaxchat.perf.trace import summarize_ops  # imports nothing of JAX
 
 
 def load_nanochat(directory: str):
@@ -103,7 +105,8 @@ def time_steps(model, optimizer, vocab_size: int, batch_size: int, seq_len: int,
 
 def matmul_peak(device: str, dtype, repeats: int = 5) -> float:
     """FLOP/s of PyTorch's best of `repeats` n^3 matmuls in `dtype` on `device` (n = 2048 on a CPU, 4096 on a GPU), as
-    flaxchat's benchmark measures XLA's (common.measured_matmul_peak): whether nanochat's BLAS runs at full speed."""
+    flaxchat's benchmark measures XLA's (perf.machine.measured_matmul_peak): whether nanochat's BLAS runs at full
+    speed."""
     import torch
 
     n = 4096 if device == "cuda" else 2048
@@ -124,8 +127,6 @@ def profile_steps(step, n: int, device: str) -> dict:
     counts as its compiled region's own time)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
-
-    from flaxchat.perf.trace import summarize_ops
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     times = []
