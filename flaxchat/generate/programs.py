@@ -31,6 +31,7 @@ from flax import nnx
 from flaxchat.generate.reply import FORCED_CAPACITY
 from flaxchat.generate.sampling import sample_rows
 from flaxchat.model.attention import write_cache
+from flaxchat.model import cpu
 from flaxchat.model.gpt import KVCache, rms_norm
 
 MIN_BUCKET = 16  # smallest padded prompt length
@@ -340,16 +341,8 @@ def programs_for(graphdef, mesh=None, options: tuple = ()) -> Programs:
 
 
 def compiler_options(params) -> tuple:
-    """XLA options for the generation programs of these parameters, as (name, value) pairs.
-
-    On a CPU, int8 weights get 512-bit vectors where the processor has them (AVX-512): their matrix-vector
-    products are XLA's own loops that convert each weight as they read it, bound by that conversion rather than
-    by memory, and they run markedly faster that wide. Float weights go through library kernels or stream from
-    memory and gain nothing (they lost a little), so they keep XLA's default.
-    """
-    if jax.default_backend() == "cpu" and any(x.dtype == jnp.int8 for x in jax.tree.leaves(params)):
-        return (("xla_cpu_prefer_vector_width", 512),)
-    return ()
+    """XLA options for the generation programs of these parameters, as (name, value) pairs (cpu.int8_options)."""
+    return cpu.int8_options(params)
 
 
 def programs(model) -> tuple[Programs, nnx.State]:

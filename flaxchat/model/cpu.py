@@ -16,6 +16,7 @@ runs. The paths:
     rotary_form         rotary embeddings as one elementwise expression over the two halves, no concatenation
     bf16_products       bf16 models: bf16 operands multiplied into fp32, fp32 activations (as torch's autocast)
     matmul_form         a decode step's rows as x @ w.T, which XLA:CPU runs as one fused loop over w's rows
+    int8_vectors        generation programs over int8 weights compiled for 512-bit vectors (AVX-512)
 
 Each earns its place by a measured gain on the laptop demo's pretraining step or on batch-1 decode (docs/LOG.md,
 docs/cpu-speed.md); tests/test_cpu.py checks that every path gives the plain version's numbers.
@@ -30,17 +31,12 @@ import os
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.extend import source_info_util
 from jax.sharding import PartitionSpec as P
 
 from flaxchat import sharding
 
-# The traced helpers here are not where an op comes from: a compiled program's source lines (perf.hlo.op_sources, a
-# profile's lines) and JAX's filtered tracebacks name the model's line that called them instead
-source_info_util.register_exclusion(__file__)
-
 PATHS = ("stack_qkv", "chunked_attention", "wide_weight_grad", "sub_batches", "loss_chunks", "norm_form",
-         "rotary_form", "bf16_products", "matmul_form")
+         "rotary_form", "bf16_products", "matmul_form", "int8_vectors")
 SWITCH = "FLAXCHAT_CPU_PATHS"
 
 
@@ -235,6 +231,16 @@ def linear(x, w, out_dtype=None, products=None):
         # the einsum form becomes a library call that repacks the weight first
         return jnp.matmul(x, w.T, preferred_element_type=out_dtype)
     return None
+
+
+def int8_options(params) -> tuple:
+    """XLA options for generation programs over these parameters, as (name, value) pairs (int8_vectors): int8
+    weights get 512-bit vectors where the processor has them. Their matrix-vector products are XLA's own loops
+    that convert each weight as they read it, bound by that conversion rather than by memory, and run markedly
+    faster that wide; float weights go through library kernels or stream from memory and gain nothing."""
+    if use("int8_vectors") and any(x.dtype == jnp.int8 for x in jax.tree.leaves(params)):
+        return (("xla_cpu_prefer_vector_width", 512),)
+    return ()
 
 
 # -----------------------------------------------------------------------------
