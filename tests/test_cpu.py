@@ -63,32 +63,15 @@ def test_activation_dtype_widens_bfloat16_on_a_cpu_only():
     assert cpu.activation_dtype(jnp.bfloat16) == (jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16)
 
 
-def test_wide_matmul_gradients_equal_autodiff_without_a_transposed_copy_of_the_output_gradient(users_codegen):
-    """A wide weight's gradient on a CPU is taken as (x^T dy)^T: the same gradients as autodiff's, and the
-    compiled backward never holds the (out, tokens) transposed gradient that autodiff's form makes XLA write."""
-    x = jax.random.normal(jax.random.key(0), (4, 64, 32))
-    w = jax.random.normal(jax.random.key(1), (128, 32)) * 0.2
-
-    def grads(f):
-        return jax.jit(jax.grad(lambda x, w: jnp.sum(jnp.sin(f(x, w))), argnums=(0, 1)))
-
-    plain = grads(lambda x, w: jnp.matmul(x, w.T))
-    for a, b in zip(grads(cpu.wide_matmul)(x, w), plain(x, w)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
-    compiled = lambda f: f.lower(x, w).compile(compiler_options=users_codegen).as_text()
-    assert "f32[128,256]" in compiled(plain)  # 128 outputs x 256 tokens
-    assert "f32[128,256]" not in compiled(grads(cpu.wide_matmul))
-
-
 def test_the_switch_reads_all_none_or_named_paths(monkeypatch):
     monkeypatch.delenv(cpu.SWITCH, raising=False)
-    assert cpu.switched_off() == set() and cpu.use("stack_qkv", "cpu") and not cpu.use("stack_qkv", "gpu")
+    assert cpu.switched_off() == set() and cpu.use("sub_batches", "cpu") and not cpu.use("sub_batches", "gpu")
     monkeypatch.setenv(cpu.SWITCH, "0")
     assert cpu.switched_off() == set(cpu.PATHS) and not any(cpu.use(n, "cpu") for n in cpu.PATHS)
-    monkeypatch.setenv(cpu.SWITCH, "-stack_qkv,-sub_batches")
-    assert cpu.switched_off() == {"stack_qkv", "sub_batches"}
-    assert not cpu.use("stack_qkv", "cpu") and cpu.use("chunked_attention", "cpu")
-    monkeypatch.setenv(cpu.SWITCH, "-stack_qkvv")
+    monkeypatch.setenv(cpu.SWITCH, "-loss_chunks,-sub_batches")
+    assert cpu.switched_off() == {"loss_chunks", "sub_batches"}
+    assert not cpu.use("loss_chunks", "cpu") and cpu.use("chunked_attention", "cpu")
+    monkeypatch.setenv(cpu.SWITCH, "-sub_batchess")
     with pytest.raises(ValueError, match="FLAXCHAT_CPU_PATHS"):
         cpu.switched_off()
     with pytest.raises(ValueError, match="unknown CPU path"):
@@ -103,7 +86,7 @@ def _run_everything(dtype):
     from flaxchat.model.config import GPTConfig
     from flaxchat.model.gpt import GPT
 
-    # GQA, a sliding window, value embeddings on alternating layers, a vocabulary that pads, a wide MLP weight
+    # GQA, a sliding window, value embeddings on alternating layers, a vocabulary that pads
     config = GPTConfig(sequence_len=64, vocab_size=300, n_layer=3, n_head=4, n_kv_head=2, n_embd=64,
                        window_pattern="SL")
     model = GPT(config, rngs=nnx.Rngs(0), dtype=dtype)

@@ -198,30 +198,3 @@ def test_model_splitting_meshes_run_micro_batches_whole(monkeypatch):
         jaxpr = jax.make_jaxpr(lambda x, y: accumulate_grads(model, x, y))(xs, ys).jaxpr
     assert 2 in _scan_lengths(jaxpr) and not {8, 64} & set(_scan_lengths(jaxpr))
 
-
-@pytest.mark.parametrize("mesh_shape", [None, pytest.param((8, 1, 1), marks=pytest.mark.eight_devices),
-                                        pytest.param((2, 4, 1), marks=pytest.mark.eight_devices),
-                                        pytest.param((2, 1, 4), marks=pytest.mark.eight_devices)],
-                         ids=["one_device", "data_parallel", "fsdp", "tensor_parallel"])
-def test_a_cpu_takes_q_k_v_as_one_product_unless_the_mesh_splits_the_model(monkeypatch, mesh_shape):
-    """On a CPU attention multiplies by q's, k's and v's weights stacked (gpt.stack_qkv): the step's loss and
-    gradients equal the three products', with 6 products fewer per layer and micro-step (forward, input and
-    weight gradients: 3 -> 1 each). Where a mesh axis splits the model (FSDP, tensor) the three stay apart."""
-    config = GPTConfig(sequence_len=32, vocab_size=128, n_layer=2, n_head=4, n_kv_head=4 if mesh_shape else 2,
-                       n_embd=64)
-    rows = 4 if mesh_shape is None else 16
-    xs, ys = _micro_batches(2, rows, 32, 128)
-    mesh = sharding.make_mesh(*mesh_shape) if mesh_shape else None
-
-    def run():
-        loss, grads, jaxpr = _accumulated(config, mesh, xs, ys)
-        return loss, grads, sum(n for eqn, n in jaxpr_equations(jaxpr) if eqn.primitive.name == "dot_general")
-
-    stacked, stacked_grads, stacked_products = run()
-    monkeypatch.setattr(cpu, "stacks_qkv", lambda: False)
-    apart, apart_grads, apart_products = run()
-    splits_model = mesh_shape is not None and max(mesh_shape[1:]) > 1
-    assert apart_products - stacked_products == (0 if splits_model else 6 * config.n_layer * 2)
-    assert abs(stacked - apart) <= 1e-6 * abs(apart)
-    for a, b in zip(stacked_grads, apart_grads):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)

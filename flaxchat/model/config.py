@@ -210,7 +210,7 @@ def derive_training(
         # Constant T_epoch = B/(eta*lambda*D) (arXiv:2405.13698) with eta ∝ sqrt(B): lambda ∝ sqrt(B/B_ref) * D_ref/D.
         wd_scale = math.sqrt(batch_ratio) * (reference_tokens / target_tokens)
     # scale_hparams=False is for tiny CPU runs: batches ~100x below d12's make the sqrt rule shrink every LR ~10x,
-    # which stalls a few hundred steps of training (measured at d2: val bpb 1.47 vs 0.55 after 60 steps).
+    # which stalls a few hundred steps of training (docs/LOG.md has a d2 run each way).
     weight_decay = weight_decay * wd_scale
 
     iterations, horizon = _horizon(num_iterations, target_flops, target_param_data_ratio,

@@ -4,22 +4,19 @@ CPU backend runs that form faster. On GPUs and TPUs none of this runs, and a rea
 through one hook, `use(name)`, which says whether path `name` runs here (the CPU backend, and not switched off).
 
 The switch: FLAXCHAT_CPU_PATHS=0 turns every path off (the plain versions then run on the CPU too);
-FLAXCHAT_CPU_PATHS=-stack_qkv,-sub_batches turns the named paths off and keeps the rest. Unset (or 1), every path
+FLAXCHAT_CPU_PATHS=-loss_chunks,-sub_batches turns the named paths off and keeps the rest. Unset (or 1), every path
 runs. The paths:
 
-    stack_qkv           q, k and v as one product over their stacked weights, in training and prefill
     chunked_attention   causal attention a cache-sized chunk of rows and query blocks at a time
-    wide_weight_grad    the gradient of a wide weight (the MLP's c_fc) as (x^T dy)^T, with no transposed copy
     sub_batches         a micro-batch's rows in sub-batches of CPU_SUB_BATCH_TOKENS (training and evaluation)
     loss_chunks         the fused loss in chunks of at most LOSS_CHUNK_ROWS rows, lm_head's gradient transposed
-    norm_form           RMSNorm's row statistic broadcast back with [..., None] instead of kept as a size-1 axis
-    rotary_form         rotary embeddings as one elementwise expression over the two halves, no concatenation
     bf16_products       bf16 models: bf16 operands multiplied into fp32, fp32 activations (as torch's autocast)
-    matmul_form         a decode step's rows as x @ w.T, which XLA:CPU runs as one fused loop over w's rows
+    matmul_form         a decode step's row as x @ w.T, which XLA:CPU runs as one fused loop over w's rows
     int8_vectors        generation programs over int8 weights compiled for 512-bit vectors (AVX-512)
 
-Each earns its place by a measured gain on the laptop demo's pretraining step or on batch-1 decode (docs/LOG.md,
-docs/cpu-speed.md); tests/test_cpu.py checks that every path gives the plain version's numbers.
+Each earns its place: without it the laptop demo's pretraining step (or batch-1 decode) takes at least 3% longer
+(docs/cpu-speed.md has the figures, docs/LOG.md the sitting); tests/test_cpu.py checks that every path gives the
+plain version's numbers.
 """
 
 from __future__ import annotations
@@ -35,8 +32,7 @@ from jax.sharding import PartitionSpec as P
 
 from flaxchat import sharding
 
-PATHS = ("stack_qkv", "chunked_attention", "wide_weight_grad", "sub_batches", "loss_chunks", "norm_form",
-         "rotary_form", "bf16_products", "matmul_form", "int8_vectors")
+PATHS = ("chunked_attention", "sub_batches", "loss_chunks", "bf16_products", "matmul_form", "int8_vectors")
 SWITCH = "FLAXCHAT_CPU_PATHS"
 
 
@@ -165,53 +161,7 @@ def widen_activations(model) -> None:
 
 
 # -----------------------------------------------------------------------------
-# Norms and rotary
-
-
-def rms_norm(x, eps):
-    """gpt.rms_norm in norm_form: the row statistic broadcast back with [..., None] rather than kept as a size-1
-    axis, because XLA:CPU fuses the (..., 1) form's backward into slower kernels. x is fp32."""
-    return x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1) + eps)[..., None]
-
-
-def apply_rotary(x, cos, sin):
-    """gpt.apply_rotary in rotary_form: one elementwise expression over the two halves (x * [cos, cos] + swapped
-    halves * [sin, -sin]) rather than a concatenation of two, which XLA fuses into a single loop; the
-    concatenation is an op of its own after two others."""
-    halves = x.reshape(*x.shape[:-1], 2, x.shape[-1] // 2)
-    signed_sin = jnp.stack([sin, -sin], axis=-2)
-    return (halves * cos[..., None, :] + halves[..., ::-1, :] * signed_sin).reshape(x.shape)
-
-
-# -----------------------------------------------------------------------------
 # Linear
-
-
-@jax.custom_vjp
-def wide_matmul(x, w):
-    """x (..., in) @ w (out, in).T, whose weight gradient is taken as (x^T dy)^T (wide_weight_grad).
-
-    Autodiff's w gradient dy^T x is a product contracting the token rows of both operands; XLA:CPU lays out one
-    operand transposed for it, and for a weight wider out than in (the MLP's c_fc) it picks dy: a transposed copy
-    of the (tokens, 4C) gradient every layer. Taken as x^T dy instead, behind a barrier that keeps XLA from folding
-    the final transpose back into the product, the rows are contracted with no copy and only the small (in, out)
-    result is transposed. Only for wide weights: for the others, x^T dy runs in a slower kernel than the copy
-    costs. Same sums, same precision."""
-    return jnp.matmul(x, w.T)
-
-
-def _wide_matmul_fwd(x, w):
-    return jnp.matmul(x, w.T), (x, w)
-
-
-def _wide_matmul_bwd(res, dy):
-    x, w = res
-    rows = lambda a: a.reshape(-1, a.shape[-1])
-    dw_t = jax.lax.optimization_barrier(jnp.matmul(rows(x).T, rows(dy)))
-    return jnp.matmul(dy, w), dw_t.T
-
-
-wide_matmul.defvjp(_wide_matmul_fwd, _wide_matmul_bwd)
 
 
 def linear(x, w, out_dtype=None, products=None):
@@ -223,10 +173,7 @@ def linear(x, w, out_dtype=None, products=None):
     w = w.astype(x.dtype)
     if widened_products(x, w):
         return einsum("...i,oi->...o", x, w, out_dtype)
-    rows = math.prod(x.shape[:-1])
-    if out_dtype is None and w.shape[0] > w.shape[1] and rows > 1 and use("wide_weight_grad"):
-        return wide_matmul(x, w)
-    if rows == 1 and use("matmul_form"):
+    if math.prod(x.shape[:-1]) == 1 and use("matmul_form"):
         # one row (a decode step): x @ w.T lowers to one fused loop of contiguous dot products over w's rows, where
         # the einsum form becomes a library call that repacks the weight first
         return jnp.matmul(x, w.T, preferred_element_type=out_dtype)
@@ -244,17 +191,7 @@ def int8_options(params) -> tuple:
 
 
 # -----------------------------------------------------------------------------
-# Attention: q, k and v stacked, and chunked causal attention
-
-
-def stacks_qkv() -> bool:
-    """Whether training and prefill take q, k and v as one product over stacked weights (stack_qkv): on a CPU,
-    unless a mesh axis splits the model (FSDP would gather the stack, tensor parallelism split it anew).
-
-    One (tokens, C) x (C, 3C) product instead of three of (C, C): XLA:CPU's GEMMs run square C x C weights below
-    their rate at small widths, and the stacked weight is wide, so its gradient takes wide_matmul's copy-free
-    form instead of a transposed copy of each of the three (tokens, C) gradients."""
-    return use("stack_qkv") and not sharding.free_axes(sharding.MODEL_AXES)
+# Chunked causal attention
 
 
 # chunked attention: scores per chunk of rows at most this many bytes (about half a core's L2 cache), query blocks

@@ -85,11 +85,9 @@ def _param(init, key, shape, axes, dtype=jnp.float32):
 
 def rms_norm(x):
     """Parameter-free RMSNorm over the last dim, eps = the dtype's machine epsilon (as torch's rms_norm), in fp32."""
-    eps = jnp.finfo(x.dtype).eps
     x32 = x.astype(jnp.float32)
-    if cpu.use("norm_form"):
-        return cpu.rms_norm(x32, eps).astype(x.dtype)
-    return (x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)).astype(x.dtype)
+    y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + jnp.finfo(x.dtype).eps)
+    return y.astype(x.dtype)
 
 
 def rotary_cos_sin(positions, head_dim, dtype):
@@ -114,8 +112,6 @@ def rotary_table(T: int, head_dim: int, dtype):
 def apply_rotary(x, cos, sin):
     """x (B, T, H, D); cos/sin (B or 1, T, 1, D/2). Rotates by -theta (nanochat's convention):
     (x1, x2) -> (x1 cos + x2 sin, x2 cos - x1 sin) for the two halves of each head."""
-    if cpu.use("rotary_form"):
-        return cpu.apply_rotary(x, cos, sin)
     x1, x2 = jnp.split(x, 2, axis=-1)
     return jnp.concatenate([x1 * cos + x2 * sin, x2 * cos - x1 * sin], axis=-1)
 
@@ -191,12 +187,13 @@ class CausalSelfAttention(nnx.Module):
         )
 
     def qkv(self, x, ve, cos, sin, fused=False):
-        """fused: q, k and v from one product over their stacked weights (stacked_product), as decode steps ask;
-        on a CPU training and prefill take it too (cpu.stacks_qkv)."""
+        """fused: q, k and v from one product over their stacked weights (stacked_product), as prefill and decode
+        ask (a decode step has a few rows; a prefill stacks too, so that its keys and values are bit for bit those a
+        later cached call computes)."""
         B, T, _ = x.shape
         heads, kv_heads = ("batch", None, "heads", None), ("batch", None, "kv_heads", None)
         layers = (self.c_q, self.c_k, self.c_v)
-        q, k, v = stacked_product(x, layers) if fused or cpu.stacks_qkv() else (m(x) for m in layers)
+        q, k, v = stacked_product(x, layers) if fused else (m(x) for m in layers)
         q = sharding.constrain(q.reshape(B, T, self.n_head, self.head_dim), heads)  # (B, T, H, D)
         k = sharding.constrain(k.reshape(B, T, self.n_kv_head, self.head_dim), kv_heads)  # (B, T, Hkv, D)
         v = sharding.constrain(v.reshape(B, T, self.n_kv_head, self.head_dim), kv_heads)
@@ -213,7 +210,7 @@ class CausalSelfAttention(nnx.Module):
         row at position 0), so the new tokens attend only to each other (a prompt's prefill: causal attention,
         chunked on a CPU; the fused GPU/TPU kernels are left to training, whose lengths they are tuned for)."""
         B, T, _ = x.shape
-        q, k, v = self.qkv(x, ve, cos, sin, fused=cache is not None and not fresh)  # decode steps: stacked
+        q, k, v = self.qkv(x, ve, cos, sin, fused=cache is not None)  # prefill and decode: stacked
         new_cache, out_dtype = None, None
         if cache is None:
             if self.c_proj.products is not None and attention_impl == "chunked":

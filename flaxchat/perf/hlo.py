@@ -151,7 +151,7 @@ def program_stats(hlo_text: str) -> dict:
 def dot_types(hlo_text: str) -> list[tuple[str, str, int]]:
     """Every dot instruction of the program as (lhs element type, rhs element type, FLOPs of one execution),
     loops not unrolled. A CPU program of a bf16 model should multiply bf16: XLA:CPU converts the operands of a
-    product its bf16 kernels do not take and runs it at the fp32 rate (see common.split_in_two)."""
+    product its bf16 kernels do not take and runs it at the fp32 rate (see model.cpu.split_in_two)."""
     comps, _ = _parse(hlo_text)
     shapes = {name: shape for instrs in comps.values() for name, shape, _, _ in instrs}
     element = lambda name: (m.group(1) if (m := _ARRAY.search(shapes.get(name, ""))) else "?")

@@ -1,6 +1,6 @@
 """Where a step's time goes: a profiler trace summed by op and by kind of work.
 
-`scripts.bench --profile-steps A:B` writes a jax.profiler trace (common.StepProfiler) and adds this summary to its
+`scripts.bench --profile-steps A:B` writes a jax.profiler trace (perf.profiler.StepProfiler) and adds this summary to its
 JSON; `scripts.nanochat_bench --profile N` makes the same summary of nanochat's step from torch.profiler, so the
 two programs' kernels can be read side by side (runs/gpu_check.sh --profile puts both in summary.md).
 
@@ -26,7 +26,7 @@ import os
 import re
 import statistics
 
-# XLA's flag that turns its GPU command buffers off, so that a trace shows their kernels (common.StepProfiler.prepare)
+# XLA's flag that turns its GPU command buffers off, so that a trace shows their kernels (perf.profiler.StepProfiler.prepare)
 COMMAND_BUFFERS_OFF = "--xla_gpu_enable_command_buffer="
 
 KINDS = ("matmul", "attention", "collective", "layout", "reduction", "elementwise", "control", "other")
@@ -127,7 +127,7 @@ def _self_times(events: list) -> list[tuple[dict, float]]:
 def summarize_trace(path: str, kinds: dict | None = None, module: str | None = None, top: int = 12,
                     sources: dict | None = None) -> dict:
     """Summary of a jax.profiler trace (a log directory or a perfetto_trace.json.gz): per profiled step (the steps
-    common.StepProfiler annotated), ms by kind and the slowest ops. kinds: hlo.op_kinds of the compiled program,
+    perf.profiler.StepProfiler annotated), ms by kind and the slowest ops. kinds: hlo.op_kinds of the compiled program,
     sources: its hlo.op_sources; module: count only ops of HLO modules whose name contains it (e.g. "train_step")."""
     path = path if path.endswith(".json.gz") else newest_trace(path)
     with gzip.open(path, "rt") as f:

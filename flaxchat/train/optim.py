@@ -105,7 +105,7 @@ def polar_express(x, ns_steps: int = 5):
     """
     denom = _scale(1.01, _frobenius_norm(x))
     x = x / (denom + jnp.asarray(1e-6, x.dtype))
-    # "highest" so that an fp32 orthogonalisation really is fp32 on TPU/GPU; bf16 through common.einsum (on a CPU
+    # "highest" so that an fp32 orthogonalisation really is fp32 on TPU/GPU; bf16 through cpu.einsum (on a CPU
     # its products accumulate in fp32, twice as fast as fp32 ones)
     if x.dtype == jnp.bfloat16:
         mm = lambda a, b: einsum("...ij,...jk->...ik", a, b)
@@ -154,9 +154,8 @@ def polar_express_gram(x, ns_steps: int, tall: bool, mm):
 def _gram(x, tall: bool, mm):
     """x^T x (tall) or x x^T (wide), the short side's Gram matrix of a stack of matrices.
 
-    bf16 on a CPU: the long side is split in two (common.split_in_two), so the product runs in XLA:CPU's bf16
-    kernel instead of in fp32: the d4 model's two Muon stacks orthogonalise in ~67 instead of ~96 ms. Same sums
-    (an fp32 accumulation of the same products)."""
+    bf16 on a CPU: the long side is split in two (cpu.split_in_two), so the product runs in XLA:CPU's bf16 kernel
+    instead of in fp32. Same sums (an fp32 accumulation of the same products)."""
     axis = -2 if tall else -1
     if not (widened_products(x) and x.shape[axis] % 2 == 0):
         return mm(jnp.swapaxes(x, -1, -2), x) if tall else mm(x, jnp.swapaxes(x, -1, -2))
@@ -465,8 +464,7 @@ GRADIENT_LIMIT = 1e15
 def _all_within(tree, limit) -> jax.Array:
     """Whether every element of every leaf is at most `limit` in magnitude, NaN failing: the max over 0 where an
     element passes and 1 where it does not. On a CPU that is two ops per leaf (the flags, then YNNPACK's max)
-    where `all(isfinite(x))` took three (a mask, a tree of partial reductions, the last one): the d4 update
-    56.6-58.6 instead of 58.6-61.5 ms. On a mesh the cross-device part of a float max is an all-reduce of its own
+    where `all(isfinite(x))` took three (a mask, a tree of partial reductions, the last one). On a mesh the cross-device part of a float max is an all-reduce of its own
     kind, so XLA still combines the gradients' sums into one all-reduce (a float sum, e.g. of x - x, would have
     split them), and no NaN ever reaches a collective, whose max might drop it."""
     flags = [jnp.max(jnp.where(jnp.abs(x) <= limit, 0.0, 1.0)) for x in jax.tree.leaves(tree)]
@@ -481,8 +479,7 @@ def skip_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransfo
     Written here rather than using optax.apply_if_finite, which gives in after `max_consecutive_errors` bad steps
     and lets huge finite gradients through. The check comes first and the whole update runs inside one
     conditional, so the state is updated in place. Checking the updates too, then selecting between the new state
-    and the old (as apply_if_finite selects), kept both alive and copied one: the d4 update alone took 56-58 ms
-    against 50-52, the small CPU step 1-2% longer."""
+    and the old (as apply_if_finite selects), kept both alive and copied one."""
     inner = optax.with_extra_args_support(inner)
 
     def init(params):
@@ -633,8 +630,8 @@ def build_optimizer(
 def optimizer_stats(optimizer: nnx.Optimizer) -> dict[str, jax.Array]:
     """The hyperparameters of the last update and the number of dropped steps (skip_nonfinite).
 
-    Read off the state's variables one by one: nnx.as_pure would walk every buffer of the optimizer, 3 ms of host
-    time a step at d4 and 9 ms at d12 while the device waits for the next step."""
+    Read off the state's variables one by one: nnx.as_pure would walk every buffer of the optimizer, host time a
+    step while the device waits for the next one."""
     state = optimizer.opt_state
     stats = {name: _value(v) for name, v in state.hyperparams.items()}
     stats["skipped_steps"] = _value(state.inner_state.skipped_steps)

@@ -18,6 +18,9 @@ from jax.sharding import PartitionSpec as P
 
 from flaxchat import sharding
 from flaxchat.model import cpu
+from flaxchat.model.gpt import GPT
+from flaxchat.train.checkpoint import abstract_state
+from flaxchat.train.optim import build_optimizer, optimizer_stats
 
 def accumulate_grads(model, xs, ys, wrt=nnx.Param):
     """Mean loss and mean gradient of the `wrt` parameters over micro-batches xs/ys (A, B, T), via lax.scan
@@ -82,15 +85,13 @@ class FlatStep:
 
     One jax.jit over the flat list of the model's and optimizer's arrays, donated and returned, so a call costs the
     host what jax.jit's own dispatch of a list does. nnx.jit, even through nnx.cached_partial, walks and compares
-    both objects' graphs on every call: at d12 on the 2-core CPU 13.8-19.8 ms of host time a call against 3.1-3.3 ms
-    here, time in which a GPU that waits for the next step idles. Each call reads the arrays the Variables hold
+    both objects' graphs on every call, several times the host time of this dispatch, time in which a GPU that
+    waits for the next step idles. Each call reads the arrays the Variables hold
     (so changes made between steps count, e.g. SFT's learning rate set from the host) and, while the device runs
     the step, puts the new ones in their place: evaluation, sampling and checkpoints read the model as before.
     """
 
     def __init__(self, model, optimizer):
-        from flaxchat.train.optim import optimizer_stats
-
         graphdef, state = nnx.split((model, optimizer))
         self._variables = [v for _, v in nnx.to_flat_state(state)]
         treedef = jax.tree.structure(state)
@@ -128,10 +129,6 @@ def compile_train_step(config, mesh, batch_size: int, grad_accum: int = 1, dtype
     model_kwargs go to GPT (attention, remat). For reading the program XLA makes at any scale on any
     machine: `.as_text()` (see `sharding.collective_stats`), `.cost_analysis()`, `.memory_analysis()`.
     """
-    from flaxchat.train.checkpoint import abstract_state
-    from flaxchat.model.gpt import GPT
-    from flaxchat.train.optim import build_optimizer
-
     model = nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0), dtype=dtype, **model_kwargs))
     polar_dtype = jnp.bfloat16 if dtype == jnp.bfloat16 else jnp.float32
     optimizer = nnx.eval_shape(lambda m: build_optimizer(m, polar_dtype=polar_dtype, verbose=False), model)
@@ -150,12 +147,10 @@ class InFlight:
     dispatches step k+1 before it waits for step k.
 
     JAX dispatches asynchronously, so with depth 1 the device can start step k+1 as soon as step k ends while
-    the host reads step k's loss, logs it and loads the next batches. Measured on one H200 (d12, all-L, T=2048,
-    32 rows x 2 accumulation steps, the Grain loader; `bench --real-data`, alternating processes) depth 1 took
-    202.3-203.9 ms a step against 208.0-210.4 ms in three rounds, and was faster in both sittings before that:
-    ~3%, the host's work that no longer sits between two steps' kernels. On a 2-core CPU it is within noise (the
-    host's work shares the cores with XLA's threads). So the loops keep one step in flight on GPUs and TPUs and
-    wait for each on a CPU (`in_flight_depth`).
+    the host reads step k's loss, logs it and loads the next batches: on a GPU the host's work then no longer sits
+    between two steps' kernels (a few percent of a step, docs/LOG.md). On a CPU the host's work shares the cores
+    with XLA's threads and nothing is gained. So the loops keep one step in flight on GPUs and TPUs and wait for
+    each on a CPU (`in_flight_depth`).
 
     `submit(outputs, info, started)` takes a step just dispatched (outputs: a pytree of arrays; at depth 1 copied on
     the device at once, so a later step may donate the buffers they are, e.g. the optimizer's state; info: anything;
@@ -198,8 +193,8 @@ def add_in_flight_flag(parser) -> None:
     """--in-flight {auto,on,off} on a training script's parser (in_flight_depth reads it)."""
     parser.add_argument("--in-flight", choices=IN_FLIGHT_CHOICES, default="auto",
                         help="keep one training step in flight: the next step's batches are read and the step "
-                             "dispatched before this one's loss is read (auto: on for GPUs and TPUs, ~3%% faster on "
-                             "an H200 with the loader; off on a CPU, where it measured within noise)")
+                             "dispatched before this one's loss is read (auto: on for GPUs and TPUs, where the host's "
+                             "work then overlaps the device's; off on a CPU, where it shares the cores)")
 
 
 def in_flight_depth(choice: str, backend: str) -> int:
