@@ -33,7 +33,7 @@ def test_pretrain_smoke_loss_goes_down(tiny_base_dir, capsys):
     # one step in flight (the GPU/TPU default): evaluations and the final save wait for it
     loop = main(TINY + ["--num-iterations", "10", "--eval-every", "5", "--model-tag", "smoke", "--in-flight", "on"])
     # an fp32 run on a CPU that multiplies bf16 in hardware is told of --dtype bfloat16
-    bf16_tip = "trains ~1.4x faster than fp32" in capsys.readouterr().out
+    bf16_tip = "trains faster than fp32 here" in capsys.readouterr().out
     assert bf16_tip == (jax.default_backend() == "cpu" and cpu_bf16_instructions())
     rows = metrics(tiny_base_dir, "smoke")
     ls = losses(rows)

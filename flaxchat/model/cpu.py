@@ -34,6 +34,10 @@ from flaxchat import sharding
 
 PATHS = ("chunked_attention", "sub_batches", "loss_chunks", "bf16_products", "matmul_form", "int8_vectors")
 SWITCH = "FLAXCHAT_CPU_PATHS"
+# Helpers that only change how a product is computed: a compiled program's source lines (perf.hlo.op_sources, a
+# profile's lines) name the line that called them, as for jnp.einsum itself
+PASS_THROUGH = frozenset({"einsum", "_widened_einsum", "_widened_einsum_fwd", "_widened_einsum_bwd", "linear",
+                          "_widened"})
 
 
 def switched_off() -> set[str]:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 import re
 
+from flaxchat.model import cpu
+
 
 def jaxpr_equations(jaxpr, times: int = 1):
     """(equation, executions per call) for every equation of a jaxpr and of the jaxprs inside it (a scan's body
@@ -273,15 +275,27 @@ def _stack_frames(hlo_text: str) -> dict[int, str]:
             section = None
     field = lambda entry, key: int(re.search(rf"\b{key}=(\d+)", entry).group(1))
     unquote = lambda name: name.strip().strip('"')
+    def where(frame_id: int) -> tuple[str, int, str]:
+        location = tables["FileLocations"][field(tables["StackFrames"][frame_id], "file_location_id")]
+        path = unquote(tables["FileNames"][field(location, "file_name_id")])
+        return path, field(location, "line"), unquote(tables["FunctionNames"][field(location, "function_name_id")])
+
     frames = {}
-    for frame_id, entry in tables["StackFrames"].items():
+    for start in tables["StackFrames"]:
         try:
-            location = tables["FileLocations"][field(entry, "file_location_id")]
-            path = unquote(tables["FileNames"][field(location, "file_name_id")])
-            function = unquote(tables["FunctionNames"][field(location, "function_name_id")])
-            frames[frame_id] = source_line(path, field(location, "line"), function)
+            frame_id, seen = start, {start}
+            path, line, function = where(frame_id)
+            # a pass-through helper is named by its caller; the printed parent is the parent's id + 1 (1 = none)
+            while path.endswith("flaxchat/model/cpu.py") and function in cpu.PASS_THROUGH:
+                parent = field(tables["StackFrames"][frame_id], "parent_frame_id") - 1
+                if parent < 1 or parent in seen:
+                    break
+                seen.add(parent)
+                frame_id = parent
+                path, line, function = where(parent)
         except (AttributeError, KeyError):  # a table this XLA prints differently: no source for that frame
             continue
+        frames[start] = source_line(path, line, function)
     return frames
 
 
