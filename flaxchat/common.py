@@ -104,8 +104,6 @@ def compute_dtype(name: str | None = None):
     return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
 
 
-
-
 PROGRESS_LOG_SECONDS = 30.0  # a progress line at most this often when output goes to a log ($FLAXCHAT_PROGRESS_SECONDS)
 
 
@@ -162,8 +160,6 @@ def is_out_of_memory(error: BaseException) -> bool:
     """Did an accelerator (XLA's RESOURCE_EXHAUSTED) or the host run out of memory?"""
     text = str(error)
     return isinstance(error, MemoryError) or "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
-
-
 
 
 def parse_args(parser, argv=None):

@@ -14,7 +14,10 @@ import jax
 import numpy as np
 from flax import nnx
 from flax.core import spmd as core_spmd
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from flaxchat.common import enable_compilation_cache
 
 MESH_AXES = ("data", "fsdp", "tensor")
 
@@ -134,24 +137,29 @@ def add_mesh_flags(parser) -> None:
     parser.add_argument("--data", type=int, default=-1, help="data-parallel mesh axis (-1 = all remaining devices)")
     parser.add_argument("--fsdp", type=int, default=1, help="FSDP mesh axis (parameters and optimizer state sharded)")
     parser.add_argument("--tensor", type=int, default=1, help="tensor-parallel mesh axis (heads / MLP split)")
-    parser.add_argument("--expect-backend", type=str, default=None, choices=["cpu", "gpu", "tpu"],
-                        help="stop at start-up unless JAX runs on this backend (catches a silent fall-back to CPU)")
+    parser.add_argument(
+        "--expect-backend",
+        type=str,
+        default=None,
+        choices=["cpu", "gpu", "tpu"],
+        help="stop at start-up unless JAX runs on this backend (catches a silent fall-back to CPU)",
+    )
 
 
 def check_backend(expected: str | None) -> None:
     """Raise if JAX's backend is not `expected` (JAX falls back to CPU, with one log line, when CUDA is missing)."""
     actual = jax.default_backend()
     if expected and actual != expected:
-        raise ValueError(f"--expect-backend {expected}: JAX is running on {actual} ({jax.devices()[0].device_kind}); "
-                         f"check the jax[cuda12|cuda13] or jax[tpu] install (pip install -e '.[gpu]')")
+        raise ValueError(
+            f"--expect-backend {expected}: JAX is running on {actual} ({jax.devices()[0].device_kind}); "
+            f"check the jax[cuda12|cuda13] or jax[tpu] install (pip install -e '.[gpu]')"
+        )
 
 
 def mesh_from_args(parser, args) -> jax.sharding.Mesh:
     """Join the other processes (if any), then the mesh the flags ask for; a shape that does not fit is a CLI error.
     Also turns on the persistent compilation cache on accelerators (common.enable_compilation_cache) and, first,
     native fp32 atomic adds on CUDA GPUs (native_gpu_atomics)."""
-    from flaxchat.common import enable_compilation_cache
-
     native_gpu_atomics()  # before anything below starts JAX's backend
     init_distributed()
     enable_compilation_cache()
@@ -164,8 +172,11 @@ def mesh_from_args(parser, args) -> jax.sharding.Mesh:
 
 BATCH_AXES = dict(LOGICAL_RULES)["batch"]
 # Batch axes that no parameter is split over: parameters are whole copies along them (pure data parallelism).
-REPLICA_AXES = tuple(a for a in BATCH_AXES if not any(
-    a == m or (isinstance(m, tuple) and a in m) for name, m in LOGICAL_RULES if name != "batch"))
+REPLICA_AXES = tuple(
+    a
+    for a in BATCH_AXES
+    if not any(a == m or (isinstance(m, tuple) and a in m) for name, m in LOGICAL_RULES if name != "batch")
+)
 # Mesh axes that split the model (FSDP, tensor parallelism): the others' devices hold whole copies of it.
 MODEL_AXES = tuple(a for a in MESH_AXES if a not in REPLICA_AXES)
 

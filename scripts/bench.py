@@ -78,8 +78,15 @@ from flaxchat.model.quantize import add_quantize_flag, quantize_for_generation, 
 from flaxchat.perf.hlo import program_stats
 from flaxchat.perf.machine import MachineLoad, huge_pages_active, malloc_library, peak_flops_per_device
 from flaxchat.perf.measure import measure_generation, measure_speculative, measure_throughput
-from flaxchat.perf.processes import (NANOCHAT_MKL, failure_line, link, nanochat_env, nanochat_step_times, run_trainer,
-                                     step_times)
+from flaxchat.perf.processes import (
+    NANOCHAT_MKL,
+    failure_line,
+    link,
+    nanochat_env,
+    nanochat_step_times,
+    run_trainer,
+    step_times,
+)
 from flaxchat.perf.products import format_census, product_census
 from flaxchat.perf.profiler import StepProfiler, profile_summary
 from flaxchat.perf.trace import format_summary
@@ -97,68 +104,123 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the reposi
 
 def build_parser():
     p = argparse.ArgumentParser(description="Benchmark training, generation or data loading; prints JSON.")
-    p.add_argument("--what", choices=["train", "comms", "generate", "data", "run", "all"], default="train",
-                   help="what to measure (all = train, generate, data; run = a real scripts.pretrain run of --steps "
-                        "steps on one device, beside nanochat's base_train with --nanochat)")
+    p.add_argument(
+        "--what",
+        choices=["train", "comms", "generate", "data", "run", "all"],
+        default="train",
+        help="what to measure (all = train, generate, data; run = a real scripts.pretrain run of --steps "
+        "steps on one device, beside nanochat's base_train with --nanochat)",
+    )
     add_model_flags(p, depth=4, max_seq_len=512)
     p.add_argument("--vocab-size", type=int, default=32768, help="vocabulary size (random tokens)")
     add_batch_flags(p, device_batch_size=8)
     p.add_argument("--grad-accum", type=int, default=1, help="micro-steps per training step")
-    p.add_argument("--steps", type=int, default=10,
-                   help="timed training steps (median reported), run as pretrain runs them; a step's time runs from "
-                        "reading its batches to its loss being ready")
-    p.add_argument("--in-flight", nargs="?", const="on", choices=IN_FLIGHT_CHOICES, default="auto",
-                   help="train: keep one step in flight, as pretrain does (auto: on GPUs and TPUs, off on a CPU; "
-                        "a bare --in-flight is on): the next is dispatched before this one's loss is read, and a "
-                        "step's time is then the time between the ends of two steps")
-    p.add_argument("--warmup", type=int, default=2,
-                   help="untimed steps after compilation (run: the first step and this many after it are left out "
-                        "of the median)")
-    p.add_argument("--rounds", type=int, default=1,
-                   help="train: time --steps steps this many times (with --nanochat: nanochat, then flaxchat, each "
-                        "round); the JSON adds every round and the median round's ratio. A round during which the "
-                        "VM's host gave over 5%% of the CPU time to other guests (steal) is left out of the results "
-                        "(noisy_rounds) unless every round was")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=10,
+        help="timed training steps (median reported), run as pretrain runs them; a step's time runs from "
+        "reading its batches to its loss being ready",
+    )
+    p.add_argument(
+        "--in-flight",
+        nargs="?",
+        const="on",
+        choices=IN_FLIGHT_CHOICES,
+        default="auto",
+        help="train: keep one step in flight, as pretrain does (auto: on GPUs and TPUs, off on a CPU; "
+        "a bare --in-flight is on): the next is dispatched before this one's loss is read, and a "
+        "step's time is then the time between the ends of two steps",
+    )
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=2,
+        help="untimed steps after compilation (run: the first step and this many after it are left out of the median)",
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="train: time --steps steps this many times (with --nanochat: nanochat, then flaxchat, each "
+        "round); the JSON adds every round and the median round's ratio. A round during which the "
+        "VM's host gave over 5%% of the CPU time to other guests (steal) is left out of the results "
+        "(noisy_rounds) unless every round was",
+    )
     p.add_argument("--batch-size", type=int, default=1, help="generation rows")
     p.add_argument("--prompt-len", type=int, default=16, help="generation prompt tokens")
     p.add_argument("--max-new-tokens", type=int, default=256, help="generated tokens per row")
     add_dtype_flag(p)
     add_quantize_flag(p)
-    p.add_argument("--checkpoint", default=None, metavar="[SOURCE:]TAG",
-                   help="generate: time a trained checkpoint (e.g. sft:d4) instead of a random model of the flags' "
-                        "shape")
+    p.add_argument(
+        "--checkpoint",
+        default=None,
+        metavar="[SOURCE:]TAG",
+        help="generate: time a trained checkpoint (e.g. sft:d4) instead of a random model of the flags' shape",
+    )
     add_draft_flags(p)
     p.add_argument("-t", "--temperature", type=float, default=1.0, help="generate: sampling temperature (0 = greedy)")
-    p.add_argument("--show-ops", action="store_true",
-                   help="comms: list every collective (kind, shape, times, source op)")
-    p.add_argument("--suite", choices=["cpu"], default=None,
-                   help="train: run every shape of a suite (CPU_SUITE), one JSON line each; other flags still apply")
-    p.add_argument("--real-data", action="store_true",
-                   help="train: batches from the Grain loader over $FLAXCHAT_BASE_DIR's tokenizer and shards")
-    p.add_argument("--cycle-batches", type=int, default=0, metavar="N",
-                   help="train, with --real-data: read N steps' batches from the loader once, then cycle through "
-                        "them (the loader's text without the loader in the step; 0 = a new batch from the loader "
-                        "every step)")
-    p.add_argument("--fresh-batches", action="store_true",
-                   help="train, random tokens: new host arrays placed on the devices every step, as the loader's "
-                        "batches arrive (by default two batches stay on the devices and alternate)")
-    p.add_argument("--nanochat", metavar="DIR", default=None,
-                   help="train: also time nanochat's step (the checkout at DIR, with PyTorch) on the same shape, "
-                        "first; run: run nanochat's scripts/base_train.py first, with the same flags and data")
-    p.add_argument("--nanochat-mkl", choices=NANOCHAT_MKL, default="as-installed",
-                   help="with --nanochat on a CPU: the BLAS kernels nanochat's PyTorch runs. as-installed: what its "
-                        "wheel picks (the stock wheel's MKL takes its slower AVX2 path on AMD CPUs); "
-                        "avx512: MKL's AVX-512 path, as on an Intel Xeon, through a one-line C library preloaded "
-                        "into nanochat's processes only (built with the system's C compiler). nanochat's JSON gives "
-                        "the fp32 matmul rate its PyTorch reached either way")
-    StepProfiler.add_flag(p, "--profile-dir (train; the JSON adds where their time went: ms by kind of op and the "
-                             "slowest ops, and nanochat's beside them with --nanochat)")
-    p.add_argument("--profile-dir", type=str, default=None,
-                   help="where the trace goes (default $FLAXCHAT_BASE_DIR/profile/bench)")
-    p.add_argument("--products", action="store_true",
-                   help="train, one device: also time every matrix product of the step alone, one after another "
-                        "(the JSON adds \"products\": their time beside the step's, the slowest, and their time and "
-                        "rate by line of the program)")
+    p.add_argument(
+        "--show-ops", action="store_true", help="comms: list every collective (kind, shape, times, source op)"
+    )
+    p.add_argument(
+        "--suite",
+        choices=["cpu"],
+        default=None,
+        help="train: run every shape of a suite (CPU_SUITE), one JSON line each; other flags still apply",
+    )
+    p.add_argument(
+        "--real-data",
+        action="store_true",
+        help="train: batches from the Grain loader over $FLAXCHAT_BASE_DIR's tokenizer and shards",
+    )
+    p.add_argument(
+        "--cycle-batches",
+        type=int,
+        default=0,
+        metavar="N",
+        help="train, with --real-data: read N steps' batches from the loader once, then cycle through "
+        "them (the loader's text without the loader in the step; 0 = a new batch from the loader "
+        "every step)",
+    )
+    p.add_argument(
+        "--fresh-batches",
+        action="store_true",
+        help="train, random tokens: new host arrays placed on the devices every step, as the loader's "
+        "batches arrive (by default two batches stay on the devices and alternate)",
+    )
+    p.add_argument(
+        "--nanochat",
+        metavar="DIR",
+        default=None,
+        help="train: also time nanochat's step (the checkout at DIR, with PyTorch) on the same shape, "
+        "first; run: run nanochat's scripts/base_train.py first, with the same flags and data",
+    )
+    p.add_argument(
+        "--nanochat-mkl",
+        choices=NANOCHAT_MKL,
+        default="as-installed",
+        help="with --nanochat on a CPU: the BLAS kernels nanochat's PyTorch runs. as-installed: what its "
+        "wheel picks (the stock wheel's MKL takes its slower AVX2 path on AMD CPUs); "
+        "avx512: MKL's AVX-512 path, as on an Intel Xeon, through a one-line C library preloaded "
+        "into nanochat's processes only (built with the system's C compiler). nanochat's JSON gives "
+        "the fp32 matmul rate its PyTorch reached either way",
+    )
+    StepProfiler.add_flag(
+        p,
+        "--profile-dir (train; the JSON adds where their time went: ms by kind of op and the "
+        "slowest ops, and nanochat's beside them with --nanochat)",
+    )
+    p.add_argument(
+        "--profile-dir", type=str, default=None, help="where the trace goes (default $FLAXCHAT_BASE_DIR/profile/bench)"
+    )
+    p.add_argument(
+        "--products",
+        action="store_true",
+        help="train, one device: also time every matrix product of the step alone, one after another "
+        '(the JSON adds "products": their time beside the step\'s, the slowest, and their time and '
+        "rate by line of the program)",
+    )
     add_kernel_flags(p)
     sharding.add_mesh_flags(p)
     return p
@@ -182,14 +244,18 @@ def make_config(args) -> GPTConfig:
 # runs/runcpu.sh model; "real" rows read batches from the Grain loader (tokenizer and shards in the base dir)
 # with gradient accumulation, as scripts.pretrain does.
 CPU_SUITE = {
-    "d4-hd128-SSSL-T512-B8-V32768": dict(depth=4, head_dim=128, window_pattern="SSSL", max_seq_len=512,
-                                         device_batch_size=8, vocab_size=32768),
-    "d4-hd64-SL-T256-B16-V4096": dict(depth=4, head_dim=64, window_pattern="SL", max_seq_len=256,
-                                      device_batch_size=16, vocab_size=4096),
-    "d4-hd64-SL-T256-B16-real-accum2": dict(depth=4, head_dim=64, window_pattern="SL", max_seq_len=256,
-                                            device_batch_size=16, grad_accum=2, real_data=True),
-    "d6-hd64-L-T512-B32-V32768": dict(depth=6, head_dim=64, window_pattern="L", max_seq_len=512,
-                                      device_batch_size=32, vocab_size=32768),
+    "d4-hd128-SSSL-T512-B8-V32768": dict(
+        depth=4, head_dim=128, window_pattern="SSSL", max_seq_len=512, device_batch_size=8, vocab_size=32768
+    ),
+    "d4-hd64-SL-T256-B16-V4096": dict(
+        depth=4, head_dim=64, window_pattern="SL", max_seq_len=256, device_batch_size=16, vocab_size=4096
+    ),
+    "d4-hd64-SL-T256-B16-real-accum2": dict(
+        depth=4, head_dim=64, window_pattern="SL", max_seq_len=256, device_batch_size=16, grad_accum=2, real_data=True
+    ),
+    "d6-hd64-L-T512-B32-V32768": dict(
+        depth=6, head_dim=64, window_pattern="L", max_seq_len=512, device_batch_size=32, vocab_size=32768
+    ),
 }
 
 
@@ -217,10 +283,25 @@ def time_nanochat(args, config, batch_size: int) -> dict:
     env = nanochat_environment(args)
     env["NANOCHAT_DTYPE"] = jnp.dtype(compute_dtype(args.dtype)).name
     # run from the repository (scripts.* import from there), so the checkout's path is made absolute first
-    cmd = [sys.executable, "-m", "scripts.nanochat_bench", "--dir", os.path.abspath(os.path.expanduser(args.nanochat)),
-           "--batch-size", str(batch_size), "--config", json.dumps(config.to_dict()),
-           "--grad-accum", str(args.grad_accum), "--steps", str(args.steps), "--warmup", str(args.warmup),
-           "--device", "cuda" if jax.default_backend() == "gpu" else "cpu"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "scripts.nanochat_bench",
+        "--dir",
+        os.path.abspath(os.path.expanduser(args.nanochat)),
+        "--batch-size",
+        str(batch_size),
+        "--config",
+        json.dumps(config.to_dict()),
+        "--grad-accum",
+        str(args.grad_accum),
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--device",
+        "cuda" if jax.default_backend() == "gpu" else "cpu",
+    ]
     if args.profile_steps:  # as many steps of nanochat's under torch.profiler, after its timed ones
         cmd += ["--profile", str(args.profile_steps[1] - args.profile_steps[0])]
     load = MachineLoad()
@@ -251,8 +332,12 @@ def bench_train(args, mesh) -> dict:
             loader, take = None, lambda: cycled[next(counter) % len(cycled)]
             data = f"grain loader's first {len(cycled)} steps, cycled"
     config = make_config(args)
-    model = sharding.create_sharded(lambda: GPT(config, rngs=nnx.Rngs(0), dtype=compute_dtype(args.dtype),
-                                                attention=args.attention, remat=args.remat), mesh)
+    model = sharding.create_sharded(
+        lambda: GPT(
+            config, rngs=nnx.Rngs(0), dtype=compute_dtype(args.dtype), attention=args.attention, remat=args.remat
+        ),
+        mesh,
+    )
     with jax.set_mesh(mesh):
         optimizer = build_optimizer(model, verbose=False)
     if not args.real_data:
@@ -302,17 +387,29 @@ def bench_train(args, mesh) -> dict:
             times += [seconds for _, _, seconds in step()]
         final = in_flight.finish()  # the step still in flight (--in-flight, unless it was profiled: it ran alone)
         times += [final[2]] if final else []
-        rounds.append({"tok_per_s": tokens / statistics.median(times), "step_s": statistics.median(times),
-                       "machine": load.stop(), "times": times})  # machine: how busy, while they were timed
+        rounds.append(
+            {
+                "tok_per_s": tokens / statistics.median(times),
+                "step_s": statistics.median(times),
+                "machine": load.stop(),
+                "times": times,
+            }
+        )  # machine: how busy, while they were timed
         if theirs:
             rounds[-1].update(nanochat=theirs[-1], vs_nanochat=rounds[-1]["tok_per_s"] / theirs[-1]["tok_per_s"])
-        stolen = [who for who, record in (("flaxchat", rounds[-1]), ("nanochat", rounds[-1].get("nanochat")))
-                  if record and MachineLoad.noisy(record["machine"])]
+        stolen = [
+            who
+            for who, record in (("flaxchat", rounds[-1]), ("nanochat", rounds[-1].get("nanochat")))
+            if record and MachineLoad.noisy(record["machine"])
+        ]
         if stolen:  # the VM's host was busy: the round's numbers say more about the neighbours than the programs
             rounds[-1]["noisy"] = True
-            print(f"warning: round {r + 1}: other guests of this VM's host took over "
-                  f"{MachineLoad.NOISY_STEAL_PCT:g}% of the CPU time while {' and '.join(stolen)} ran (steal); the "
-                  "results leave this round out unless every round is so", file=sys.stderr)
+            print(
+                f"warning: round {r + 1}: other guests of this VM's host took over "
+                f"{MachineLoad.NOISY_STEAL_PCT:g}% of the CPU time while {' and '.join(stolen)} ran (steal); the "
+                "results leave this round out unless every round is so",
+                file=sys.stderr,
+            )
     profiler.close()
     if loader is not None:
         loader.close()
@@ -328,22 +425,39 @@ def bench_train(args, mesh) -> dict:
     peak, source = peak_flops_per_device(model.dtype)
     flops = model.estimate_flops() * tokens / step_s
     out = {
-        "what": "train", "tok_per_s": tokens / step_s, "step_s": step_s, "step_s_min": min(times),
-        "mfu": 100 * flops / (peak * jax.device_count()), "model_flops_per_s": flops,
-        "peak_flops": peak * jax.device_count(), "peak_flops_source": source,
-        "compile_s": max(first_step_s - step_s, 0.0), "first_step_s": first_step_s,
-        "peak_mem_gb": peak_mem_gb(), "tokens_per_step": tokens, "flops_per_token": model.estimate_flops(),
-        "num_params": model.num_scaling_params()["total"], "attention": model.attention, "remat": model.remat,
-        "data": data, "grad_accum": A,
+        "what": "train",
+        "tok_per_s": tokens / step_s,
+        "step_s": step_s,
+        "step_s_min": min(times),
+        "mfu": 100 * flops / (peak * jax.device_count()),
+        "model_flops_per_s": flops,
+        "peak_flops": peak * jax.device_count(),
+        "peak_flops_source": source,
+        "compile_s": max(first_step_s - step_s, 0.0),
+        "first_step_s": first_step_s,
+        "peak_mem_gb": peak_mem_gb(),
+        "tokens_per_step": tokens,
+        "flops_per_token": model.estimate_flops(),
+        "num_params": model.num_scaling_params()["total"],
+        "attention": model.attention,
+        "remat": model.remat,
+        "data": data,
+        "grad_accum": A,
         "in_flight": bool(in_flight.depth),
         "machine": rounds[0]["machine"],  # how busy the machine was in the first round (perf.machine.MachineLoad)
         "times_s": times,  # every timed step in order: a run whose steps slow down as it goes shows it here
     }
     if theirs:  # over several rounds: nanochat's median tok/s and the median of the rounds' ratios
         median = statistics.median(r["nanochat"]["tok_per_s"] for r in quiet)
-        out["nanochat"] = theirs[0] if len(theirs) == 1 else {
-            "tok_per_s": median, **{k: theirs[0][k] for k in ("torch", "threads", "dtype")},
-            **{k: theirs[-1][k] for k in ("profile",) if k in theirs[-1]}}  # each round's is in its own record
+        out["nanochat"] = (
+            theirs[0]
+            if len(theirs) == 1
+            else {
+                "tok_per_s": median,
+                **{k: theirs[0][k] for k in ("torch", "threads", "dtype")},
+                **{k: theirs[-1][k] for k in ("profile",) if k in theirs[-1]},
+            }
+        )  # each round's is in its own record
         out["vs_nanochat"] = statistics.median(r["vs_nanochat"] for r in quiet)
     if any(r.get("noisy") for r in rounds):  # left out of the results unless every round was noisy
         out["noisy_rounds"] = [i + 1 for i, r in enumerate(rounds) if r.get("noisy")]
@@ -366,15 +480,27 @@ def bench_comms(args, mesh) -> dict:
     config = make_config(args)
     dp = mesh.shape["data"] * mesh.shape["fsdp"]
     t0 = time.perf_counter()
-    compiled = compile_train_step(config, mesh, args.device_batch_size * dp, args.grad_accum,
-                                  compute_dtype(args.dtype), attention=args.attention, remat=args.remat)
+    compiled = compile_train_step(
+        config,
+        mesh,
+        args.device_batch_size * dp,
+        args.grad_accum,
+        compute_dtype(args.dtype),
+        attention=args.attention,
+        remat=args.remat,
+    )
     compile_s = time.perf_counter() - t0
     stats = program_stats(compiled.as_text())
     out = {
-        "what": "comms", "mesh": dict(mesh.shape), "grad_accum": args.grad_accum, "compile_s": compile_s,
-        "collectives_per_step": stats["collectives"], "bytes_sent_per_device": stats["bytes"],
+        "what": "comms",
+        "mesh": dict(mesh.shape),
+        "grad_accum": args.grad_accum,
+        "compile_s": compile_s,
+        "collectives_per_step": stats["collectives"],
+        "bytes_sent_per_device": stats["bytes"],
         "by_kind": {k: v for k, v in stats["by_kind"].items() if v["count"]},
-        "matmul_flops_per_device": stats["matmul_flops"], "unknown_trip_counts": stats["unknown_trip_counts"],
+        "matmul_flops_per_device": stats["matmul_flops"],
+        "unknown_trip_counts": stats["unknown_trip_counts"],
     }
     if args.show_ops:
         out["ops"] = [{"kind": k, "shape": s, "times": n, "op": op} for k, s, n, op in stats["ops"]]
@@ -394,12 +520,25 @@ def bench_generate(args, mesh) -> dict:
         draft = quantize_for_generation(draft, args.quantize)
         tokenizer = get_tokenizer()  # a text prompt: how often the draft agrees depends on real text
         prompt = [tokenizer.get_bos_token_id()] + tokenizer.encode("Once upon a time, there was a little")
-        out = measure_speculative(model, draft, prompt, args.max_new_tokens, draft_steps=args.draft_steps,
-                                  temperature=args.temperature)
-        return {"what": "generate", "speculative": True, "draft_model": args.draft_model, **out, **info,
-                "draft_weight_mb": weight_bytes(draft) / 2**20, "peak_mem_gb": peak_mem_gb()}
-    out = measure_generation(model, batch_size=args.batch_size, prompt_len=args.prompt_len,
-                             max_new_tokens=args.max_new_tokens, temperature=args.temperature)
+        out = measure_speculative(
+            model, draft, prompt, args.max_new_tokens, draft_steps=args.draft_steps, temperature=args.temperature
+        )
+        return {
+            "what": "generate",
+            "speculative": True,
+            "draft_model": args.draft_model,
+            **out,
+            **info,
+            "draft_weight_mb": weight_bytes(draft) / 2**20,
+            "peak_mem_gb": peak_mem_gb(),
+        }
+    out = measure_generation(
+        model,
+        batch_size=args.batch_size,
+        prompt_len=args.prompt_len,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+    )
     return {"what": "generate", **out, **info, "peak_mem_gb": peak_mem_gb()}
 
 
@@ -417,11 +556,30 @@ def run_flags(args, tokens: int) -> list[str]:
     """The flags --what run gives both trainers, which name them alike: the model, one device's batch and
     accumulation (`tokens` a step), --steps steps; val bpb, CORE and samples off, so that every step is a training
     step."""
-    return ["--depth", str(args.depth), "--aspect-ratio", str(args.aspect_ratio), "--head-dim", str(args.head_dim),
-            "--max-seq-len", str(args.max_seq_len), "--window-pattern", args.window_pattern,
-            "--device-batch-size", str(args.device_batch_size), "--total-batch-size", str(tokens),
-            "--num-iterations", str(args.steps), "--eval-every", "-1", "--core-metric-every", "-1",
-            "--sample-every", "-1"]
+    return [
+        "--depth",
+        str(args.depth),
+        "--aspect-ratio",
+        str(args.aspect_ratio),
+        "--head-dim",
+        str(args.head_dim),
+        "--max-seq-len",
+        str(args.max_seq_len),
+        "--window-pattern",
+        args.window_pattern,
+        "--device-batch-size",
+        str(args.device_batch_size),
+        "--total-batch-size",
+        str(tokens),
+        "--num-iterations",
+        str(args.steps),
+        "--eval-every",
+        "-1",
+        "--core-metric-every",
+        "-1",
+        "--sample-every",
+        "-1",
+    ]
 
 
 def run_base_dir(run_dir: str) -> str:
@@ -466,12 +624,20 @@ def run_nanochat(args, flags, run_dir, tokenizer, first, tokens) -> dict:
         env["NANOCHAT_DTYPE"] = args.dtype
     # nanochat's scripts/ is a namespace package (no __init__.py): a path entry holding flaxchat's `scripts` package
     # would shadow it (no scripts.base_train), so those entries are left out
-    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
-             if p and not os.path.isfile(os.path.join(p, "scripts", "__init__.py"))]
+    paths = [
+        p
+        for p in env.get("PYTHONPATH", "").split(os.pathsep)
+        if p and not os.path.isfile(os.path.join(p, "scripts", "__init__.py"))
+    ]
     env["PYTHONPATH"] = os.pathsep.join([stub] * bool(stub) + paths)
     cmd = [sys.executable, "-m", "scripts.base_train", *flags, *device_type_flags(args)]
-    out, run = run_trainer("nanochat's base_train", cmd, os.path.join(run_dir, "nanochat.log"),
-                           cwd=os.path.expanduser(args.nanochat), env=env)
+    out, run = run_trainer(
+        "nanochat's base_train",
+        cmd,
+        os.path.join(run_dir, "nanochat.log"),
+        cwd=os.path.expanduser(args.nanochat),
+        env=env,
+    )
     times = nanochat_step_times(out)
     return {**step_times(times, first, tokens), **run, "mkl": args.nanochat_mkl}
 
@@ -482,8 +648,13 @@ def run_flaxchat(args, flags, run_dir, base, first, tokens) -> dict:
     cmd = [sys.executable, "-m", "scripts.pretrain", *flags, "--in-flight", args.in_flight]
     cmd += ["--dtype", args.dtype] if args.dtype else []
     cmd += ["--expect-backend", args.expect_backend] if args.expect_backend else []
-    _, run = run_trainer("scripts.pretrain", cmd, os.path.join(run_dir, "flaxchat.log"), cwd=ROOT,
-                         env={**os.environ, "FLAXCHAT_BASE_DIR": base, "PYTHONUNBUFFERED": "1"})
+    _, run = run_trainer(
+        "scripts.pretrain",
+        cmd,
+        os.path.join(run_dir, "flaxchat.log"),
+        cwd=ROOT,
+        env={**os.environ, "FLAXCHAT_BASE_DIR": base, "PYTHONUNBUFFERED": "1"},
+    )
     metrics = os.path.join(checkpoint_dir("base", f"d{args.depth}", base_dir=base), "metrics.jsonl")
     times = {r["step"]: r["dt"] for r in read_jsonl(metrics) if "dt" in r}
     return {**step_times(times, first, tokens), **run}
@@ -500,9 +671,18 @@ def bench_run(args) -> dict:
     os.makedirs(run_dir, exist_ok=True)
     tokens = args.device_batch_size * args.max_seq_len * args.grad_accum
     flags, first = run_flags(args, tokens), args.warmup + 2
-    record = {"what": "run", "flags": flags, "tokens_per_step": tokens, "timed_from_step": first,
-              "dtype": args.dtype or "default", "in_flight": args.in_flight, "python": platform.python_version(),
-              "jax": jax.__version__, "huge_pages": huge_pages_active(), "allocator": malloc_library()}
+    record = {
+        "what": "run",
+        "flags": flags,
+        "tokens_per_step": tokens,
+        "timed_from_step": first,
+        "dtype": args.dtype or "default",
+        "in_flight": args.in_flight,
+        "python": platform.python_version(),
+        "jax": jax.__version__,
+        "huge_pages": huge_pages_active(),
+        "allocator": malloc_library(),
+    }
     theirs = run_nanochat(args, flags, run_dir, tokenizer, first, tokens) if args.nanochat else None
     ours = run_flaxchat(args, flags, run_dir, run_base_dir(run_dir), first, tokens)
     record.update(ours)
@@ -516,10 +696,18 @@ def bench_run(args) -> dict:
 
 
 def environment(args, mesh) -> dict:
-    return {"device": jax.devices()[0].device_kind, "backend": jax.default_backend(), "num_devices": jax.device_count(),
-            "mesh": dict(mesh.shape), "dtype": jnp.dtype(compute_dtype(args.dtype)).name, "jax": jax.__version__,
-            "python": platform.python_version(), "huge_pages": huge_pages_active(), "allocator": malloc_library(),
-            "xla_flags": os.environ.get("XLA_FLAGS", "")}  # as the backend read them (sharding.native_gpu_atomics)
+    return {
+        "device": jax.devices()[0].device_kind,
+        "backend": jax.default_backend(),
+        "num_devices": jax.device_count(),
+        "mesh": dict(mesh.shape),
+        "dtype": jnp.dtype(compute_dtype(args.dtype)).name,
+        "jax": jax.__version__,
+        "python": platform.python_version(),
+        "huge_pages": huge_pages_active(),
+        "allocator": malloc_library(),
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+    }  # as the backend read them (sharding.native_gpu_atomics)
 
 
 def run_suite(args, mesh) -> None:
@@ -530,19 +718,25 @@ def run_suite(args, mesh) -> None:
             result = bench_train(row, mesh)
         except FileNotFoundError as e:
             result = {"what": "train", "skipped": str(e)}
-        print(json.dumps({"shape": name, **environment(args, mesh), "config": make_config(row).to_dict(), **result}),
-              flush=True)
+        print(
+            json.dumps({"shape": name, **environment(args, mesh), "config": make_config(row).to_dict(), **result}),
+            flush=True,
+        )
 
 
 def run_main(parser, args) -> None:
     """--what run: checked, then run without starting JAX's backend here (on a GPU it would hold the memory the
     two trainers' processes need)."""
     if args.suite or args.products or args.profile_steps or args.rounds != 1 or args.real_data:
-        parser.error("--what run runs scripts.pretrain as it is (its own loader, one run): not with --suite, "
-                     "--products, --profile-steps, --rounds or --real-data")
+        parser.error(
+            "--what run runs scripts.pretrain as it is (its own loader, one run): not with --suite, "
+            "--products, --profile-steps, --rounds or --real-data"
+        )
     if args.warmup < 0 or args.warmup + 2 > args.steps:
-        parser.error(f"--what run times the steps after the first and --warmup more: --steps ({args.steps}) must be "
-                     f"at least --warmup + 2 ({args.warmup + 2})")
+        parser.error(
+            f"--what run times the steps after the first and --warmup more: --steps ({args.steps}) must be "
+            f"at least --warmup + 2 ({args.warmup + 2})"
+        )
     base_train = os.path.join(os.path.expanduser(args.nanochat or ""), "scripts", "base_train.py")
     if args.nanochat and not os.path.isfile(base_train):
         parser.error(f"--nanochat {args.nanochat}: not a nanochat checkout (no scripts/base_train.py in it)")
@@ -586,14 +780,18 @@ def main(argv=None):
         if backend not in ("cpu", "gpu"):
             parser.error(f"--nanochat compares the two on a CPU or a CUDA GPU; JAX is running on {backend}")
         if backend == "gpu" and (jax.device_count() > 1 or args.rounds > 1):
-            parser.error("--nanochat on a GPU: one GPU (CUDA_VISIBLE_DEVICES=0) and --rounds 1 (JAX keeps the "
-                         "memory it has grown to, so nanochat cannot run again after flaxchat's first round)")
+            parser.error(
+                "--nanochat on a GPU: one GPU (CUDA_VISIBLE_DEVICES=0) and --rounds 1 (JAX keeps the "
+                "memory it has grown to, so nanochat cannot run again after flaxchat's first round)"
+            )
         if not os.path.isfile(os.path.join(os.path.expanduser(args.nanochat), "nanochat", "gpt.py")):
             parser.error(f"--nanochat {args.nanochat}: not a nanochat checkout (no nanochat/gpt.py in it)")
     mesh = sharding.mesh_from_args(parser, args)
     if args.products and (args.what not in ("train", "all") or mesh.size > 1):
-        parser.error("--products times one device's products of the training step: --what train on one device "
-                     "(on a mesh, XLA's partitioner and Muon's shared-out stacks decide what each device multiplies)")
+        parser.error(
+            "--products times one device's products of the training step: --what train on one device "
+            "(on a mesh, XLA's partitioner and Muon's shared-out stacks decide what each device multiplies)"
+        )
     if args.suite:
         return run_suite(args, mesh)
     runs = {"train": bench_train, "comms": bench_comms, "generate": bench_generate, "data": bench_data}

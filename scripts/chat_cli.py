@@ -38,22 +38,34 @@ PART_STYLE = {"python": ("[python: ", "]"), "python_output": ("[output: ", "]")}
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="Chat with a flaxchat model")
-    p.add_argument("-i", "--source", choices=["base", "sft", "rl"], default="sft",
-                   help="which checkpoints to load (default: sft)")
-    p.add_argument("-g", "--model-tag", default=None,
-                   help="model tag, a directory under the checkpoints (default: the largest)")
+    p.add_argument(
+        "-i", "--source", choices=["base", "sft", "rl"], default="sft", help="which checkpoints to load (default: sft)"
+    )
+    p.add_argument(
+        "-g", "--model-tag", default=None, help="model tag, a directory under the checkpoints (default: the largest)"
+    )
     p.add_argument("-s", "--step", type=int, default=None, help="checkpoint step (default: the latest)")
     p.add_argument("-p", "--prompt", default="", help="ask one question, print the reply and exit")
-    p.add_argument("-t", "--temperature", type=float, default=0.6, help="sampling temperature, 0 = greedy (default: 0.6)")
-    p.add_argument("-k", "--top-k", type=int, default=50,
-                   help="sample among the k most likely tokens, 0 = all (default: 50)")
-    p.add_argument("--top-p", type=float, default=None,
-                   help="nucleus sampling: the smallest set of tokens with this much mass (default: off)")
+    p.add_argument(
+        "-t", "--temperature", type=float, default=0.6, help="sampling temperature, 0 = greedy (default: 0.6)"
+    )
+    p.add_argument(
+        "-k", "--top-k", type=int, default=50, help="sample among the k most likely tokens, 0 = all (default: 50)"
+    )
+    p.add_argument(
+        "--top-p",
+        type=float,
+        default=None,
+        help="nucleus sampling: the smallest set of tokens with this much mass (default: off)",
+    )
     p.add_argument("--max-tokens", type=int, default=256, help="most tokens per reply (default: 256)")
     p.add_argument("--seed", type=int, default=42, help="sampling seed; turn n uses seed + n (default: 42)")
-    p.add_argument("--sandbox", action="store_true",
-                   help="let tool calls run any Python in the sandbox (5 s limit), not only the calculator "
-                        "(default: calculator only, as in training and evaluation)")
+    p.add_argument(
+        "--sandbox",
+        action="store_true",
+        help="let tool calls run any Python in the sandbox (5 s limit), not only the calculator "
+        "(default: calculator only, as in training and evaluation)",
+    )
     p.add_argument("--no-color", action="store_true", help="plain text even on a terminal")
     add_quantize_flag(p)
     add_draft_flags(p)
@@ -113,8 +125,15 @@ class ReplyPrinter:
 def stream_reply(engine, tokenizer, prompt: list[int], args, seed: int, out, color: bool) -> list[dict]:
     """Sample one assistant reply to `prompt`, printing it as it comes; returns the message's parts."""
     printer = ReplyPrinter(tokenizer, out, color)
-    stream = engine.generate(prompt, num_samples=1, max_tokens=args.max_tokens, temperature=args.temperature,
-                             top_k=args.top_k or None, top_p=args.top_p, seed=seed)
+    stream = engine.generate(
+        prompt,
+        num_samples=1,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k or None,
+        top_p=args.top_p,
+        seed=seed,
+    )
     try:
         for column, _ in stream:
             if not printer.add(column[0]):
@@ -205,12 +224,16 @@ def main(argv=None) -> int:
         print(f"chat_cli: {e}", file=sys.stderr)
         return 1
     if draft is not None and draft.config.vocab_size != model.config.vocab_size:
-        print(f"chat_cli: the draft model's vocabulary ({draft.config.vocab_size}) is not the model's "
-              f"({model.config.vocab_size}); a draft must use the same tokenizer", file=sys.stderr)
+        print(
+            f"chat_cli: the draft model's vocabulary ({draft.config.vocab_size}) is not the model's "
+            f"({model.config.vocab_size}); a draft must use the same tokenizer",
+            file=sys.stderr,
+        )
         return 1
     quantize = lambda m: None if m is None else quantize_for_generation(m, args.quantize)
-    engine = Engine(quantize(model), tokenizer, use_sandbox=args.sandbox, draft_model=quantize(draft),
-                    draft_steps=args.draft_steps)
+    engine = Engine(
+        quantize(model), tokenizer, use_sandbox=args.sandbox, draft_model=quantize(draft), draft_steps=args.draft_steps
+    )
     if not args.prompt:
         print(f"loaded {args.source} model (step {meta.get('step', '?')}, {model.config.n_layer} layers)")
     run_chat(engine, tokenizer, args)

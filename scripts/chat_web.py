@@ -48,22 +48,30 @@ from flaxchat.train.checkpoint import find_model_tag, load_model, load_named_mod
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="Serve a flaxchat model in the browser and over HTTP",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description="Serve a flaxchat model in the browser and over HTTP",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("-i", "--source", choices=["base", "sft", "rl"], default="sft", help="which checkpoints to load")
-    p.add_argument("-g", "--model-tag", default=None,
-                   help="model tag (directory under the checkpoints); default: the largest")
+    p.add_argument(
+        "-g", "--model-tag", default=None, help="model tag (directory under the checkpoints); default: the largest"
+    )
     p.add_argument("-s", "--step", type=int, default=None, help="checkpoint step; default: the latest")
-    p.add_argument("--random-init", action="store_true",
-                   help="serve an untrained model of --depth (load tests, UI work)")
+    p.add_argument(
+        "--random-init", action="store_true", help="serve an untrained model of --depth (load tests, UI work)"
+    )
     p.add_argument("--depth", type=int, default=4, help="model depth for --random-init")
     p.add_argument("--seq-len", type=int, default=512, help="context length for --random-init")
     p.add_argument("--seed", type=int, default=0, help="parameter seed for --random-init")
-    p.add_argument("--slots", type=int, default=None,
-                   help="conversations generated at once (rows of the KV cache); default: the largest power of two "
-                        "up to 32 whose KV cache fits in a quarter of the free memory")
+    p.add_argument(
+        "--slots",
+        type=int,
+        default=None,
+        help="conversations generated at once (rows of the KV cache); default: the largest power of two "
+        "up to 32 whose KV cache fits in a quarter of the free memory",
+    )
     p.add_argument("--chunk", type=int, default=8, help="decode steps per scheduler iteration")
     p.add_argument("--max-tokens", type=int, default=512, help="most new tokens one reply may ask for")
     p.add_argument("--default-max-tokens", type=int, default=256, help="new tokens when a request does not say")
@@ -72,12 +80,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-k", "--top-k", type=int, default=50, help="default top-k (0 = the whole vocabulary)")
     p.add_argument("--max-connections", type=int, default=64, help="open WebSockets + in-flight HTTP requests")
     p.add_argument("--max-message-bytes", type=int, default=32768, help="largest WebSocket frame / HTTP body")
-    p.add_argument("--rate-limit", type=float, default=30.0,
-                   help="requests per minute per client address (0 = off); loopback clients (127.0.0.1, ::1) are "
-                        "exempt unless --limit-everyone")
-    p.add_argument("--limit-everyone", action="store_true",
-                   help="apply --rate-limit to loopback clients too (e.g. behind a reverse proxy on this machine, "
-                        "where every client arrives from 127.0.0.1)")
+    p.add_argument(
+        "--rate-limit",
+        type=float,
+        default=30.0,
+        help="requests per minute per client address (0 = off); loopback clients (127.0.0.1, ::1) are "
+        "exempt unless --limit-everyone",
+    )
+    p.add_argument(
+        "--limit-everyone",
+        action="store_true",
+        help="apply --rate-limit to loopback clients too (e.g. behind a reverse proxy on this machine, "
+        "where every client arrives from 127.0.0.1)",
+    )
     p.add_argument("--rate-burst", type=int, default=10, help="requests a client may send at once")
     add_quantize_flag(p)
     add_draft_flags(p)
@@ -93,8 +108,19 @@ def get_args(argv=None) -> argparse.Namespace:
     args = parse_args(parser, argv)
     if args.slots is not None and args.slots < 1:
         parser.error(f"--slots must be >= 1, got {args.slots}")
-    for name in ("chunk", "draft_steps", "max_tokens", "default_max_tokens", "max_connections", "max_message_bytes",
-                 "depth", "seq_len", "load_tokens", "load_repeats", "rate_burst"):
+    for name in (
+        "chunk",
+        "draft_steps",
+        "max_tokens",
+        "default_max_tokens",
+        "max_connections",
+        "max_message_bytes",
+        "depth",
+        "seq_len",
+        "load_tokens",
+        "load_repeats",
+        "rate_burst",
+    ):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if not 0 <= args.port <= 65535:
@@ -139,8 +165,10 @@ def build_draft(args, model):
         return None
     draft = load_named_model(args.draft_model, args.source, "--draft-model")
     if draft.config.vocab_size != model.config.vocab_size:
-        raise ValueError(f"the draft model's vocabulary ({draft.config.vocab_size}) is not the model's "
-                         f"({model.config.vocab_size}); a draft must use the same tokenizer")
+        raise ValueError(
+            f"the draft model's vocabulary ({draft.config.vocab_size}) is not the model's "
+            f"({model.config.vocab_size}); a draft must use the same tokenizer"
+        )
     return quantize_for_generation(draft, args.quantize)
 
 
@@ -152,8 +180,18 @@ async def one_client(ws_url: str, content: str, max_tokens: int, seed: int) -> d
     async with websockets.connect(ws_url, max_size=2**22) as ws:
         assert json.loads(await ws.recv())["type"] == "ready"
         t0 = time.perf_counter()
-        await ws.send(json.dumps({"type": "message", "content": content, "max_tokens": max_tokens,
-                                  "temperature": 1.0, "top_k": 50, "seed": seed}))
+        await ws.send(
+            json.dumps(
+                {
+                    "type": "message",
+                    "content": content,
+                    "max_tokens": max_tokens,
+                    "temperature": 1.0,
+                    "top_k": 50,
+                    "seed": seed,
+                }
+            )
+        )
         first = None
         while True:
             event = json.loads(await ws.recv())
@@ -169,14 +207,20 @@ async def load_test(url: str, clients: int, max_tokens: int) -> dict:
     """`clients` concurrent conversations, each asking for max_tokens tokens; aggregate generated tokens/s."""
     ws_url = url.replace("http://", "ws://") + "/ws"
     t0 = time.perf_counter()
-    results = await asyncio.gather(*(one_client(ws_url, "Tell me a story about a cat.", max_tokens, i)
-                                     for i in range(clients)))
+    results = await asyncio.gather(
+        *(one_client(ws_url, "Tell me a story about a cat.", max_tokens, i) for i in range(clients))
+    )
     wall = time.perf_counter() - t0
     tokens = sum(r["tokens"] for r in results)
     ttft = sorted(r["ttft_s"] for r in results if r["ttft_s"] is not None)
-    return {"clients": clients, "tokens": tokens, "wall_s": round(wall, 3), "tok_per_s": round(tokens / wall, 1),
-            "per_client_tok_per_s": round(tokens / wall / clients, 1),
-            "ttft_median_s": round(ttft[len(ttft) // 2], 3) if ttft else None}
+    return {
+        "clients": clients,
+        "tokens": tokens,
+        "wall_s": round(wall, 3),
+        "tok_per_s": round(tokens / wall, 1),
+        "per_client_tok_per_s": round(tokens / wall / clients, 1),
+        "ttft_median_s": round(ttft[len(ttft) // 2], 3) if ttft else None,
+    }
 
 
 def load_test_in_subprocess(url: str, clients: int, max_tokens: int) -> dict:
@@ -210,12 +254,15 @@ def main(argv=None) -> int:
     print(f"model {name}: {c.n_layer} layers, width {c.n_embd}, vocab {c.vocab_size}, context {c.sequence_len}")
     if draft is not None:
         if args.slots not in (None, 1):
-            print(f"chat_web: --draft-model serves one conversation at a time (got --slots {args.slots})",
-                  file=sys.stderr)
+            print(
+                f"chat_web: --draft-model serves one conversation at a time (got --slots {args.slots})", file=sys.stderr
+            )
             return 1
         args.slots = 1
-        print(f"speculative sampling: draft {args.draft_model} ({draft.config.n_layer} layers) proposes "
-              f"{args.draft_steps} tokens a round; one conversation at a time, the others wait")
+        print(
+            f"speculative sampling: draft {args.draft_model} ({draft.config.n_layer} layers) proposes "
+            f"{args.draft_steps} tokens a round; one conversation at a time, the others wait"
+        )
         scheduler = SpeculativeScheduler(model, tokenizer, draft, draft_steps=args.draft_steps, chunk=args.chunk)
     else:
         if args.slots is None:
@@ -225,11 +272,19 @@ def main(argv=None) -> int:
     if not args.no_warmup:
         print(f"compiling for {args.slots} slots...", flush=True)
         print(f"compiled in {scheduler.warmup(progress=True):.1f} s")
-    config = ServeConfig(model_name=name, max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_tokens,
-                         default_max_tokens=args.default_max_tokens, default_temperature=args.temperature,
-                         default_top_k=args.top_k, max_connections=args.max_connections,
-                         max_message_bytes=args.max_message_bytes, rate_limit=args.rate_limit,
-                         rate_burst=args.rate_burst, limit_loopback=args.limit_everyone)
+    config = ServeConfig(
+        model_name=name,
+        max_prompt_tokens=args.max_prompt_tokens,
+        max_new_tokens=args.max_tokens,
+        default_max_tokens=args.default_max_tokens,
+        default_temperature=args.temperature,
+        default_top_k=args.top_k,
+        max_connections=args.max_connections,
+        max_message_bytes=args.max_message_bytes,
+        rate_limit=args.rate_limit,
+        rate_burst=args.rate_burst,
+        limit_loopback=args.limit_everyone,
+    )
     if args.load_test:
         config = ServeConfig(**{**config.__dict__, "rate_limit": 0.0, "max_connections": max(args.load_test) + 8})
         with BackgroundServer(create_app(scheduler, tokenizer, config)) as url:
@@ -244,11 +299,20 @@ def main(argv=None) -> int:
                     print(json.dumps({"run": run}), flush=True)
             median = lambda key: {n: sorted(r[key] for r in rs)[len(rs) // 2] for n, rs in runs.items()}
             wall, cpu = median("tok_per_s"), median("tok_per_server_cpu_s")
-            print(json.dumps({"model": name, "slots": args.slots, "chunk": args.chunk,
-                              "tokens_per_client": args.load_tokens, "median_tok_per_s": wall,
-                              "vs_one_client": {n: round(v / wall[min(wall)], 2) for n, v in wall.items()},
-                              "median_tok_per_server_cpu_s": cpu,
-                              "cpu_vs_one_client": {n: round(v / cpu[min(cpu)], 2) for n, v in cpu.items()}}))
+            print(
+                json.dumps(
+                    {
+                        "model": name,
+                        "slots": args.slots,
+                        "chunk": args.chunk,
+                        "tokens_per_client": args.load_tokens,
+                        "median_tok_per_s": wall,
+                        "vs_one_client": {n: round(v / wall[min(wall)], 2) for n, v in wall.items()},
+                        "median_tok_per_server_cpu_s": cpu,
+                        "cpu_vs_one_client": {n: round(v / cpu[min(cpu)], 2) for n, v in cpu.items()},
+                    }
+                )
+            )
         return 0
     app = create_app(scheduler, tokenizer, config)
     print(f"flaxchat is serving {name} at http://{args.host}:{args.port}/  (Ctrl-C stops)", flush=True)

@@ -23,10 +23,20 @@ import math
 import os
 from collections.abc import Sequence
 
-from flaxchat.data.dataset import (BASE_URL, MAX_SHARD, SOURCES, default_data_dir, download, load_tinystories,
-                                   prepare_out_dir, split_train_val, synthetic_documents, text_documents,
-                                   tinystories_documents, write_shards)
-
+from flaxchat.data.dataset import (
+    BASE_URL,
+    MAX_SHARD,
+    SOURCES,
+    default_data_dir,
+    download,
+    load_tinystories,
+    prepare_out_dir,
+    split_train_val,
+    synthetic_documents,
+    text_documents,
+    tinystories_documents,
+    write_shards,
+)
 
 # -----------------------------------------------------------------------------
 # CLI
@@ -47,13 +57,19 @@ def source_documents(args):
         train, val = split_train_val(text_documents(args.path, args.max_doc_chars), args.val_fraction, args.seed)
         return train, len(train), math.ceil(len(train) / n), val, len(val)
     train_ds, val_ds = load_tinystories("train"), load_tinystories("val")
-    return (tinystories_documents("train", train_ds), len(train_ds), math.ceil(len(train_ds) / n),
-            tinystories_documents("val", val_ds), len(val_ds))
+    return (
+        tinystories_documents("train", train_ds),
+        len(train_ds),
+        math.ceil(len(train_ds) / n),
+        tinystories_documents("val", val_ds),
+        len(val_ds),
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        description="Write pretraining documents as parquet shards (the last shard is val).")
+        description="Write pretraining documents as parquet shards (the last shard is val)."
+    )
     parser.add_argument("--source", required=True, choices=SOURCES, help="where the documents come from")
     parser.add_argument("--num-shards", type=int, default=8, help="number of train shards (one val shard is added)")
     parser.add_argument("--out-dir", default=None, help="output folder (default: $FLAXCHAT_BASE_DIR/base_data)")
@@ -78,8 +94,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     out_dir = os.path.expanduser(args.out_dir) if args.out_dir else default_data_dir()
     try:
         if args.source == "parquet-download":
-            paths = download(args.num_shards, out_dir, args.base_url, args.max_shard, args.num_workers,
-                             overwrite=args.overwrite)
+            paths = download(
+                args.num_shards, out_dir, args.base_url, args.max_shard, args.num_workers, overwrite=args.overwrite
+            )
         else:
             train, n_train, per_shard, val, n_val = source_documents(args)
             details = {"path": os.path.abspath(args.path)} if args.source == "text" else {}

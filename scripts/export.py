@@ -2,8 +2,8 @@
 
     python -m scripts.export -i sft --format safetensors --out exports/d4-sft          # any framework
     python -m scripts.export -i base --model-tag d20 --format nanochat --out ~/.cache/nanochat/base_checkpoints/d20
-    python -m scripts.export -i sft --format litert --litert-quantize int8 --out exports/d4-litert   # needs flaxchat[export]
-    python -m scripts.litert_chat exports/d4-litert -p "Tell me a story"                          # run it, no JAX needed
+    python -m scripts.export -i sft --format litert --litert-quantize int8 --out exports/d4-litert  # flaxchat[export]
+    python -m scripts.litert_chat exports/d4-litert -p "Tell me a story"                # run it, no JAX needed
 
 The nanochat format writes `model_<step>.pt` + `meta_<step>.json` (and, with --with-tokenizer, `tokenizer.pkl` +
 `token_bytes.pt` into --tokenizer-out) so nanochat's scripts can load flaxchat models; it needs `flaxchat[torch]`.
@@ -20,31 +20,51 @@ import sys
 
 import jax.numpy as jnp
 
-from flaxchat.train.checkpoint import load_model
-from flaxchat.common import quiet_library_logs, get_base_dir, parse_args, print0
-from flaxchat.export.nanochat import save_nanochat_checkpoint, save_nanochat_tokenizer, save_safetensors
+from flaxchat.common import get_base_dir, parse_args, print0, quiet_library_logs
 from flaxchat.export.litert import QUANTIZE, LiteRTExportError, export_litert
+from flaxchat.export.nanochat import save_nanochat_checkpoint, save_nanochat_tokenizer, save_safetensors
+from flaxchat.train.checkpoint import load_model
 
 
 def build_parser():
-    p = argparse.ArgumentParser(description="Export a flaxchat checkpoint to safetensors, nanochat format or LiteRT "
-                                "(model.tflite with prefill + KV-cache decode signatures; run it with "
-                                "`python -m scripts.litert_chat OUT`).")
+    p = argparse.ArgumentParser(
+        description="Export a flaxchat checkpoint to safetensors, nanochat format or LiteRT "
+        "(model.tflite with prefill + KV-cache decode signatures; run it with "
+        "`python -m scripts.litert_chat OUT`)."
+    )
     p.add_argument("-i", "--source", choices=["base", "sft", "rl"], default="sft", help="which training phase")
     p.add_argument("--model-tag", type=str, default=None, help="model tag (default: the largest model of the phase)")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
-    p.add_argument("--format", choices=["safetensors", "nanochat", "litert"], default="safetensors",
-                   help="output format (litert: model.tflite + tokenizer/ + litert_config.json; needs flaxchat[export])")
+    p.add_argument(
+        "--format",
+        choices=["safetensors", "nanochat", "litert"],
+        default="safetensors",
+        help="output format (litert: model.tflite + tokenizer/ + litert_config.json; needs flaxchat[export])",
+    )
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="safetensors weight dtype")
     p.add_argument("--out", type=str, required=True, help="output directory")
     p.add_argument("--with-tokenizer", action="store_true", help="also write the tokenizer in the target format")
-    p.add_argument("--tokenizer-out", type=str, default=None, help="nanochat format: where tokenizer.pkl goes (default --out)")
-    p.add_argument("--litert-quantize", choices=QUANTIZE, default="none",
-                   help="litert weights: none (float32), fp16, or int8 (dynamic range: int8 weights, float activations)")
-    p.add_argument("--litert-prefill-len", type=int, default=64,
-                   help="litert: tokens per prefill call (longer prompts go in chunks)")
-    p.add_argument("--litert-cache-len", type=int, default=None,
-                   help="litert: KV-cache capacity in tokens (default: the model's sequence_len)")
+    p.add_argument(
+        "--tokenizer-out", type=str, default=None, help="nanochat format: where tokenizer.pkl goes (default --out)"
+    )
+    p.add_argument(
+        "--litert-quantize",
+        choices=QUANTIZE,
+        default="none",
+        help="litert weights: none (float32), fp16, or int8 (dynamic range: int8 weights, float activations)",
+    )
+    p.add_argument(
+        "--litert-prefill-len",
+        type=int,
+        default=64,
+        help="litert: tokens per prefill call (longer prompts go in chunks)",
+    )
+    p.add_argument(
+        "--litert-cache-len",
+        type=int,
+        default=None,
+        help="litert: KV-cache capacity in tokens (default: the model's sequence_len)",
+    )
     return p
 
 
@@ -65,17 +85,26 @@ def main(argv=None):
         if args.format == "safetensors":
             path = save_safetensors(model, out, args.dtype, extra_config=extra)
             if args.with_tokenizer:
-                shutil.copytree(os.path.join(get_base_dir(), "tokenizer"), os.path.join(out, "tokenizer"), dirs_exist_ok=True)
+                shutil.copytree(
+                    os.path.join(get_base_dir(), "tokenizer"), os.path.join(out, "tokenizer"), dirs_exist_ok=True
+                )
         elif args.format == "litert":
-            path = export_litert(model, tokenizer, out, args.litert_quantize, capacity=args.litert_cache_len,
-                                 prefill_len=args.litert_prefill_len, extra=extra)
+            path = export_litert(
+                model,
+                tokenizer,
+                out,
+                args.litert_quantize,
+                capacity=args.litert_cache_len,
+                prefill_len=args.litert_prefill_len,
+                extra=extra,
+            )
         else:
             nano_meta = {"step": step, "val_bpb": meta.get("val_bpb"), "exported_from": "flaxchat", **extra}
             path = save_nanochat_checkpoint(model, out, step, meta=nano_meta)
             if args.with_tokenizer:
                 save_nanochat_tokenizer(tokenizer, os.path.expanduser(args.tokenizer_out or out))
     except ImportError as e:
-        hint = "; install the export extra: pip install -e \".[export]\"" if args.format == "litert" else ""
+        hint = '; install the export extra: pip install -e ".[export]"' if args.format == "litert" else ""
         sys.exit(f"error: {e}{hint}")
     except LiteRTExportError as e:
         sys.exit(f"error: {e}")

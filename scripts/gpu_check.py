@@ -9,7 +9,8 @@
     python -m scripts.gpu_check lock cuda12         # rewrite requirements/cuda12.txt (needs PyPI; maintainers)
 
 Nothing here imports JAX, flax, torch or the flaxchat modules that need them before a subcommand does:
-`requirements`, `missing` and `pins` run before flaxchat's dependencies are installed. JAX itself (and its CUDA plugin) is never installed or replaced here.
+`requirements`, `missing` and `pins` run before flaxchat's dependencies are installed. JAX itself (and its CUDA plugin)
+is never installed or replaced here.
 """
 
 from __future__ import annotations
@@ -88,8 +89,11 @@ def cmd_missing(args):
     for r in reqs:
         if ACCELERATOR.match(canonicalize_name(r.name)) and not satisfied(r):
             have = metadata.version(r.name) if _installed(r.name) else "none"
-            print(f"gpu_check: warning: flaxchat is tested with {r}, this environment has {r.name} {have}; "
-                  "it is kept as it is", file=sys.stderr)
+            print(
+                f"gpu_check: warning: flaxchat is tested with {r}, this environment has {r.name} {have}; "
+                "it is kept as it is",
+                file=sys.stderr,
+            )
     missing = [str(r) for r in non_jax(reqs) if not satisfied(r)]
     print("\n".join(missing))
 
@@ -112,35 +116,58 @@ def cmd_pins(args):
 
 def nvidia_smi() -> dict | None:
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=30)
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     if out.returncode != 0:
         return {"error": (out.stderr or out.stdout).strip()[-500:]}
     head = subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=30).stdout
     cuda = re.search(r"CUDA Version:\s*([\d.]+)", head)
-    return {"gpus": [line.strip() for line in out.stdout.strip().splitlines()],
-            "driver_cuda_version": cuda.group(1) if cuda else None}
+    return {
+        "gpus": [line.strip() for line in out.stdout.strip().splitlines()],
+        "driver_cuda_version": cuda.group(1) if cuda else None,
+    }
 
 
 def cmd_env(args):
-    info = {"python": platform.python_version(), "machine": platform.machine(), "packages": installed_pins(),
-            "nvidia_smi": nvidia_smi(),
-            "env": {k: os.environ.get(k) for k in ("JAX_PLATFORMS", "XLA_PYTHON_CLIENT_MEM_FRACTION",
-                                                    "JAX_COMPILATION_CACHE_DIR", "XLA_FLAGS", "CUDA_VISIBLE_DEVICES")}}
+    info = {
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "packages": installed_pins(),
+        "nvidia_smi": nvidia_smi(),
+        "env": {
+            k: os.environ.get(k)
+            for k in (
+                "JAX_PLATFORMS",
+                "XLA_PYTHON_CLIENT_MEM_FRACTION",
+                "JAX_COMPILATION_CACHE_DIR",
+                "XLA_FLAGS",
+                "CUDA_VISIBLE_DEVICES",
+            )
+        },
+    }
     try:
         import jax
 
         devices = jax.devices()
-        info.update(backend=jax.default_backend(), jax=jax.__version__, device_count=len(devices),
-                    device_kind=devices[0].device_kind, devices=[str(d) for d in devices])
+        info.update(
+            backend=jax.default_backend(),
+            jax=jax.__version__,
+            device_count=len(devices),
+            device_kind=devices[0].device_kind,
+            devices=[str(d) for d in devices],
+        )
         stats = devices[0].memory_stats() or {}
         if "bytes_limit" in stats:
             info["device_memory_gb"] = round(stats["bytes_limit"] / 2**30, 2)
         error = None
         if args.expect_backend:
-            from flaxchat.sharding import check_backend
+            from flaxchat.sharding import check_backend  # here: the pin checks run before JAX is installed
 
             try:
                 check_backend(args.expect_backend)
@@ -157,10 +184,13 @@ def cmd_env(args):
     print(json.dumps(info, indent=2))
     if error:
         where = "a GPU" if args.expect_backend == "gpu" else f"the {args.expect_backend} backend"
-        print(f"gpu_check: JAX is not on {where}: {error}\n"
-              "gpu_check: install JAX with CUDA first (pip install -e '.[cuda12]' -c requirements/cuda12.txt, or "
-              "'.[cuda13]'), check that nvidia-smi sees the GPU, or run `bash runs/gpu_check.sh --cpu` for the CPU "
-              "smoke run.", file=sys.stderr)
+        print(
+            f"gpu_check: JAX is not on {where}: {error}\n"
+            "gpu_check: install JAX with CUDA first (pip install -e '.[cuda12]' -c requirements/cuda12.txt, or "
+            "'.[cuda13]'), check that nvidia-smi sees the GPU, or run `bash runs/gpu_check.sh --cpu` for the CPU "
+            "smoke run.",
+            file=sys.stderr,
+        )
         sys.exit(1)
 
 
@@ -182,11 +212,11 @@ def pseudo_text(n_words, n_types, seed=0):
     p = 1.0 / np.arange(1, n_types + 1)
     tokens = words[rng.choice(n_types, n_words, p=p / p.sum())]
     for i in range(0, n_words, 100):
-        yield " ".join(tokens[i:i + 100]) + ".\n"
+        yield " ".join(tokens[i : i + 100]) + ".\n"
 
 
 def cmd_tokenizer(args):
-    from flaxchat.data.tokenizer import Tokenizer, get_tokenizer
+    from flaxchat.data.tokenizer import Tokenizer, get_tokenizer  # here: the pin checks run without it
 
     target = os.path.join(args.base_dir, "tokenizer")
     try:
@@ -237,8 +267,16 @@ def read_step(out, name, json_out: bool = True) -> dict:
 
 
 def read_tests(out, mode) -> dict:
-    tests = {"name": "tests", "ok": False, "passed": 0, "failed": 0, "errors": 0, "skipped": 0, "seconds": None,
-             "skipped_because": []}
+    tests = {
+        "name": "tests",
+        "ok": False,
+        "passed": 0,
+        "failed": 0,
+        "errors": 0,
+        "skipped": 0,
+        "seconds": None,
+        "skipped_because": [],
+    }
     for key, ext in (("command", "cmd"),):
         path = os.path.join(out, f"tests.{ext}")
         if os.path.exists(path):
@@ -252,7 +290,9 @@ def read_tests(out, mode) -> dict:
             tests["failed" if key == "failures" else key] += int(suite.get(key, 0))
         tests["seconds"] = round(float(suite.get("time", 0)), 1)
         total = int(suite.get("tests", 0))
-        tests["passed"] += total - int(suite.get("failures", 0)) - int(suite.get("errors", 0)) - int(suite.get("skipped", 0))
+        tests["passed"] += (
+            total - int(suite.get("failures", 0)) - int(suite.get("errors", 0)) - int(suite.get("skipped", 0))
+        )
         for case in suite.iter("testcase"):
             skip = case.find("skipped")
             if skip is not None:
@@ -264,8 +304,10 @@ def read_tests(out, mode) -> dict:
 
 
 def _steps(out, prefix):
-    names = sorted({os.path.basename(p).rsplit(".", 1)[0] for p in glob.glob(os.path.join(out, f"{prefix}_*.cmd"))},
-                   key=lambda n: [int(x) if x.isdigit() else x for x in re.split(r"(\d+)", n)])
+    names = sorted(
+        {os.path.basename(p).rsplit(".", 1)[0] for p in glob.glob(os.path.join(out, f"{prefix}_*.cmd"))},
+        key=lambda n: [int(x) if x.isdigit() else x for x in re.split(r"(\d+)", n)],
+    )
     return [read_step(out, n) for n in names]
 
 
@@ -282,8 +324,11 @@ def table(steps, columns, row) -> list[str]:
     blank = " |" * (len(columns) - 1)
     out = ["| step | " + " | ".join(columns) + " |", "| --- |" + " --- |" * len(columns)]
     for s in steps:
-        out.append(f"| {s['name']} | " + " | ".join(row(s["result"])) + " |" if s["ok"]
-                   else f"| {s['name']} | failed: see report.json |{blank}")
+        out.append(
+            f"| {s['name']} | " + " | ".join(row(s["result"])) + " |"
+            if s["ok"]
+            else f"| {s['name']} | failed: see report.json |{blank}"
+        )
         if s.get("note"):
             out.append(f"| | {s['note']} |{blank}")
     return out
@@ -297,17 +342,25 @@ def train_row(r, nanochat=False) -> list[str]:
     if r.get("backend", "cpu") != "cpu" and r.get("in_flight") is False:
         data += ", each step waited for"  # --in-flight off, where the default keeps one in flight
     accum = f", {r['grad_accum']} accumulation steps" if r.get("grad_accum", 1) > 1 else ""
-    row = [f"d{c['n_layer']} {c.get('window_pattern', '')} ({n / 1e6:,.{0 if n >= 1e8 else 1}f}M params, "
-           f"{r['dtype']}{accum}{data})",
-           f"{r['tokens_per_step'] // c['sequence_len']} x {c['sequence_len']}", fmt(r["tok_per_s"]),
-           fmt(r["mfu"], ".1f"), fmt(r["compile_s"], ".1f"), fmt(r["peak_mem_gb"], ".1f"),
-           r["attention"] + ("" if r["remat"] == "none" else f", remat {r['remat']}"),
-           f"{flops(r['peak_flops'])} ({r['peak_flops_source']})"]
+    row = [
+        f"d{c['n_layer']} {c.get('window_pattern', '')} ({n / 1e6:,.{0 if n >= 1e8 else 1}f}M params, "
+        f"{r['dtype']}{accum}{data})",
+        f"{r['tokens_per_step'] // c['sequence_len']} x {c['sequence_len']}",
+        fmt(r["tok_per_s"]),
+        fmt(r["mfu"], ".1f"),
+        fmt(r["compile_s"], ".1f"),
+        fmt(r["peak_mem_gb"], ".1f"),
+        r["attention"] + ("" if r["remat"] == "none" else f", remat {r['remat']}"),
+        f"{flops(r['peak_flops'])} ({r['peak_flops_source']})",
+    ]
     if nanochat:  # bench --nanochat: nanochat's own step on the same shape, timed first
         theirs = r.get("nanochat") or {}
         kernel = ", ".join(x for x in (theirs.get("dtype"), theirs.get("attention")) if x)
-        row += [fmt(theirs.get("tok_per_s")) + (f" ({kernel})" if kernel else ""), fmt(theirs.get("compile_s"), ".1f"),
-                fmt(r.get("vs_nanochat"), ".2f") + ("x" if r.get("vs_nanochat") else "")]
+        row += [
+            fmt(theirs.get("tok_per_s")) + (f" ({kernel})" if kernel else ""),
+            fmt(theirs.get("compile_s"), ".1f"),
+            fmt(r.get("vs_nanochat"), ".2f") + ("x" if r.get("vs_nanochat") else ""),
+        ]
     return row
 
 
@@ -316,26 +369,41 @@ def run_row(r) -> list[str]:
     theirs = r.get("nanochat") or {}
     step = lambda x: f"{fmt(x.get('step_s') and 1e3 * x['step_s'], ',.1f')} ({fmt(x.get('tok_per_s'))})"
     timed = f"{r['timed_from_step']}-{r['timed_from_step'] + r['timed_steps'] - 1}"
-    return [f"`{' '.join(r['flags'])}`", timed, step(r), step(theirs),
-            fmt(r.get("vs_nanochat"), ".2f") + ("x" if r.get("vs_nanochat") else ""),
-            f"{fmt(r['process_s'], '.0f')} / {fmt(theirs.get('process_s'), '.0f')}"]
+    return [
+        f"`{' '.join(r['flags'])}`",
+        timed,
+        step(r),
+        step(theirs),
+        fmt(r.get("vs_nanochat"), ".2f") + ("x" if r.get("vs_nanochat") else ""),
+        f"{fmt(r['process_s'], '.0f')} / {fmt(theirs.get('process_s'), '.0f')}",
+    ]
 
 
 def drift_lines(steps, n=5) -> list[str]:
     """Each training row's first and last timed steps (medians of n): whether its steps slow down as it runs."""
-    rows = [(s["name"], s["result"]["times_s"]) for s in steps if s["ok"] and len(s["result"].get("times_s", [])) >= 2 * n]
+    rows = [
+        (s["name"], s["result"]["times_s"]) for s in steps if s["ok"] and len(s["result"].get("times_s", [])) >= 2 * n
+    ]
     if not rows:
         return []
     med = statistics.median
     return ["", f"Step time over the run (ms, median of the first and of the last {n} timed steps):", ""] + [
-        f"- {name}: {1e3 * med(t[:n]):,.1f} -> {1e3 * med(t[-n:]):,.1f}" for name, t in rows]
+        f"- {name}: {1e3 * med(t[:n]):,.1f} -> {1e3 * med(t[-n:]):,.1f}" for name, t in rows
+    ]
 
 
 def generate_row(r) -> list[str]:
     c = r["config"]
-    return [f"d{c['n_layer']} ({r['dtype']}, context {c['sequence_len']})", str(r["batch_size"]),
-            f"{r['prompt_len']} + {r['max_new_tokens']}", fmt(r["tok_per_s"]), fmt(r["ttft_s"] * 1e3, ".1f"),
-            fmt(r["prefill_tok_per_s"]), fmt(r["compile_s"], ".1f"), fmt(r["peak_mem_gb"], ".1f")]
+    return [
+        f"d{c['n_layer']} ({r['dtype']}, context {c['sequence_len']})",
+        str(r["batch_size"]),
+        f"{r['prompt_len']} + {r['max_new_tokens']}",
+        fmt(r["tok_per_s"]),
+        fmt(r["ttft_s"] * 1e3, ".1f"),
+        fmt(r["prefill_tok_per_s"]),
+        fmt(r["compile_s"], ".1f"),
+        fmt(r["peak_mem_gb"], ".1f"),
+    ]
 
 
 def profile_lines(steps) -> list[str]:
@@ -354,8 +422,9 @@ def profile_lines(steps) -> list[str]:
         lines += ["", head + (f", nanochat {step_ms(theirs)} ms" if theirs else ""), ""]
         columns = ["flaxchat ms/step", "share"] + (["nanochat ms/step", "share"] if theirs else [])
         lines += ["| kind | " + " | ".join(columns) + " |", "|" + " --- |" * (len(columns) + 1)]
-        cell = lambda p, k: ([fmt(p["by_kind"][k]["ms"], ".2f"), f"{p['by_kind'][k]['share']}%"]
-                             if k in p["by_kind"] else ["–", "–"])
+        cell = lambda p, k: (
+            [fmt(p["by_kind"][k]["ms"], ".2f"), f"{p['by_kind'][k]['share']}%"] if k in p["by_kind"] else ["–", "–"]
+        )
         for k in KINDS:
             if k in ours["by_kind"] or (theirs and k in theirs["by_kind"]):
                 lines.append(f"| {k} | " + " | ".join(cell(ours, k) + (cell(theirs, k) if theirs else [])) + " |")
@@ -364,84 +433,175 @@ def profile_lines(steps) -> list[str]:
         for who, p in (("flaxchat", ours), ("nanochat", theirs)):
             if p:
                 lines += ["", f"{who}'s slowest ops (ms a step, kind, op):", ""]
-                lines += [f"- {t['ms']:.2f} ms ({t['share']}%) {t['kind']}: `{t['op'][:120]}`"
-                          + (f" from `{t['source']}`" if t.get("source") else "") for t in p["top"][:8]]
+                lines += [
+                    f"- {t['ms']:.2f} ms ({t['share']}%) {t['kind']}: `{t['op'][:120]}`"
+                    + (f" from `{t['source']}`" if t.get("source") else "")
+                    for t in p["top"][:8]
+                ]
         if ours.get("scatters") is not None:  # how the compiled step adds up its embeddings' gradients
             lines += ["", f"flaxchat's scatters (element type, combiner): {', '.join(ours['scatters']) or 'none'}"]
         if ours.get("by_source"):
             lines += ["", "flaxchat's lines of the program by the time of their ops (ms a step, by kind):", ""]
-            lines += [f"- {t['ms']:.2f} ms ({t['share']}%) `{t['source']}`: "
-                      + ", ".join(f"{k} {ms:.2f}" for k, ms in t["kinds"].items()) for t in ours["by_source"]]
+            lines += [
+                f"- {t['ms']:.2f} ms ({t['share']}%) `{t['source']}`: "
+                + ", ".join(f"{k} {ms:.2f}" for k, ms in t["kinds"].items())
+                for t in ours["by_source"]
+            ]
     if lines:
-        lines = ["", "## Where the time goes", "", "`--profile`: a few timed steps under the profilers (jax.profiler, "
-                 "and torch.profiler for nanochat), self time of every op by kind (`flaxchat.perf.trace`); on a GPU "
-                 "device time, on a CPU each op's time on the thread that ran it. Traces in profile/."] + lines
+        lines = [
+            "",
+            "## Where the time goes",
+            "",
+            "`--profile`: a few timed steps under the profilers (jax.profiler, "
+            "and torch.profiler for nanochat), self time of every op by kind (`flaxchat.perf.trace`); on a GPU "
+            "device time, on a CPU each op's time on the thread that ran it. Traces in profile/.",
+        ] + lines
     return lines
 
 
 def summary_markdown(report) -> str:
     env, lines = report["env"], []
     kind = env.get("device_kind", "?")
-    lines += [f"# flaxchat GPU check ({report['mode']} mode): {env.get('device_count', '?')} x {kind}", "",
-              f"{report['created']} · {'all checks passed' if report['ok'] else 'SOME CHECKS FAILED: ' + ', '.join(report['failed'])}",
-              "", "## Environment", "", "| what | value |", "| --- | --- |",
-              f"| backend | {env.get('backend')} ({env.get('device_count')} x {kind}) |",
-              f"| jax | {env.get('jax')} · python {env.get('python')} · {env.get('machine')} |",
-              f"| accelerator packages | {', '.join(env.get('packages', [])) or '–'} |"]
+    lines += [
+        f"# flaxchat GPU check ({report['mode']} mode): {env.get('device_count', '?')} x {kind}",
+        "",
+        f"{report['created']} · "
+        + ("all checks passed" if report["ok"] else "SOME CHECKS FAILED: " + ", ".join(report["failed"])),
+        "",
+        "## Environment",
+        "",
+        "| what | value |",
+        "| --- | --- |",
+        f"| backend | {env.get('backend')} ({env.get('device_count')} x {kind}) |",
+        f"| jax | {env.get('jax')} · python {env.get('python')} · {env.get('machine')} |",
+        f"| accelerator packages | {', '.join(env.get('packages', [])) or '–'} |",
+    ]
     smi = env.get("nvidia_smi") or {}
     if smi.get("gpus"):
         lines.append(f"| nvidia-smi | {'; '.join(smi['gpus'])} · driver CUDA {smi.get('driver_cuda_version')} |")
     if env.get("device_memory_gb"):
-        lines.append(f"| JAX memory limit | {env['device_memory_gb']} GiB (XLA_PYTHON_CLIENT_MEM_FRACTION="
-                     f"{env.get('env', {}).get('XLA_PYTHON_CLIENT_MEM_FRACTION')}) |")
+        lines.append(
+            f"| JAX memory limit | {env['device_memory_gb']} GiB (XLA_PYTHON_CLIENT_MEM_FRACTION="
+            f"{env.get('env', {}).get('XLA_PYTHON_CLIENT_MEM_FRACTION')}) |"
+        )
     t = report["tests"]
     if t.get("not_run"):
         lines += ["", "## Tests", "", "not run (`--only`)"]
     else:
-        lines += ["", "## Tests", "", f"`{t.get('command', 'pytest -m gpu')}`: {t['passed']} passed, {t['failed']} "
-                  f"failed, {t['errors']} errors, {t['skipped']} skipped ({fmt(t['seconds'], '.1f')} s)"]
+        lines += [
+            "",
+            "## Tests",
+            "",
+            f"`{t.get('command', 'pytest -m gpu')}`: {t['passed']} passed, {t['failed']} "
+            f"failed, {t['errors']} errors, {t['skipped']} skipped ({fmt(t['seconds'], '.1f')} s)",
+        ]
         if t["skipped_because"]:
             lines += [""] + [f"- skipped {s}" for s in t["skipped_because"][:8]]
-    lines += ["", "## Training", "", "Random tokens unless the model says grain loader (batches of tokenized synthetic "
-              "stories from the data loader, with a vocabulary trained on them; the random-token row beside it has the "
-              "same shape), the real optimizer; median step after warm-up (`python -m scripts.bench --what train`). MFU "
-              "is against the peak named in the last column; compile s is the first step's tracing and compilation (a "
-              "warm $JAX_COMPILATION_CACHE_DIR cuts it).", ""]
-    columns = ["model", "rows x seq", "tok/s", "MFU %", "compile s", "peak mem GiB", "attention", "peak FLOP/s (source)"]
+    lines += [
+        "",
+        "## Training",
+        "",
+        "Random tokens unless the model says grain loader (batches of tokenized synthetic "
+        "stories from the data loader, with a vocabulary trained on them; the random-token row beside it has the "
+        "same shape), the real optimizer; median step after warm-up (`python -m scripts.bench --what train`). MFU "
+        "is against the peak named in the last column; compile s is the first step's tracing and compilation (a "
+        "warm $JAX_COMPILATION_CACHE_DIR cuts it).",
+        "",
+    ]
+    columns = [
+        "model",
+        "rows x seq",
+        "tok/s",
+        "MFU %",
+        "compile s",
+        "peak mem GiB",
+        "attention",
+        "peak FLOP/s (source)",
+    ]
     nanochat = any(s["ok"] and "nanochat" in s["result"] for s in report["train"])
     if nanochat:
-        lines += ["nanochat: its own GPT, MuonAdamW and `torch.compile` on the same shape and batch, timed first in a "
-                  "process of its own (`--nanochat DIR`); vs nanochat is flaxchat's tok/s over nanochat's.", ""]
+        lines += [
+            "nanochat: its own GPT, MuonAdamW and `torch.compile` on the same shape and batch, timed first in a "
+            "process of its own (`--nanochat DIR`); vs nanochat is flaxchat's tok/s over nanochat's.",
+            "",
+        ]
         columns += ["nanochat tok/s", "nanochat compile s", "vs nanochat"]
     lines += table(report["train"], columns, lambda r: train_row(r, nanochat))
     lines += drift_lines(report["train"])
     lines += profile_lines(report["train"])
     if report.get("runs"):
-        lines += ["", "## Real runs", "", "nanochat's own `scripts/base_train.py`, then `scripts.pretrain`, with the same "
-                  "flags on the same shards and tokenizer (`python -m scripts.bench --what run`); the median of the timed "
-                  "steps (the first, which compiles, and the warm-up after it left out); vs nanochat is nanochat's "
-                  "median step over flaxchat's.", ""]
-        lines += table(report["runs"], ["flags", "timed steps", "flaxchat ms a step (tok/s)", "nanochat ms a step "
-                                        "(tok/s)", "vs nanochat", "process s (flaxchat / nanochat)"], run_row)
-    lines += ["", "## Generation", "", "KV-cache engine, random prompts, every row makes every token "
-              "(`python -m scripts.bench --what generate`).", ""]
+        lines += [
+            "",
+            "## Real runs",
+            "",
+            "nanochat's own `scripts/base_train.py`, then `scripts.pretrain`, with the same "
+            "flags on the same shards and tokenizer (`python -m scripts.bench --what run`); the median of the timed "
+            "steps (the first, which compiles, and the warm-up after it left out); vs nanochat is nanochat's "
+            "median step over flaxchat's.",
+            "",
+        ]
+        lines += table(
+            report["runs"],
+            [
+                "flags",
+                "timed steps",
+                "flaxchat ms a step (tok/s)",
+                "nanochat ms a step (tok/s)",
+                "vs nanochat",
+                "process s (flaxchat / nanochat)",
+            ],
+            run_row,
+        )
+    lines += [
+        "",
+        "## Generation",
+        "",
+        "KV-cache engine, random prompts, every row makes every token (`python -m scripts.bench --what generate`).",
+        "",
+    ]
     if report["generate"] or "generate" in report.get("sections", SECTIONS):
-        lines += table(report["generate"], ["model", "batch", "prompt + new", "decode tok/s", "time to first token ms",
-                                            "prefill tok/s", "compile s", "peak mem GiB"], generate_row)
+        lines += table(
+            report["generate"],
+            [
+                "model",
+                "batch",
+                "prompt + new",
+                "decode tok/s",
+                "time to first token ms",
+                "prefill tok/s",
+                "compile s",
+                "peak mem GiB",
+            ],
+            generate_row,
+        )
     else:
         lines.append("not run (`--only`)")
     s = report["serve"]
-    lines += ["", "## Serving", "", "`python -m scripts.chat_web --random-init --load-test ...`: concurrent WebSocket "
-              "clients against the in-process server (continuous batching), median over rounds.", ""]
+    lines += [
+        "",
+        "## Serving",
+        "",
+        "`python -m scripts.chat_web --random-init --load-test ...`: concurrent WebSocket "
+        "clients against the in-process server (continuous batching), median over rounds.",
+        "",
+    ]
     if s.get("not_run"):
         lines.append("not run (`--only`)")
     elif s["ok"]:
         r = s["result"]
-        lines += [f"Model {r['model']}, {r['slots']} slots, {r['tokens_per_client']} tokens per client.", "",
-                  "| clients | tok/s (all clients) | vs 1 client | median time to first token s |", "| --- | --- | --- | --- |"]
+        lines += [
+            f"Model {r['model']}, {r['slots']} slots, {r['tokens_per_client']} tokens per client.",
+            "",
+            "| clients | tok/s (all clients) | vs 1 client | median time to first token s |",
+            "| --- | --- | --- | --- |",
+        ]
         for n, v in r["median_tok_per_s"].items():
-            ttft = sorted(x["ttft_median_s"] for x in r["runs"] if str(x["clients"]) == n and x["ttft_median_s"] is not None)
-            lines.append(f"| {n} | {fmt(v)} | {r['vs_one_client'][n]}x | {fmt(ttft[len(ttft) // 2] if ttft else None, '.3f')} |")
+            ttft = sorted(
+                x["ttft_median_s"] for x in r["runs"] if str(x["clients"]) == n and x["ttft_median_s"] is not None
+            )
+            lines.append(
+                f"| {n} | {fmt(v)} | {r['vs_one_client'][n]}x | {fmt(ttft[len(ttft) // 2] if ttft else None, '.3f')} |"
+            )
     else:
         lines.append("failed: see report.json")
     return "\n".join(lines) + "\n"
@@ -461,17 +621,32 @@ def cmd_report(args):
     serve = read_step(out, "serve") if "serve" in sections else not_run("serve")
     tests = read_tests(out, args.mode) if "tests" in sections else not_run("tests")
     # the real pipeline's data and tokenizer: a failure there leaves its training rows out, so it fails the report
-    prepared = [read_step(out, n, json_out=False) for n in ("real_data", "real_tokenizer")
-                if os.path.exists(os.path.join(out, f"{n}.cmd"))]
-    report = {"created": datetime.datetime.now().isoformat(timespec="seconds"), "mode": args.mode,
-              "out": os.path.abspath(out), "sections": [s for s in SECTIONS if s in sections], "env": env,
-              "tests": tests, "prepared": prepared, "train": _steps(out, "train"), "runs": _steps(out, "run"),
-              "generate": _steps(out, "generate"), "serve": serve}
+    prepared = [
+        read_step(out, n, json_out=False)
+        for n in ("real_data", "real_tokenizer")
+        if os.path.exists(os.path.join(out, f"{n}.cmd"))
+    ]
+    report = {
+        "created": datetime.datetime.now().isoformat(timespec="seconds"),
+        "mode": args.mode,
+        "out": os.path.abspath(out),
+        "sections": [s for s in SECTIONS if s in sections],
+        "env": env,
+        "tests": tests,
+        "prepared": prepared,
+        "train": _steps(out, "train"),
+        "runs": _steps(out, "run"),
+        "generate": _steps(out, "generate"),
+        "serve": serve,
+    }
     steps = [tests, *prepared, *report["train"], *report["runs"], *report["generate"], serve]
     report["failed"] = [s["name"] for s in steps if not s["ok"]]
     # every section asked for has its rows (the real pipeline's are training rows too)
-    report["ok"] = (not report["failed"] and (bool(report["train"]) or not sections & {"train", "real"})
-                    and (bool(report["generate"]) or "generate" not in sections))
+    report["ok"] = (
+        not report["failed"]
+        and (bool(report["train"]) or not sections & {"train", "real"})
+        and (bool(report["generate"]) or "generate" not in sections)
+    )
     with open(os.path.join(out, "report.json"), "w") as f:
         json.dump(report, f, indent=2)
     md = summary_markdown(report)
@@ -514,33 +689,72 @@ def cmd_lock(args):
             f.write("\n".join(f"{n}=={v}" for n, v in sorted(tested.items())) + "\n")
         pip = [sys.executable, "-m", "pip", "--isolated", "--disable-pip-version-check"]
         report = os.path.join(tmp, "report.json")
-        subprocess.run(pip + ["install", "--dry-run", "--ignore-installed", "--quiet", "--index-url", PYPI,
-                              "--report", report, "-c", pins, f"jax[{flavour}]=={jax_version}"], check=True)
-        resolved = {canonicalize_name(i["metadata"]["name"]): i["metadata"]["version"]
-                    for i in json.load(open(report))["install"]}
+        subprocess.run(
+            pip
+            + [
+                "install",
+                "--dry-run",
+                "--ignore-installed",
+                "--quiet",
+                "--index-url",
+                PYPI,
+                "--report",
+                report,
+                "-c",
+                pins,
+                f"jax[{flavour}]=={jax_version}",
+            ],
+            check=True,
+        )
+        resolved = {
+            canonicalize_name(i["metadata"]["name"]): i["metadata"]["version"]
+            for i in json.load(open(report))["install"]
+        }
         extra = {n: v for n, v in resolved.items() if n not in tested}
         path = os.path.join(ROOT, "requirements", f"{flavour}.txt")
         os.makedirs(os.path.dirname(path), exist_ok=True)
         cuda = flavour.removeprefix("cuda")
-        header = "".join(f"# {line}\n" for line in [
-            f"flaxchat with CUDA {cuda}: the versions the test suite runs against, as a pip constraints file:",
-            f'  pip install -e ".[{flavour}]" -c requirements/{flavour}.txt',
-            f"Produced by `python -m scripts.gpu_check lock {flavour}` on {datetime.date.today()}. The first block is",
-            "the installed closure of flaxchat[dev]'s dependencies where `python -m pytest -n 2` passes",
-            f"(Linux {platform.machine()}, CPython {platform.python_version()}, CPU). The second is what pip "
-            f"{metadata.version('pip')} resolved against",
-            f"PyPI for jax[{flavour}]=={jax_version} under those pins; a dry-run install of "
-            f'-e ".[{flavour},dev]" with this file',
-            "then resolved. Resolved, not run, on a GPU: `bash runs/gpu_check.sh` on a GPU machine checks it works.",
-            "The pins are plain versions, so other Linux platforms and Pythons with wheels of them can use it too.",
-        ])
-        body = ("\n# tested stack (flaxchat[dev] closure)\n" + "".join(f"{n}=={v}\n" for n, v in sorted(tested.items()))
-                + f"\n# CUDA {cuda} plugin and NVIDIA libraries for jax {jax_version} (resolved against PyPI)\n"
-                + "".join(f"{n}=={v}\n" for n, v in sorted(extra.items())))
+        header = "".join(
+            f"# {line}\n"
+            for line in [
+                f"flaxchat with CUDA {cuda}: the versions the test suite runs against, as a pip constraints file:",
+                f'  pip install -e ".[{flavour}]" -c requirements/{flavour}.txt',
+                f"Produced by `python -m scripts.gpu_check lock {flavour}` on {datetime.date.today()}. "
+                "The first block is",
+                "the installed closure of flaxchat[dev]'s dependencies where `python -m pytest -n 2` passes",
+                f"(Linux {platform.machine()}, CPython {platform.python_version()}, CPU). The second is what pip "
+                f"{metadata.version('pip')} resolved against",
+                f"PyPI for jax[{flavour}]=={jax_version} under those pins; a dry-run install of "
+                f'-e ".[{flavour},dev]" with this file',
+                "then resolved. Resolved, not run, on a GPU: `bash runs/gpu_check.sh` on a GPU machine checks it "
+                "works.",
+                "The pins are plain versions, so other Linux platforms and Pythons with wheels of them can use it too.",
+            ]
+        )
+        body = (
+            "\n# tested stack (flaxchat[dev] closure)\n"
+            + "".join(f"{n}=={v}\n" for n, v in sorted(tested.items()))
+            + f"\n# CUDA {cuda} plugin and NVIDIA libraries for jax {jax_version} (resolved against PyPI)\n"
+            + "".join(f"{n}=={v}\n" for n, v in sorted(extra.items()))
+        )
         with open(path, "w") as f:
             f.write(header + body)
-        subprocess.run(pip + ["install", "--dry-run", "--ignore-installed", "--quiet", "--index-url", PYPI,
-                              "-c", path, "-e", f"{ROOT}[{flavour},dev]"], check=True)
+        subprocess.run(
+            pip
+            + [
+                "install",
+                "--dry-run",
+                "--ignore-installed",
+                "--quiet",
+                "--index-url",
+                PYPI,
+                "-c",
+                path,
+                "-e",
+                f"{ROOT}[{flavour},dev]",
+            ],
+            check=True,
+        )
     print(f"wrote {path}: {len(tested)} tested + {len(extra)} CUDA {cuda} pins; a dry-run install resolved with it")
 
 
@@ -548,8 +762,11 @@ def cmd_lock(args):
 
 
 def build_parser():
-    p = argparse.ArgumentParser(description="Helpers for runs/gpu_check.sh (install, environment, tokenizer, report, lock).",
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p = argparse.ArgumentParser(
+        description="Helpers for runs/gpu_check.sh (install, environment, tokenizer, report, lock).",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__,
+    )
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("requirements", help="flaxchat[dev] requirements except JAX and its CUDA/TPU packages, one a line")
     sub.add_parser("missing", help="the requirements above that this environment does not satisfy")
@@ -563,8 +780,11 @@ def build_parser():
     r = sub.add_parser("report", help="collect a gpu_check output folder into report.json and summary.md")
     r.add_argument("out")
     r.add_argument("--mode", choices=["gpu", "cpu"], default="gpu")
-    r.add_argument("--sections", default=",".join(SECTIONS),
-                   help="the sections gpu_check.sh ran (its --only), comma-separated; the others are not checked")
+    r.add_argument(
+        "--sections",
+        default=",".join(SECTIONS),
+        help="the sections gpu_check.sh ran (its --only), comma-separated; the others are not checked",
+    )
     lk = sub.add_parser("lock", help="rewrite requirements/<flavour>.txt (needs PyPI)")
     lk.add_argument("flavour", choices=["cuda12", "cuda13"])
     return p
@@ -572,8 +792,15 @@ def build_parser():
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    {"requirements": cmd_requirements, "missing": cmd_missing, "pins": cmd_pins, "env": cmd_env,
-     "tokenizer": cmd_tokenizer, "report": cmd_report, "lock": cmd_lock}[args.command](args)
+    {
+        "requirements": cmd_requirements,
+        "missing": cmd_missing,
+        "pins": cmd_pins,
+        "env": cmd_env,
+        "tokenizer": cmd_tokenizer,
+        "report": cmd_report,
+        "lock": cmd_lock,
+    }[args.command](args)
 
 
 if __name__ == "__main__":

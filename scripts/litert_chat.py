@@ -19,21 +19,28 @@ import time
 
 from flaxchat.export.litert_chat import LiteRTModel, generate, load_tokenizer  # numpy, tiktoken, ai_edge_litert
 
-
 # -----------------------------------------------------------------------------
 # CLI
 
 
 def build_parser():
-    p = argparse.ArgumentParser(description="Generate from a LiteRT export (model.tflite) without JAX: "
-                                "prefill + a KV-cache decode loop in the LiteRT interpreter.")
+    p = argparse.ArgumentParser(
+        description="Generate from a LiteRT export (model.tflite) without JAX: "
+        "prefill + a KV-cache decode loop in the LiteRT interpreter."
+    )
     p.add_argument("model_dir", help="directory written by `python -m scripts.export --format litert`")
-    p.add_argument("-p", "--prompt", type=str, default=None,
-                   help="one prompt, one reply (default: chat in the terminal)")
-    p.add_argument("--complete", action="store_true", help="continue the prompt as plain text (default for base "
-                   "models) instead of answering it as a chat turn (default for sft/rl models)")
-    p.add_argument("-m", "--max-tokens", type=int, default=256,
-                   help="most new tokens per reply (the cache also limits)")
+    p.add_argument(
+        "-p", "--prompt", type=str, default=None, help="one prompt, one reply (default: chat in the terminal)"
+    )
+    p.add_argument(
+        "--complete",
+        action="store_true",
+        help="continue the prompt as plain text (default for base "
+        "models) instead of answering it as a chat turn (default for sft/rl models)",
+    )
+    p.add_argument(
+        "-m", "--max-tokens", type=int, default=256, help="most new tokens per reply (the cache also limits)"
+    )
     p.add_argument("-t", "--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("-k", "--top-k", type=int, default=None, help="sample among the k likeliest tokens")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
@@ -56,8 +63,10 @@ def stream_reply(model, enc, prompt, args, stops) -> int:
     if args.stats and t_first is not None:
         decode_s = time.perf_counter() - t_first
         rate = f"{(n - 1) / decode_s:.1f} tok/s" if n > 1 and decode_s > 0 else "n/a"
-        print(f"[prefill {len(prompt)} tokens: {1000 * (t_first - t0):.1f} ms; decode {n - 1} tokens: {rate}]",
-              file=sys.stderr)
+        print(
+            f"[prefill {len(prompt)} tokens: {1000 * (t_first - t0):.1f} ms; decode {n - 1} tokens: {rate}]",
+            file=sys.stderr,
+        )
     return token
 
 
@@ -71,8 +80,12 @@ def main(argv=None):
     special = model.config["special_tokens"]
     chat = not args.complete and model.config.get("phase", "sft") != "base" and "<|user_start|>" in special
     stops = set(model.config["stop_token_ids"])
-    turn = lambda text: [special["<|user_start|>"], *enc.encode_ordinary(text), special["<|user_end|>"],
-                         special["<|assistant_start|>"]]
+    turn = lambda text: [
+        special["<|user_start|>"],
+        *enc.encode_ordinary(text),
+        special["<|user_end|>"],
+        special["<|assistant_start|>"],
+    ]
     pending = [model.config["bos_token_id"]]  # tokens not yet in the cache
     try:
         if args.prompt is not None:

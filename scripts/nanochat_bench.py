@@ -64,8 +64,19 @@ def build(gpt, config: dict, device: str = "cpu"):
     return model, model.setup_optimizer()
 
 
-def time_steps(model, optimizer, vocab_size: int, batch_size: int, seq_len: int, grad_accum: int, steps: int,
-               warmup: int, seed: int = 0, device: str = "cpu", profile: int = 0) -> dict:
+def time_steps(
+    model,
+    optimizer,
+    vocab_size: int,
+    batch_size: int,
+    seq_len: int,
+    grad_accum: int,
+    steps: int,
+    warmup: int,
+    seed: int = 0,
+    device: str = "cpu",
+    profile: int = 0,
+) -> dict:
     """The first step (compilation included), `warmup` more, then the median of `steps` timed steps; with
     `profile`, that many more steps under torch.profiler, summarized as flaxchat.perf.trace summarizes JAX's traces."""
     import torch
@@ -96,8 +107,13 @@ def time_steps(model, optimizer, vocab_size: int, batch_size: int, seq_len: int,
         step(1 + warmup + i)
         times.append(time.perf_counter() - t0)
     step_s = statistics.median(times)
-    out = {"tok_per_s": batch_size * seq_len * grad_accum / step_s, "step_s": step_s, "step_s_min": min(times),
-           "compile_s": max(first_step_s - step_s, 0.0), "first_step_s": first_step_s}
+    out = {
+        "tok_per_s": batch_size * seq_len * grad_accum / step_s,
+        "step_s": step_s,
+        "step_s_min": min(times),
+        "compile_s": max(first_step_s - step_s, 0.0),
+        "first_step_s": first_step_s,
+    }
     if profile:
         out["profile"] = profile_steps(lambda i: step(1 + warmup + steps + i), profile, device)
     return out
@@ -158,8 +174,13 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=10, help="timed steps (median reported)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps after the first")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where nanochat runs (default: cpu)")
-    p.add_argument("--profile", type=int, default=0, metavar="N",
-                   help="after timing, N more steps under torch.profiler: the JSON adds where the step's time goes")
+    p.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after timing, N more steps under torch.profiler: the JSON adds where the step's time goes",
+    )
     args = p.parse_args(argv)
     if args.profile < 0:
         p.error("--profile takes a number of steps (0: no profile)")
@@ -174,17 +195,36 @@ def main(argv=None):
         raise SystemExit(f"error: --device cuda, but this PyTorch ({torch.__version__}) sees no CUDA GPU")
     with contextlib.redirect_stdout(sys.stderr):  # nanochat prints what it chose; stdout holds only the JSON
         model, optimizer = build(gpt, config, args.device)
-        out = time_steps(model, optimizer, config["vocab_size"], args.batch_size, config["sequence_len"],
-                         args.grad_accum, args.steps, args.warmup, device=args.device, profile=args.profile)
+        out = time_steps(
+            model,
+            optimizer,
+            config["vocab_size"],
+            args.batch_size,
+            config["sequence_len"],
+            args.grad_accum,
+            args.steps,
+            args.warmup,
+            device=args.device,
+            profile=args.profile,
+        )
     dtype = getattr(gpt, "COMPUTE_DTYPE", None)
     flash = sys.modules.get("nanochat.flash_attention")  # nanochat's choice of attention kernel, where it has one
     extra = {"attention": "fa3" if flash.USE_FA3 else "sdpa"} if hasattr(flash, "USE_FA3") else {}
     if args.device == "cuda":
         extra.update(device=torch.cuda.get_device_name(), peak_mem_gb=torch.cuda.max_memory_allocated() / 2**30)
     peak = matmul_peak(args.device, dtype if dtype is not None else torch.float32)
-    print(json.dumps({**out, "torch": torch.__version__, "threads": torch.get_num_threads(),
-                      "dtype": str(dtype).removeprefix("torch.") if dtype is not None else None,
-                      "matmul_peak_flops": peak, **extra}))
+    print(
+        json.dumps(
+            {
+                **out,
+                "torch": torch.__version__,
+                "threads": torch.get_num_threads(),
+                "dtype": str(dtype).removeprefix("torch.") if dtype is not None else None,
+                "matmul_peak_flops": peak,
+                **extra,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -41,13 +41,13 @@ from flaxchat.generate.reply import stop_tokens
 from flaxchat.model.config import GPTConfig, add_model_flags, config_from_flags, derive_training
 from flaxchat.model.cpu import sub_batch_note
 from flaxchat.model.gpt import GPT, add_kernel_flags
-from flaxchat.perf.machine import cpu_bf16_instructions, huge_pages_active, HUGE_PAGES_TUNABLE, peak_flops_per_device
+from flaxchat.perf.machine import HUGE_PAGES_TUNABLE, cpu_bf16_instructions, huge_pages_active, peak_flops_per_device
 from flaxchat.perf.profiler import StepProfiler, profile_summary
 from flaxchat.perf.trace import format_summary
 from flaxchat.train.checkpoint import Checkpointer, checkpoint_dir, git_commit
 from flaxchat.train.flags import add_batch_flags, add_dtype_flag, add_optimizer_flags, add_run_flag, add_schedule_flags
 from flaxchat.train.optim import Schedule, build_optimizer, optimizer_stats, skip_report
-from flaxchat.train.step import add_in_flight_flag, FlatStep, in_flight_depth, InFlight
+from flaxchat.train.step import FlatStep, InFlight, add_in_flight_flag, in_flight_depth
 
 SAMPLE_PROMPTS = [
     "The capital of France is",
@@ -73,14 +73,26 @@ def build_parser():
     add_kernel_flags(p)
     # horizon (first positive one wins, in this order)
     p.add_argument("--num-iterations", type=int, default=-1, help="explicit number of optimizer steps (-1 = off)")
-    p.add_argument("--target-flops", type=float, default=-1.0, help="steps to reach this many training FLOPs (-1 = off)")
+    p.add_argument(
+        "--target-flops", type=float, default=-1.0, help="steps to reach this many training FLOPs (-1 = off)"
+    )
     p.add_argument("--target-param-data-ratio", type=float, default=12, help="tokens : scaling-params ratio (-1 = off)")
     # optimisation
     add_batch_flags(p, device_batch_size=32, total_batch_size=-1, total_note="-1 = derive from depth")
-    add_optimizer_flags(p, embedding_lr=0.3, unembedding_lr=0.008, matrix_lr=0.02, scalar_lr=0.5, weight_decay=0.28,
-                        weight_decay_note="scaled with batch and horizon")
-    p.add_argument("--no-hparam-scaling", action="store_true",
-                   help="use the LRs and weight decay as given, without nanochat's batch-size/horizon scaling (small CPU runs)")
+    add_optimizer_flags(
+        p,
+        embedding_lr=0.3,
+        unembedding_lr=0.008,
+        matrix_lr=0.02,
+        scalar_lr=0.5,
+        weight_decay=0.28,
+        weight_decay_note="scaled with batch and horizon",
+    )
+    p.add_argument(
+        "--no-hparam-scaling",
+        action="store_true",
+        help="use the LRs and weight decay as given, without nanochat's batch-size/horizon scaling (small CPU runs)",
+    )
     add_schedule_flags(p, warmup_steps=40, warmdown_ratio=0.65, final_lr_frac=0.05)
     p.add_argument("--seed", type=int, default=0, help="parameter init seed")
     # evaluation, sampling, checkpoints
@@ -88,13 +100,22 @@ def build_parser():
     p.add_argument("--eval-tokens", type=int, default=80 * 524288, help="tokens of val data per evaluation")
     p.add_argument("--core-metric-every", type=int, default=-1, help="CORE metric every N steps (-1 = off)")
     p.add_argument("--core-metric-max-per-task", type=int, default=500, help="examples per CORE task")
-    p.add_argument("--sample-every", type=int, default=2000, help="greedy samples from fixed prompts every N steps (-1 = off)")
+    p.add_argument(
+        "--sample-every", type=int, default=2000, help="greedy samples from fixed prompts every N steps (-1 = off)"
+    )
     p.add_argument("--save-every", type=int, default=-1, help="checkpoint every N steps (-1 = only at the end)")
     p.add_argument("--keep", type=int, default=2, help="checkpoints to keep (plus the best by val bpb)")
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint of this model tag (on any number of devices or hosts: the data position carries over)")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the latest checkpoint of this model tag (on any number of devices or hosts: the data "
+        "position carries over)",
+    )
     p.add_argument("--resume-from-step", type=int, default=-1, help="continue from this step's checkpoint (-1 = off)")
     p.add_argument("--model-tag", type=str, default=None, help="checkpoint directory name (default d<depth>)")
-    p.add_argument("--source", type=str, default=None, help="folder of parquet shards (default $FLAXCHAT_BASE_DIR/base_data)")
+    p.add_argument(
+        "--source", type=str, default=None, help="folder of parquet shards (default $FLAXCHAT_BASE_DIR/base_data)"
+    )
     StepProfiler.add_flag(p, "<checkpoint dir>/profile, and where their time went to profile/summary.json")
     add_in_flight_flag(p)
     # mesh
@@ -115,15 +136,25 @@ def check_args(parser, args):
 
 def plan_training(args, abstract_model, vocab_size):
     """nanochat's scaling rules: batch size, LRs, weight decay and horizon from depth (d12 is the reference)."""
-    d12 = GPTConfig.from_depth(12, args.aspect_ratio, args.head_dim, args.max_seq_len, args.window_pattern.upper(), vocab_size)
+    d12 = GPTConfig.from_depth(
+        12, args.aspect_ratio, args.head_dim, args.max_seq_len, args.window_pattern.upper(), vocab_size
+    )
     reference = nnx.eval_shape(lambda: GPT(d12, rngs=nnx.Rngs(0)))
     return derive_training(
-        depth=args.depth, num_scaling_params=abstract_model.num_scaling_params(),
-        flops_per_token=abstract_model.estimate_flops(), reference_scaling_params=reference.num_scaling_params(),
-        num_iterations=args.num_iterations, target_flops=args.target_flops,
-        target_param_data_ratio=args.target_param_data_ratio, total_batch_size=args.total_batch_size,
-        embedding_lr=args.embedding_lr, unembedding_lr=args.unembedding_lr, matrix_lr=args.matrix_lr,
-        scalar_lr=args.scalar_lr, weight_decay=args.weight_decay, scale_hparams=not args.no_hparam_scaling,
+        depth=args.depth,
+        num_scaling_params=abstract_model.num_scaling_params(),
+        flops_per_token=abstract_model.estimate_flops(),
+        reference_scaling_params=reference.num_scaling_params(),
+        num_iterations=args.num_iterations,
+        target_flops=args.target_flops,
+        target_param_data_ratio=args.target_param_data_ratio,
+        total_batch_size=args.total_batch_size,
+        embedding_lr=args.embedding_lr,
+        unembedding_lr=args.unembedding_lr,
+        matrix_lr=args.matrix_lr,
+        scalar_lr=args.scalar_lr,
+        weight_decay=args.weight_decay,
+        scale_hparams=not args.no_hparam_scaling,
     )
 
 
@@ -141,7 +172,10 @@ def main(argv=None):
     mesh = sharding.mesh_from_args(parser, args)
     dp = mesh.shape["data"] * mesh.shape["fsdp"]
     dtype = compute_dtype(args.dtype)
-    print0(f"devices: {jax.device_count()} x {jax.devices()[0].device_kind} | processes: {jax.process_count()} | mesh: {dict(mesh.shape)} | dtype: {jnp.dtype(dtype).name}")
+    print0(
+        f"devices: {jax.device_count()} x {jax.devices()[0].device_kind} | processes: {jax.process_count()} | "
+        f"mesh: {dict(mesh.shape)} | dtype: {jnp.dtype(dtype).name}"
+    )
 
     try:
         tokenizer = get_tokenizer()
@@ -167,17 +201,27 @@ def main(argv=None):
     print0(plan.describe())
     tokens_per_micro = args.device_batch_size * dp * args.max_seq_len
     if plan.total_batch_size % tokens_per_micro:
-        parser.error(f"total batch size {plan.total_batch_size:,} tokens is not a multiple of one micro-step "
-                     f"({args.device_batch_size} x {dp} devices x {args.max_seq_len} = {tokens_per_micro:,})")
+        parser.error(
+            f"total batch size {plan.total_batch_size:,} tokens is not a multiple of one micro-step "
+            f"({args.device_batch_size} x {dp} devices x {args.max_seq_len} = {tokens_per_micro:,})"
+        )
     grad_accum = plan.total_batch_size // tokens_per_micro
     global_batch = args.device_batch_size * dp
     num_iterations = plan.num_iterations
-    print0(f"micro-batch: {global_batch} x {args.max_seq_len} = {tokens_per_micro:,} tokens | grad accumulation: {grad_accum}"
-           + sub_batch_note(args.device_batch_size, args.max_seq_len, mesh))
+    print0(
+        f"micro-batch: {global_batch} x {args.max_seq_len} = {tokens_per_micro:,} tokens | "
+        f"grad accumulation: {grad_accum}" + sub_batch_note(args.device_batch_size, args.max_seq_len, mesh)
+    )
     schedule = Schedule(num_iterations, args.warmup_steps, args.warmdown_ratio, args.final_lr_frac)
     make_optimizer = lambda m: build_optimizer(
-        m, unembedding_lr=plan.unembedding_lr, embedding_lr=plan.embedding_lr, matrix_lr=plan.matrix_lr,
-        weight_decay=plan.weight_decay, scalar_lr=plan.scalar_lr, schedule=schedule)
+        m,
+        unembedding_lr=plan.unembedding_lr,
+        embedding_lr=plan.embedding_lr,
+        matrix_lr=plan.matrix_lr,
+        weight_decay=plan.weight_decay,
+        scalar_lr=plan.scalar_lr,
+        schedule=schedule,
+    )
 
     # -------------------------------------------------------------------------
     # Model + optimizer: fresh (born sharded) or restored straight onto the mesh
@@ -191,7 +235,10 @@ def main(argv=None):
         resume_step = args.resume_from_step if args.resume_from_step >= 0 else ckpt.latest_step()
         if resume_step is None:
             sys.exit(f"error: --resume: no checkpoint in {out_dir} yet")
-    data_states, loop = None, {"min_val_bpb": float("inf"), "smooth_train_loss": 0.0, "total_training_time": 0.0, "val_bpb": None}
+    data_states, loop = (
+        None,
+        {"min_val_bpb": float("inf"), "smooth_train_loss": 0.0, "total_training_time": 0.0, "val_bpb": None},
+    )
     if resume_step is not None:
         model = abstract_model
         optimizer = nnx.eval_shape(make_optimizer, abstract_model)
@@ -220,7 +267,9 @@ def main(argv=None):
     # Data
 
     try:
-        train_loader = make_loader(tokenizer, global_batch, args.max_seq_len, "train", mesh=mesh, state=data_states, data_dir=args.source)
+        train_loader = make_loader(
+            tokenizer, global_batch, args.max_seq_len, "train", mesh=mesh, state=data_states, data_dir=args.source
+        )
     except (FileNotFoundError, ValueError) as e:
         sys.exit(f"error: {e}")
 
@@ -231,11 +280,15 @@ def main(argv=None):
     peak, peak_source = peak_flops_per_device(dtype)
     print0(f"peak FLOP/s per device: {peak:.3e} ({peak_source})")
     if jax.default_backend() == "cpu" and sys.platform.startswith("linux") and not huge_pages_active():
-        print0(f"tip: GLIBC_TUNABLES={HUGE_PAGES_TUNABLE} in the environment makes CPU steps faster (pixi tasks and "
-               "the laptop demo set it; docs/cpu-speed.md)")
+        print0(
+            f"tip: GLIBC_TUNABLES={HUGE_PAGES_TUNABLE} in the environment makes CPU steps faster (pixi tasks and "
+            "the laptop demo set it; docs/cpu-speed.md)"
+        )
     if jax.default_backend() == "cpu" and jnp.dtype(dtype) == jnp.float32 and cpu_bf16_instructions():
-        print0("tip: this CPU multiplies bf16 in hardware: --dtype bfloat16 (or FLAXCHAT_DTYPE=bfloat16) trains "
-               "faster than fp32 here (bf16 products, fp32 activations; docs/cpu-speed.md, 'bf16 on a CPU')")
+        print0(
+            "tip: this CPU multiplies bf16 in hardware: --dtype bfloat16 (or FLAXCHAT_DTYPE=bfloat16) trains "
+            "faster than fp32 here (bf16 products, fp32 activations; docs/cpu-speed.md, 'bf16 on a CPU')"
+        )
     log = metrics_logger(metrics_path, args.run, "flaxchat", user_config)
 
     def evaluate():
@@ -261,17 +314,26 @@ def main(argv=None):
         if not saved_once:
             ckpt.drop_earlier_run()
             saved_once = True
-        meta = {"val_bpb": loop["val_bpb"], "user_config": user_config, "total_batch_size": plan.total_batch_size,
-                "device_batch_size": args.device_batch_size, "max_seq_len": args.max_seq_len,
-                "tokenizer_hash": tokenizer.content_hash, "git_commit": git_commit(), "seed": args.seed,
-                "loop_state": loop}
+        meta = {
+            "val_bpb": loop["val_bpb"],
+            "user_config": user_config,
+            "total_batch_size": plan.total_batch_size,
+            "device_batch_size": args.device_batch_size,
+            "max_seq_len": args.max_seq_len,
+            "tokenizer_hash": tokenizer.content_hash,
+            "git_commit": git_commit(),
+            "seed": args.seed,
+            "loop_state": loop,
+        }
         metrics = {"val_bpb": loop["val_bpb"]} if loop["val_bpb"] is not None else None
         ckpt.save(step, model, optimizer, data_state=train_loader.get_state(), meta=meta, metrics=metrics)
 
     # -------------------------------------------------------------------------
     # Training loop (runs num_iterations + 1 times so the last step can eval and save)
 
-    bar = progress_bar(total=num_iterations, initial=step, desc="pretrain", disable=not is_main_process(), dynamic_ncols=True)
+    bar = progress_bar(
+        total=num_iterations, initial=step, desc="pretrain", disable=not is_main_process(), dynamic_ncols=True
+    )
     profiler = StepProfiler(args.profile_steps, os.path.join(out_dir, "profile"))
     # one jax.jit over the model's and optimizer's arrays: a call skips NNX's walk over both (training.FlatStep)
     optimizer_step = FlatStep(model, optimizer)
@@ -295,9 +357,22 @@ def main(argv=None):
         mfu = 100 * flops_per_token * plan.total_batch_size / dt / (peak * jax.device_count())
         if i - (resume_step or 0) >= 2:  # the first steps compile; keep them out of the timing
             loop["total_training_time"] += dt
-        log({"step": i + 1, "loss": loss, "smooth_loss": smooth, "lrm": lrm, "dt": dt, "tok_per_s": tok_per_s,
-             "mfu": mfu, "skipped_steps": skipped_now, "epoch": epoch})
-        bar.set_postfix(loss=f"{smooth:.4f}", tok_s=f"{tok_per_s:,.0f}", mfu=f"{mfu:.1f}%", lrm=f"{lrm:.2f}", refresh=False)
+        log(
+            {
+                "step": i + 1,
+                "loss": loss,
+                "smooth_loss": smooth,
+                "lrm": lrm,
+                "dt": dt,
+                "tok_per_s": tok_per_s,
+                "mfu": mfu,
+                "skipped_steps": skipped_now,
+                "epoch": epoch,
+            }
+        )
+        bar.set_postfix(
+            loss=f"{smooth:.4f}", tok_s=f"{tok_per_s:,.0f}", mfu=f"{mfu:.1f}%", lrm=f"{lrm:.2f}", refresh=False
+        )
         bar.update(1)
         report = skip_report(i + 1, loss, skipped, skipped_now)
         skipped = skipped_now
@@ -309,7 +384,9 @@ def main(argv=None):
         do_eval = args.eval_every > 0 and (last_step or step % args.eval_every == 0)
         do_core = args.core_metric_every > 0 and (last_step or (step > 0 and step % args.core_metric_every == 0))
         do_sample = args.sample_every > 0 and (last_step or (step > 0 and step % args.sample_every == 0))
-        do_save = last_step or (step > 0 and step != resume_step and args.save_every > 0 and step % args.save_every == 0)
+        do_save = last_step or (
+            step > 0 and step != resume_step and args.save_every > 0 and step % args.save_every == 0
+        )
         profiled = profiler.covers(step)
         if do_eval or do_core or do_sample or do_save or last_step or profiled:
             record(in_flight.finish())
@@ -327,7 +404,9 @@ def main(argv=None):
         if do_save:
             save(step)
         if is_main_process() and (last_step or do_eval):
-            plot_training(read_jsonl(metrics_path), os.path.join(out_dir, "training.png"), title=f"{model_tag} pretraining")
+            plot_training(
+                read_jsonl(metrics_path), os.path.join(out_dir, "training.png"), title=f"{model_tag} pretraining"
+            )
         if last_step:
             break
 
@@ -357,21 +436,35 @@ def main(argv=None):
     if "peak_bytes_in_use" in stats:
         peak_mem = stats["peak_bytes_in_use"] / 2**30
     best = loop["min_val_bpb"] if math.isfinite(loop["min_val_bpb"]) else None  # None: --eval-every -1
-    print0(f"peak memory: {peak_mem:.2f} GiB | training time: {loop['total_training_time'] / 60:.2f} min | "
-           f"min val bpb: {'not evaluated' if best is None else f'{best:.4f}'} | checkpoints: {out_dir}")
+    print0(
+        f"peak memory: {peak_mem:.2f} GiB | training time: {loop['total_training_time'] / 60:.2f} min | "
+        f"min val bpb: {'not evaluated' if best is None else f'{best:.4f}'} | checkpoints: {out_dir}"
+    )
     rows = read_jsonl(metrics_path) if is_main_process() else []
     timed = [r for r in rows if "tok_per_s" in r][2:]  # steady state: skip the compiling steps
-    Report().log("pretrain", {
-        "model": model_tag, "parameters": abstract_model.num_scaling_params()["total"], "layers": config.n_layer,
-        "width": config.n_embd, "heads": config.n_head, "seq len": config.sequence_len, "vocab": config.vocab_size,
-        "iterations": num_iterations, "total batch (tokens)": plan.total_batch_size,
-        "tokens trained": num_iterations * plan.total_batch_size, "devices": jax.device_count(),
-        "final train loss": rows and next((r["smooth_loss"] for r in reversed(rows) if "smooth_loss" in r), None),
-        "min val bpb": "not evaluated" if best is None else best, "training time (min)": loop["total_training_time"] / 60,
-        "tokens/s (median)": float(np.median([r["tok_per_s"] for r in timed])) if timed else None,
-        "MFU % (median)": float(np.median([r["mfu"] for r in timed])) if timed else None,
-        "peak memory (GiB)": peak_mem,
-    }, charts=[os.path.join(out_dir, "training.png")])
+    Report().log(
+        "pretrain",
+        {
+            "model": model_tag,
+            "parameters": abstract_model.num_scaling_params()["total"],
+            "layers": config.n_layer,
+            "width": config.n_embd,
+            "heads": config.n_head,
+            "seq len": config.sequence_len,
+            "vocab": config.vocab_size,
+            "iterations": num_iterations,
+            "total batch (tokens)": plan.total_batch_size,
+            "tokens trained": num_iterations * plan.total_batch_size,
+            "devices": jax.device_count(),
+            "final train loss": rows and next((r["smooth_loss"] for r in reversed(rows) if "smooth_loss" in r), None),
+            "min val bpb": "not evaluated" if best is None else best,
+            "training time (min)": loop["total_training_time"] / 60,
+            "tokens/s (median)": float(np.median([r["tok_per_s"] for r in timed])) if timed else None,
+            "MFU % (median)": float(np.median([r["mfu"] for r in timed])) if timed else None,
+            "peak memory (GiB)": peak_mem,
+        },
+        charts=[os.path.join(out_dir, "training.png")],
+    )
     return loop
 
 

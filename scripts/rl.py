@@ -54,12 +54,19 @@ def build_parser():
     p = argparse.ArgumentParser(description="Reinforcement learning on math word problems (nanochat's chat_rl).")
     add_run_flag(p)
     p.add_argument("--source", type=str, default="sft", choices=["sft", "rl"], help="checkpoint phase to start from")
-    p.add_argument("--model-tag", type=str, default=None, help="checkpoint tag, also the output tag (default: the largest)")
+    p.add_argument(
+        "--model-tag", type=str, default=None, help="checkpoint tag, also the output tag (default: the largest)"
+    )
     p.add_argument("--model-step", type=int, default=None, help="checkpoint step (default: the latest)")
     add_dtype_flag(p)
     # task
-    p.add_argument("--task", type=str, default="auto", choices=["auto", "gsm8k", "arithmetic"],
-                   help="gsm8k (train split from the hub) or generated arithmetic problems; auto = gsm8k if the hub is reachable")
+    p.add_argument(
+        "--task",
+        type=str,
+        default="auto",
+        choices=["auto", "gsm8k", "arithmetic"],
+        help="gsm8k (train split from the hub) or generated arithmetic problems; auto = gsm8k if the hub is reachable",
+    )
     p.add_argument("--train-size", type=int, default=8000, help="arithmetic: number of generated training problems")
     p.add_argument("--eval-size", type=int, default=400, help="arithmetic: number of held-out generated problems")
     p.add_argument("--seed", type=int, default=0, help="arithmetic: generator seed")
@@ -67,14 +74,21 @@ def build_parser():
     p.add_argument("--num-epochs", type=int, default=1, help="epochs over the training problems")
     p.add_argument("--num-steps", type=int, default=-1, help="optimizer steps (-1 = from --num-epochs)")
     # batch sizes / sampling
-    add_batch_flags(p, device_batch_size=8,
-                    device_help="rollouts per training forward pass (micro-batch), padded to their own longest; a "
-                                "micro-batch whose advantages are all zero runs no pass")
-    p.add_argument("--sample-rows", type=int, default=0,
-                   help="most rollouts (KV-cache rows) sampled at once, whole groups of --num-samples; several "
-                        "questions share one batch (0 = auto: every rollout of a step, or as many as have their KV "
-                        "cache in a quarter of the free memory; at most 16 on a CPU). Also bounds the pass@k "
-                        "eval's batches")
+    add_batch_flags(
+        p,
+        device_batch_size=8,
+        device_help="rollouts per training forward pass (micro-batch), padded to their own longest; a "
+        "micro-batch whose advantages are all zero runs no pass",
+    )
+    p.add_argument(
+        "--sample-rows",
+        type=int,
+        default=0,
+        help="most rollouts (KV-cache rows) sampled at once, whole groups of --num-samples; several "
+        "questions share one batch (0 = auto: every rollout of a step, or as many as have their KV "
+        "cache in a quarter of the free memory; at most 16 on a CPU). Also bounds the pass@k "
+        "eval's batches",
+    )
     p.add_argument("--examples-per-step", type=int, default=16, help="questions per optimizer step")
     p.add_argument("--num-samples", type=int, default=16, help="sampled answers per question (the group)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="most tokens per sampled answer")
@@ -87,7 +101,13 @@ def build_parser():
     p.add_argument("--eval-examples", type=int, default=400, help="held-out problems per pass@k evaluation")
     p.add_argument("--eval-samples", type=int, default=-1, help="k of pass@k (-1 = --device-batch-size)")
     p.add_argument("--eval-temperature", type=float, default=1.0, help="sampling temperature of the pass@k eval")
-    p.add_argument("--eval-greedy", type=int, default=0, choices=[0, 1], help="also report greedy accuracy (temperature 0) in each eval")
+    p.add_argument(
+        "--eval-greedy",
+        type=int,
+        default=0,
+        choices=[0, 1],
+        help="also report greedy accuracy (temperature 0) in each eval",
+    )
     p.add_argument("--save-every", type=int, default=60, help="checkpoint every N steps and at the end")
     # mesh
     sharding.add_mesh_flags(p)
@@ -97,12 +117,22 @@ def build_parser():
 def check_args(parser, args):
     if args.sample_rows < 0:
         parser.error(f"--sample-rows must be 0 (auto) or positive, got {args.sample_rows}")
-    for name in ("device_batch_size", "examples_per_step", "num_samples", "max_new_tokens", "train_size", "eval_size",
-                 "num_epochs", "eval_examples"):
+    for name in (
+        "device_batch_size",
+        "examples_per_step",
+        "num_samples",
+        "max_new_tokens",
+        "train_size",
+        "eval_size",
+        "num_epochs",
+        "eval_examples",
+    ):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if args.num_samples % args.device_batch_size:
-        parser.error(f"--num-samples {args.num_samples} must be a multiple of --device-batch-size {args.device_batch_size}")
+        parser.error(
+            f"--num-samples {args.num_samples} must be a multiple of --device-batch-size {args.device_batch_size}"
+        )
     if args.temperature < 0 or args.eval_temperature < 0:
         parser.error("temperatures must be >= 0")
     if args.num_samples < 2:
@@ -192,7 +222,7 @@ def rollout_batches(sequences, masks, advantages, pad_token, device_batch_size, 
         raise ValueError(f"{n} rollouts do not split into micro-batches of {device_batch_size}")
     batches = []
     for start in range(0, n, device_batch_size):
-        seqs, ms = sequences[start: start + device_batch_size], masks[start: start + device_batch_size]
+        seqs, ms = sequences[start : start + device_batch_size], masks[start : start + device_batch_size]
         width = -(-(max(len(s) for s in seqs) - 1) // bucket) * bucket
         ids = np.full((len(seqs), width + 1), pad_token, np.int32)
         mask = np.zeros((len(seqs), width + 1), np.int32)
@@ -200,7 +230,7 @@ def rollout_batches(sequences, masks, advantages, pad_token, device_batch_size, 
             ids[i, : len(seq)], mask[i, : len(m)] = seq, m
         targets = ids[:, 1:].copy()
         targets[mask[:, 1:] == 0] = -1
-        batches.append((ids[:, :-1], targets, np.asarray(advantages[start: start + device_batch_size], np.float32)))
+        batches.append((ids[:, :-1], targets, np.asarray(advantages[start : start + device_batch_size], np.float32)))
     return batches
 
 
@@ -214,7 +244,11 @@ def build_tasks(args):
     if which == "gsm8k":
         # as nanochat: the test split is only ever evaluated on, never trained on
         return GSM8K("main", "train", source="hub"), GSM8K("main", "test", source="hub"), which
-    return ArithmeticProblems(args.train_size, "train", args.seed), ArithmeticProblems(args.eval_size, "val", args.seed), which
+    return (
+        ArithmeticProblems(args.train_size, "train", args.seed),
+        ArithmeticProblems(args.eval_size, "val", args.seed),
+        which,
+    )
 
 
 CPU_SAMPLE_ROWS = 16  # auto --sample-rows on a CPU. Past about this many rows a CPU's decode step takes longer
@@ -235,22 +269,34 @@ def rollout_rows(model, args) -> int:
 def sample_groups(engine, tokenizer, task, conversations, seeds, num_samples, rows, **sampling):
     """num_samples answers to each question, several questions per Engine batch (at most `rows` rollouts, at
     least one question): per question (sequences, masks, rewards)."""
-    return [(sequences, masks, [task.reward(conversation, tokenizer.decode(s[len(prompt):])) for s in sequences])
-            for conversation, prompt, sequences, masks
-            in sample_problems(engine, tokenizer, conversations, num_samples, rows, seeds, **sampling)]
+    return [
+        (sequences, masks, [task.reward(conversation, tokenizer.decode(s[len(prompt) :])) for s in sequences])
+        for conversation, prompt, sequences, masks in sample_problems(
+            engine, tokenizer, conversations, num_samples, rows, seeds, **sampling
+        )
+    ]
 
 
-def evaluate_pass_at_k(engine, tokenizer, task, num_examples, k, max_new_tokens, temperature, top_k, seed=0,
-                       rows=64) -> dict:
+def evaluate_pass_at_k(
+    engine, tokenizer, task, num_examples, k, max_new_tokens, temperature, top_k, seed=0, rows=64
+) -> dict:
     """pass@1..k over the first num_examples problems of task (several problems per Engine batch, at most `rows`
     samples), and the mean reward of all samples. Problem i samples with seed + i, as one call per problem would."""
     n = min(num_examples, len(task))
     counts = []
     with progress_bar(total=n, desc="pass@k", leave=False, disable=not is_main_process()) as bar:
         for conversation, prompt, seqs, _ in sample_problems(
-                engine, tokenizer, [task[i] for i in range(n)], k, rows, [seed + i for i in range(n)],
-                max_tokens=max_new_tokens, temperature=temperature, top_k=top_k):
-            counts.append(sum(task.evaluate(conversation, tokenizer.decode(s[len(prompt):])) for s in seqs))
+            engine,
+            tokenizer,
+            [task[i] for i in range(n)],
+            k,
+            rows,
+            [seed + i for i in range(n)],
+            max_tokens=max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+        ):
+            counts.append(sum(task.evaluate(conversation, tokenizer.decode(s[len(prompt) :])) for s in seqs))
             bar.update(1)
     result = {f"pass@{j}": float(np.mean([pass_at_k(k, c, j) for c in counts])) for j in range(1, k + 1)}
     result["eval_mean_reward"] = float(np.sum(counts) / (k * n))
@@ -260,8 +306,12 @@ def evaluate_pass_at_k(engine, tokenizer, task, num_examples, k, max_new_tokens,
 def plot_rl(rows, path, title=""):
     """2x2 chart: mean reward, pass@1 and pass@k, LR multiplier, mean sampled length."""
     k_keys = sorted({key for r in rows for key in r if key.startswith("pass@")}, key=lambda s: int(s[5:]))
-    panels = [(["reward"], "mean reward (train rollouts)"), ([k_keys[0], k_keys[-1]] if k_keys else [], "held-out pass@k"),
-              (["lrm"], "learning-rate multiplier"), (["sequence_length"], "mean rollout length (tokens)")]
+    panels = [
+        (["reward"], "mean reward (train rollouts)"),
+        ([k_keys[0], k_keys[-1]] if k_keys else [], "held-out pass@k"),
+        (["lrm"], "learning-rate multiplier"),
+        (["sequence_length"], "mean rollout length (tokens)"),
+    ]
     return plot_panels(rows, path, panels, title)
 
 
@@ -281,14 +331,18 @@ def main(argv=None):
         sys.exit("error: scripts.rl samples rollouts in one process; run it on one host (any number of local devices)")
     dp = mesh.shape["data"] * mesh.shape["fsdp"]
     if args.device_batch_size % dp:
-        parser.error(f"--device-batch-size {args.device_batch_size} must be a multiple of the mesh's data x fsdp size {dp}")
+        parser.error(
+            f"--device-batch-size {args.device_batch_size} must be a multiple of the mesh's data x fsdp size {dp}"
+        )
 
     # -------------------------------------------------------------------------
     # Model, tasks, optimizer
 
     try:
         model_tag = args.model_tag or find_model_tag(args.source)
-        model, tokenizer, meta = load_model(args.source, model_tag, args.model_step, mesh=mesh, dtype=compute_dtype(args.dtype))
+        model, tokenizer, meta = load_model(
+            args.source, model_tag, args.model_step, mesh=mesh, dtype=compute_dtype(args.dtype)
+        )
         train_task, eval_task, which = build_tasks(args)
     except (FileNotFoundError, ValueError) as e:
         sys.exit(f"error: {e}")
@@ -297,12 +351,19 @@ def main(argv=None):
     num_steps = args.num_steps if args.num_steps > 0 else (len(train_task) // args.examples_per_step) * args.num_epochs
     if num_steps < 1:
         parser.error(f"no steps: {len(train_task)} problems make no full step of {args.examples_per_step} examples")
-    print0(f"{which}: {len(train_task):,} training problems, {len(eval_task):,} eval problems | {num_steps} steps of "
-           f"{args.examples_per_step} x {args.num_samples} rollouts, sampled {rows} at a time | "
-           f"from {args.source} {model_tag} step {meta['step']}")
+    print0(
+        f"{which}: {len(train_task):,} training problems, {len(eval_task):,} eval problems | {num_steps} steps of "
+        f"{args.examples_per_step} x {args.num_samples} rollouts, sampled {rows} at a time | "
+        f"from {args.source} {model_tag} step {meta['step']}"
+    )
     with jax.set_mesh(mesh):
-        optimizer = build_optimizer(model, unembedding_lr=args.unembedding_lr, embedding_lr=args.embedding_lr,
-                                    matrix_lr=args.matrix_lr, weight_decay=args.weight_decay)
+        optimizer = build_optimizer(
+            model,
+            unembedding_lr=args.unembedding_lr,
+            embedding_lr=args.embedding_lr,
+            matrix_lr=args.matrix_lr,
+            weight_decay=args.weight_decay,
+        )
     lr_var = optimizer.opt_state.hyperparams["lr_multiplier"]
 
     out_dir = checkpoint_dir("rl", args.model_tag or model_tag)
@@ -315,14 +376,27 @@ def main(argv=None):
     log = metrics_logger(metrics_path, args.run, "flaxchat-rl", user_config)
 
     def evaluate(step):
-        result = evaluate_pass_at_k(engine, tokenizer, eval_task, args.eval_examples, k, args.max_new_tokens,
-                                    args.eval_temperature, args.top_k or None, seed=10_000_019, rows=rows)
+        result = evaluate_pass_at_k(
+            engine,
+            tokenizer,
+            eval_task,
+            args.eval_examples,
+            k,
+            args.max_new_tokens,
+            args.eval_temperature,
+            args.top_k or None,
+            seed=10_000_019,
+            rows=rows,
+        )
         if args.eval_greedy:
-            greedy = evaluate_pass_at_k(engine, tokenizer, eval_task, args.eval_examples, 1, args.max_new_tokens, 0.0,
-                                        None, rows=rows)
+            greedy = evaluate_pass_at_k(
+                engine, tokenizer, eval_task, args.eval_examples, 1, args.max_new_tokens, 0.0, None, rows=rows
+            )
             result["greedy@1"] = greedy["pass@1"]
-        say(f"step {step} | " + " | ".join(f"{key} {result[key]:.4f}" for key in ("pass@1", f"pass@{k}", "greedy@1")
-                                           if key in result))
+        say(
+            f"step {step} | "
+            + " | ".join(f"{key} {result[key]:.4f}" for key in ("pass@1", f"pass@{k}", "greedy@1") if key in result)
+        )
         log({"step": step, **result})
         return result
 
@@ -342,9 +416,17 @@ def main(argv=None):
             if not saved_once:
                 ckpt.drop_earlier_run()
                 saved_once = True
-            ckpt.save(step, model, meta={"user_config": user_config, "task": which, "git_commit": git_commit(),
-                                         "source": {"phase": args.source, "model_tag": model_tag, "step": meta["step"]},
-                                         **results})
+            ckpt.save(
+                step,
+                model,
+                meta={
+                    "user_config": user_config,
+                    "task": which,
+                    "git_commit": git_commit(),
+                    "source": {"phase": args.source, "model_tag": model_tag, "step": meta["step"]},
+                    **results,
+                },
+            )
         if step == num_steps:
             break
 
@@ -352,8 +434,16 @@ def main(argv=None):
         sequences, masks, advantages, rewards = [], [], [], []
         indices = [(example + i) % len(train_task) for i in range(args.examples_per_step)]
         example += args.examples_per_step
-        groups = sample_groups(engine, tokenizer, train_task, [train_task[i] for i in indices],
-                               [hash((step, i)) & 0x7FFFFFFF for i in indices], args.num_samples, rows, **sampling)
+        groups = sample_groups(
+            engine,
+            tokenizer,
+            train_task,
+            [train_task[i] for i in indices],
+            [hash((step, i)) & 0x7FFFFFFF for i in indices],
+            args.num_samples,
+            rows,
+            **sampling,
+        )
         for seqs, ms, rs in groups:
             sequences += seqs
             masks += ms
@@ -366,19 +456,30 @@ def main(argv=None):
         with jax.set_mesh(mesh):
             loss = rl_step(model, optimizer, batches, mesh)
         dt = time.perf_counter() - t0
-        row = {"step": step + 1, "reward": float(np.mean(rewards)), "loss": loss, "lrm": lrm, "dt": dt,
-               "rollout_s": t_rollout, "sequence_length": float(np.mean([len(s) for s in sequences])),
-               "skipped_batches": sum(not np.any(b[2]) for b in batches)}  # all-zero advantages: no pass
+        row = {
+            "step": step + 1,
+            "reward": float(np.mean(rewards)),
+            "loss": loss,
+            "lrm": lrm,
+            "dt": dt,
+            "rollout_s": t_rollout,
+            "sequence_length": float(np.mean([len(s) for s in sequences])),
+            "skipped_batches": sum(not np.any(b[2]) for b in batches),
+        }  # all-zero advantages: no pass
         log(row)
-        bar.set_postfix(reward=f"{row['reward']:.3f}", len=f"{row['sequence_length']:.0f}", lrm=f"{lrm:.2f}", refresh=False)
+        bar.set_postfix(
+            reward=f"{row['reward']:.3f}", len=f"{row['sequence_length']:.0f}", lrm=f"{lrm:.2f}", refresh=False
+        )
         bar.update(1)
     bar.close()
     ckpt.close()
     rows = read_jsonl(metrics_path)
     plot_rl(rows, os.path.join(out_dir, "rl.png"), title=f"{model_tag} RL ({which})")
     first = next(r for r in rows if "pass@1" in r)
-    print0(f"RL done: {num_steps} steps | held-out pass@1 {first['pass@1']:.4f} -> {results['pass@1']:.4f} | "
-           f"pass@{k} {first[f'pass@{k}']:.4f} -> {results[f'pass@{k}']:.4f} | checkpoints: {out_dir}")
+    print0(
+        f"RL done: {num_steps} steps | held-out pass@1 {first['pass@1']:.4f} -> {results['pass@1']:.4f} | "
+        f"pass@{k} {first[f'pass@{k}']:.4f} -> {results[f'pass@{k}']:.4f} | checkpoints: {out_dir}"
+    )
     return {"first": first, "last": results, "rows": rows}
 
 

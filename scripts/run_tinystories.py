@@ -50,11 +50,19 @@ CHAT_PROMPTS = ["Tell me a story about a cat named Tom.", "Who are you?"]
 def build_parser():
     p = argparse.ArgumentParser(description="Run the whole flaxchat pipeline on stories, laptop-sized.")
     p.add_argument("--quick", action="store_true", help="a tiny model in a few minutes (the same stages)")
-    p.add_argument("--base-dir", type=str, default=os.path.join(get_base_dir(create=False), "tinystories"),
-                   help="where the demo's data, tokenizer and checkpoints go (default: tinystories/ inside "
-                        "$FLAXCHAT_BASE_DIR, or inside ~/.cache/flaxchat when that is unset; now %(default)s)")
-    p.add_argument("--source", choices=["auto", "tinystories", "synthetic-stories"], default="auto",
-                   help="stories to train on (auto: TinyStories if the hub is reachable)")
+    p.add_argument(
+        "--base-dir",
+        type=str,
+        default=os.path.join(get_base_dir(create=False), "tinystories"),
+        help="where the demo's data, tokenizer and checkpoints go (default: tinystories/ inside "
+        "$FLAXCHAT_BASE_DIR, or inside ~/.cache/flaxchat when that is unset; now %(default)s)",
+    )
+    p.add_argument(
+        "--source",
+        choices=["auto", "tinystories", "synthetic-stories"],
+        default="auto",
+        help="stories to train on (auto: TinyStories if the hub is reachable)",
+    )
     p.add_argument("--fresh", action="store_true", help="redo every stage even if its output exists")
     return p
 
@@ -74,13 +82,18 @@ class Demo:
     def run(self, stage, module, *flags):
         """Run one pipeline command in a fresh process (its own progress bars), timing it."""
         cmd = [sys.executable, "-m", module, *map(str, flags)]
-        print(f"\n=== {stage}: FLAXCHAT_BASE_DIR={self.args.base_dir} python -m {module} {shlex.join(map(str, flags))}", flush=True)
+        print(
+            f"\n=== {stage}: FLAXCHAT_BASE_DIR={self.args.base_dir} python -m {module} {shlex.join(map(str, flags))}",
+            flush=True,
+        )
         t0 = time.perf_counter()
         result = subprocess.run(cmd, env=self.env, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         self.timings[stage] = self.timings.get(stage, 0.0) + time.perf_counter() - t0
         if result.returncode != 0:
-            sys.exit(f"error: the {stage} stage failed (exit {result.returncode}); fix what it says and rerun, "
-                     "finished stages are kept")
+            sys.exit(
+                f"error: the {stage} stage failed (exit {result.returncode}); fix what it says and rerun, "
+                "finished stages are kept"
+            )
 
     def done(self, stage, *paths):
         if not self.args.fresh and all(os.path.exists(p) for p in paths):
@@ -97,7 +110,9 @@ class Demo:
         source = self.args.source
         if source == "auto":
             source = "tinystories" if hub_reachable() else "synthetic-stories"
-            print(f"stories: {source} ({'hub reachable' if source == 'tinystories' else 'offline: built-in generator'})")
+            print(
+                f"stories: {source} ({'hub reachable' if source == 'tinystories' else 'offline: built-in generator'})"
+            )
         flags = ["--source", source, "--num-shards", self.size["num_shards"], "--overwrite"]
         if source == "synthetic-stories":
             flags += ["--docs-per-shard", self.size["docs_per_shard"]]
@@ -106,18 +121,45 @@ class Demo:
     def tokenizer(self):
         if self.done("tokenizer", self.path("tokenizer", "tokenizer.json")):
             return
-        self.run("tokenizer", "scripts.tok_train", "--vocab-size", self.size["vocab_size"], "--max-chars", self.size["tok_max_chars"])
+        self.run(
+            "tokenizer",
+            "scripts.tok_train",
+            "--vocab-size",
+            self.size["vocab_size"],
+            "--max-chars",
+            self.size["tok_max_chars"],
+        )
 
     def pretrain(self):
         s = self.size
         final = self.path("base_checkpoints", self.tag, str(s["pretrain_iterations"]))
         if self.done("pretrain", final):
             return
-        flags = ["--depth", s["depth"], "--max-seq-len", s["max_seq_len"], "--device-batch-size", s["device_batch_size"],
-                 "--total-batch-size", s["total_batch_size"], "--num-iterations", s["pretrain_iterations"],
-                 "--warmup-steps", 10, "--eval-every", max(s["pretrain_iterations"] // 3, 1), "--eval-tokens", 65536,
-                 "--sample-every", -1, "--save-every", max(s["pretrain_iterations"] // 3, 1), "--model-tag", self.tag,
-                 "--no-hparam-scaling"]  # small batches: nanochat's sqrt(B) LR rule would stall a run this short
+        flags = [
+            "--depth",
+            s["depth"],
+            "--max-seq-len",
+            s["max_seq_len"],
+            "--device-batch-size",
+            s["device_batch_size"],
+            "--total-batch-size",
+            s["total_batch_size"],
+            "--num-iterations",
+            s["pretrain_iterations"],
+            "--warmup-steps",
+            10,
+            "--eval-every",
+            max(s["pretrain_iterations"] // 3, 1),
+            "--eval-tokens",
+            65536,
+            "--sample-every",
+            -1,
+            "--save-every",
+            max(s["pretrain_iterations"] // 3, 1),
+            "--model-tag",
+            self.tag,
+            "--no-hparam-scaling",
+        ]  # small batches: nanochat's sqrt(B) LR rule would stall a run this short
         ckpt_dir = self.path("base_checkpoints", self.tag)
         if not self.args.fresh and os.path.isdir(ckpt_dir) and Checkpointer(ckpt_dir, async_save=False).latest_step():
             flags.append("--resume")  # an interrupted earlier run continues where it stopped
@@ -128,11 +170,38 @@ class Demo:
         final = self.path("chatsft_checkpoints", self.tag, str(s["sft_iterations"]))
         if self.done("sft", final):
             return
-        self.run("sft", "scripts.sft", "--model-tag", self.tag, "--mixture", "offline", "--num-iterations", s["sft_iterations"],
-                 "--device-batch-size", s["sft_batch_size"], "--total-batch-size", s["sft_batch_size"] * s["max_seq_len"],
-                 "--mc-epochs", 0, "--spelling-size", 0, "--story-size", 1500, "--identity-size", 300,
-                 "--arithmetic-size", 300, "--eval-every", -1, "--eval-tokens", 16384, "--chatcore-every", -1,
-                 "--reply-check", 16)
+        self.run(
+            "sft",
+            "scripts.sft",
+            "--model-tag",
+            self.tag,
+            "--mixture",
+            "offline",
+            "--num-iterations",
+            s["sft_iterations"],
+            "--device-batch-size",
+            s["sft_batch_size"],
+            "--total-batch-size",
+            s["sft_batch_size"] * s["max_seq_len"],
+            "--mc-epochs",
+            0,
+            "--spelling-size",
+            0,
+            "--story-size",
+            1500,
+            "--identity-size",
+            300,
+            "--arithmetic-size",
+            300,
+            "--eval-every",
+            -1,
+            "--eval-tokens",
+            16384,
+            "--chatcore-every",
+            -1,
+            "--reply-check",
+            16,
+        )
 
     def samples(self, phase, prompts, chat):
         os.environ["FLAXCHAT_BASE_DIR"] = self.args.base_dir
@@ -141,13 +210,15 @@ class Demo:
         engine = Engine(model, tokenizer)
         print(f"\n=== {'chat' if chat else 'samples'}: the {phase} model", flush=True)
         if chat:
-            convs = [{"messages": [{"role": "user", "content": p}, {"role": "assistant", "content": ""}]} for p in prompts]
+            convs = [
+                {"messages": [{"role": "user", "content": p}, {"role": "assistant", "content": ""}]} for p in prompts
+            ]
             inputs = [tokenizer.render_for_completion(conv) for conv in convs]
         else:
             inputs = [tokenizer.encode(prompt, prepend="<|bos|>") for prompt in prompts]
         outs = engine.generate_batches(inputs, max_tokens=200, temperature=0.7, top_k=50, seeds=range(len(prompts)))
         for prompt, tokens, (out, _) in zip(prompts, inputs, outs):  # prompt i samples with seed i
-            text = tokenizer.decode(out[0][len(tokens):])
+            text = tokenizer.decode(out[0][len(tokens) :])
             print(f"\n[{prompt}]\n{text.strip() if chat else prompt + text}", flush=True)
         self.timings[f"{phase} samples"] = time.perf_counter() - t0
 
@@ -167,14 +238,22 @@ def main(argv=None):
     demo.samples("sft", CHAT_PROMPTS, chat=True)
     total = time.perf_counter() - t0
     report = Report(args.base_dir)
-    report.log("demo", {"mode": "quick" if args.quick else "full", "total minutes": total / 60,
-                        **{f"{k} (s)": v for k, v in demo.timings.items()}})
+    report.log(
+        "demo",
+        {
+            "mode": "quick" if args.quick else "full",
+            "total minutes": total / 60,
+            **{f"{k} (s)": v for k, v in demo.timings.items()},
+        },
+    )
     path = report.generate()
     env = f"FLAXCHAT_BASE_DIR={args.base_dir}"
     print(f"\nDone in {total / 60:.1f} minutes. Report card: {path}\n")
     print("Chat with your model:")
     print(f"  in the terminal:  {env} python -m scripts.chat_cli -i sft --model-tag {demo.tag}")
-    print(f"  in the browser:   {env} python -m scripts.chat_web -i sft --model-tag {demo.tag}   (then open http://127.0.0.1:8000)")
+    print(
+        f"  in the browser:   {env} python -m scripts.chat_web -i sft --model-tag {demo.tag}   (then open http://127.0.0.1:8000)"
+    )
 
 
 if __name__ == "__main__":

@@ -53,10 +53,16 @@ from flaxchat.model.cpu import sub_batch_note
 from flaxchat.model.gpt import GPT, add_kernel_flags
 from flaxchat.model.lora import DEFAULT_TARGETS, LoraConfig, adapter_modules, apply_lora, count_params, merge_lora
 from flaxchat.perf.machine import peak_flops_per_device
-from flaxchat.train.checkpoint import checkpoint_dir, Checkpointer, find_model_tag, git_commit, merge_lora_checkpoint
-from flaxchat.train.flags import (FROM_BASE, add_batch_flags, add_dtype_flag, add_optimizer_flags, add_run_flag,
-                                  add_schedule_flags)
-from flaxchat.train.optim import build_lora_optimizer, build_optimizer, Schedule
+from flaxchat.train.checkpoint import Checkpointer, checkpoint_dir, find_model_tag, git_commit, merge_lora_checkpoint
+from flaxchat.train.flags import (
+    FROM_BASE,
+    add_batch_flags,
+    add_dtype_flag,
+    add_optimizer_flags,
+    add_run_flag,
+    add_schedule_flags,
+)
+from flaxchat.train.optim import Schedule, build_lora_optimizer, build_optimizer
 from flaxchat.train.step import FlatStep, InFlight, add_in_flight_flag, in_flight_depth
 from tasks.arc import ARC
 from tasks.common import TaskMixture, hub_reachable
@@ -91,14 +97,35 @@ EPILOG = """your own chats and LoRA:
 
 
 def build_parser():
-    p = argparse.ArgumentParser(description="Supervised fine-tuning of a base model into a chat model.",
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG)
+    p = argparse.ArgumentParser(
+        description="Supervised fine-tuning of a base model into a chat model.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=EPILOG,
+    )
     add_run_flag(p)
     # model loading
-    p.add_argument("--model-tag", type=str, default=None, help="base checkpoint tag, also the output tag (default: the largest)")
-    p.add_argument("--model-step", type=int, default=None, help="base checkpoint step (default: the latest; with --merge: the sft step)")
-    p.add_argument("--output-tag", type=str, default=None, help="tag of the output checkpoint (default: --model-tag's; with --merge: TAG-merged)")
-    p.add_argument("--load-optimizer", type=int, default=1, choices=[0, 1], help="warm-start the optimizer state from the base checkpoint")
+    p.add_argument(
+        "--model-tag", type=str, default=None, help="base checkpoint tag, also the output tag (default: the largest)"
+    )
+    p.add_argument(
+        "--model-step",
+        type=int,
+        default=None,
+        help="base checkpoint step (default: the latest; with --merge: the sft step)",
+    )
+    p.add_argument(
+        "--output-tag",
+        type=str,
+        default=None,
+        help="tag of the output checkpoint (default: --model-tag's; with --merge: TAG-merged)",
+    )
+    p.add_argument(
+        "--load-optimizer",
+        type=int,
+        default=1,
+        choices=[0, 1],
+        help="warm-start the optimizer state from the base checkpoint",
+    )
     add_dtype_flag(p)
     add_kernel_flags(p)
     # horizon and batch (None = inherit from the base checkpoint)
@@ -112,45 +139,104 @@ def build_parser():
     p.add_argument("--eval-every", type=int, default=200, help="val bpb every N steps (-1 = only at the end)")
     p.add_argument("--eval-tokens", type=int, default=40 * 524288, help="tokens of val conversations per evaluation")
     p.add_argument("--chatcore-every", type=int, default=200, help="ChatCORE every N steps and at the end (-1 = off)")
-    p.add_argument("--chatcore-tasks", type=str, default="ARC-Easy,ARC-Challenge,MMLU,GSM8K,HumanEval", help="comma list of chat tasks")
+    p.add_argument(
+        "--chatcore-tasks",
+        type=str,
+        default="ARC-Easy,ARC-Challenge,MMLU,GSM8K,HumanEval",
+        help="comma list of chat tasks",
+    )
     p.add_argument("--chatcore-max-cat", type=int, default=-1, help="problems per categorical task (-1 = all)")
     p.add_argument("--chatcore-max-sample", type=int, default=24, help="problems per generative task (-1 = all)")
-    p.add_argument("--reply-check", type=int, default=32, help="at the end, sample replies to N val prompts and count those ending with <|assistant_end|> (0 = off)")
+    p.add_argument(
+        "--reply-check",
+        type=int,
+        default=32,
+        help="at the end, sample replies to N val prompts and count those ending with <|assistant_end|> (0 = off)",
+    )
     # data mixture
-    p.add_argument("--mixture", type=str, default="auto", choices=["auto", "online", "offline", "none"],
-                   help="built-in training mixture (auto: online if the HF hub is reachable; none: only --chats)")
-    p.add_argument("--chats", action="append", default=[], metavar="PATH[:WEIGHT]",
-                   help="your conversations: a JSONL file in the OpenAI chat format (one {\"messages\": [...]} per line; "
-                        "optional system, then user/assistant alternating) or a folder of them. WEIGHT: how many times "
-                        "it appears per epoch of the mixture (default 1; 0.5 = half of it, 3 = three times). Repeatable")
-    p.add_argument("--chats-val-fraction", type=float, default=0.05, help="share of each --chats source held out for val")
+    p.add_argument(
+        "--mixture",
+        type=str,
+        default="auto",
+        choices=["auto", "online", "offline", "none"],
+        help="built-in training mixture (auto: online if the HF hub is reachable; none: only --chats)",
+    )
+    p.add_argument(
+        "--chats",
+        action="append",
+        default=[],
+        metavar="PATH[:WEIGHT]",
+        help='your conversations: a JSONL file in the OpenAI chat format (one {"messages": [...]} per line; '
+        "optional system, then user/assistant alternating) or a folder of them. WEIGHT: how many times "
+        "it appears per epoch of the mixture (default 1; 0.5 = half of it, 3 = three times). Repeatable",
+    )
+    p.add_argument(
+        "--chats-val-fraction", type=float, default=0.05, help="share of each --chats source held out for val"
+    )
     p.add_argument("--mmlu-epochs", type=int, default=3, help="online: epochs of MMLU auxiliary_train")
     p.add_argument("--gsm8k-epochs", type=int, default=4, help="online: epochs of GSM8K train")
-    p.add_argument("--mc-epochs", type=int, default=1, help="offline: epochs of MMLU dev+validation and ARC validation (0 = none)")
+    p.add_argument(
+        "--mc-epochs", type=int, default=1, help="offline: epochs of MMLU dev+validation and ARC validation (0 = none)"
+    )
     p.add_argument("--identity-size", type=int, default=1000, help="identity conversations (online and offline)")
-    p.add_argument("--arithmetic-size", type=int, default=4000, help="offline: arithmetic word problems with tool calls")
+    p.add_argument(
+        "--arithmetic-size", type=int, default=4000, help="offline: arithmetic word problems with tool calls"
+    )
     p.add_argument("--story-size", type=int, default=1000, help="offline: story requests")
-    p.add_argument("--spelling-size", type=int, default=1000, help="offline: SpellingBee and SimpleSpelling examples each (0 = none)")
+    p.add_argument(
+        "--spelling-size",
+        type=int,
+        default=1000,
+        help="offline: SpellingBee and SimpleSpelling examples each (0 = none)",
+    )
     p.add_argument("--val-size", type=int, default=200, help="offline: val conversations per synthetic task")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic conversations and of sampling")
     # LoRA
-    p.add_argument("--lora-rank", type=int, default=0, help="train rank-R LoRA adapters (qwix) on the block matrices, "
-                   "base frozen, instead of every weight (0 = full fine-tuning)")
-    p.add_argument("--lora-alpha", type=float, default=None, help="LoRA updates are scaled by alpha / rank (default: 2 x rank)")
-    p.add_argument("--lora-targets", type=str, default=DEFAULT_TARGETS, help="matrices with adapters: a comma list of "
-                   "c_q,c_k,c_v,c_proj,c_fc,ve_gate (c_proj: attention's and MLP's) or a regex over module paths such as "
-                   "transformer/h/[0-3]/mlp/c_fc")
-    p.add_argument("--lora-full", type=str, default="lm_head", help="also train these in full, next to the adapters: a "
-                   "comma list of lm_head, wte, value_embeds, or none. A base model has never written the chat's special "
-                   "tokens: with a frozen lm_head no reply learns to end")
-    p.add_argument("--lora-lr", type=float, default=1e-2, help="AdamW LR of the adapters (and --lora-full), scaled by "
-                   "--init-lr-frac and the schedule (tuned on the laptop demo's model; large models may want less)")
-    p.add_argument("--merge", action="store_true", help="no training: write the LoRA checkpoint of --model-tag (step "
-                   "--model-step) as full merged weights, an ordinary sft checkpoint under --output-tag")
+    p.add_argument(
+        "--lora-rank",
+        type=int,
+        default=0,
+        help="train rank-R LoRA adapters (qwix) on the block matrices, "
+        "base frozen, instead of every weight (0 = full fine-tuning)",
+    )
+    p.add_argument(
+        "--lora-alpha", type=float, default=None, help="LoRA updates are scaled by alpha / rank (default: 2 x rank)"
+    )
+    p.add_argument(
+        "--lora-targets",
+        type=str,
+        default=DEFAULT_TARGETS,
+        help="matrices with adapters: a comma list of "
+        "c_q,c_k,c_v,c_proj,c_fc,ve_gate (c_proj: attention's and MLP's) or a regex over module paths such as "
+        "transformer/h/[0-3]/mlp/c_fc",
+    )
+    p.add_argument(
+        "--lora-full",
+        type=str,
+        default="lm_head",
+        help="also train these in full, next to the adapters: a "
+        "comma list of lm_head, wte, value_embeds, or none. A base model has never written the chat's special "
+        "tokens: with a frozen lm_head no reply learns to end",
+    )
+    p.add_argument(
+        "--lora-lr",
+        type=float,
+        default=1e-2,
+        help="AdamW LR of the adapters (and --lora-full), scaled by "
+        "--init-lr-frac and the schedule (tuned on the laptop demo's model; large models may want less)",
+    )
+    p.add_argument(
+        "--merge",
+        action="store_true",
+        help="no training: write the LoRA checkpoint of --model-tag (step "
+        "--model-step) as full merged weights, an ordinary sft checkpoint under --output-tag",
+    )
     # checkpoints
     p.add_argument("--save-every", type=int, default=-1, help="also checkpoint every N steps (-1 = only at the end)")
     p.add_argument("--keep", type=int, default=1, help="checkpoints kept (the latest ones)")
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint under the output tag (same flags)")
+    p.add_argument(
+        "--resume", action="store_true", help="continue from the latest checkpoint under the output tag (same flags)"
+    )
     add_in_flight_flag(p)
     # mesh
     sharding.add_mesh_flags(p)
@@ -167,8 +253,16 @@ def check_args(parser, args):
             parser.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     if args.warmup_ratio + args.warmdown_ratio > 1:
         parser.error("--warmup-ratio + --warmdown-ratio must be at most 1")
-    for name in ("mmlu_epochs", "gsm8k_epochs", "mc_epochs", "identity_size", "arithmetic_size", "story_size",
-                 "spelling_size", "reply_check"):
+    for name in (
+        "mmlu_epochs",
+        "gsm8k_epochs",
+        "mc_epochs",
+        "identity_size",
+        "arithmetic_size",
+        "story_size",
+        "spelling_size",
+        "reply_check",
+    ):
         if getattr(args, name) < 0:
             parser.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     if args.val_size < 1:
@@ -185,7 +279,7 @@ def check_args(parser, args):
 
 
 def parse_chats_spec(parser, spec: str) -> tuple[str, float]:
-    """"path" or "path:weight" -> (path, weight)."""
+    """ "path" or "path:weight" -> (path, weight)."""
     path, sep, tail = spec.rpartition(":")
     try:
         if not sep:
@@ -215,33 +309,44 @@ def inherit(args, meta: dict) -> None:
 
 
 def online_mixture(args):
-    train = TaskMixture([
-        SmolTalk(split="train", source="hub"),
-        *[MMLU(subset="all", split="auxiliary_train", source="hub") for _ in range(args.mmlu_epochs)],
-        *[GSM8K(subset="main", split="train", source="hub") for _ in range(args.gsm8k_epochs)],
-        *[IdentityChat(args.identity_size, "train", args.seed) for _ in range(2) if args.identity_size],
-        SimpleSpelling(size=200_000, split="train"),
-        SpellingBee(size=80_000, split="train"),
-    ])
-    val = TaskMixture([  # test splits serve as validation only, never as training data
-        SmolTalk(split="test", source="hub"),
-        MMLU(subset="all", split="test", source="hub", stop=5200),
-        GSM8K(subset="main", split="test", source="hub", stop=420),
-    ])
+    train = TaskMixture(
+        [
+            SmolTalk(split="train", source="hub"),
+            *[MMLU(subset="all", split="auxiliary_train", source="hub") for _ in range(args.mmlu_epochs)],
+            *[GSM8K(subset="main", split="train", source="hub") for _ in range(args.gsm8k_epochs)],
+            *[IdentityChat(args.identity_size, "train", args.seed) for _ in range(2) if args.identity_size],
+            SimpleSpelling(size=200_000, split="train"),
+            SpellingBee(size=80_000, split="train"),
+        ]
+    )
+    val = TaskMixture(
+        [  # test splits serve as validation only, never as training data
+            SmolTalk(split="test", source="hub"),
+            MMLU(subset="all", split="test", source="hub", stop=5200),
+            GSM8K(subset="main", split="test", source="hub", stop=420),
+        ]
+    )
     return train, val
 
 
 def offline_mixture(args):
-    synthetic = [(IdentityChat, args.identity_size), (ArithmeticProblems, args.arithmetic_size),
-                 (StoryRequests, args.story_size)]
+    synthetic = [
+        (IdentityChat, args.identity_size),
+        (ArithmeticProblems, args.arithmetic_size),
+        (StoryRequests, args.story_size),
+    ]
     train = [task(size, "train", args.seed) for task, size in synthetic if size]
     val = [task(args.val_size, "val", args.seed) for task, _ in synthetic]
     if args.spelling_size:
         train += [SpellingBee(args.spelling_size, "train"), SimpleSpelling(args.spelling_size, "train")]
         val += [SpellingBee(args.val_size, "test")]
     for _ in range(args.mc_epochs):
-        train += [MMLU("all", "dev", source="offline"), MMLU("all", "validation", source="offline"),
-                  ARC("ARC-Easy", "validation", source="offline"), ARC("ARC-Challenge", "validation", source="offline")]
+        train += [
+            MMLU("all", "dev", source="offline"),
+            MMLU("all", "validation", source="offline"),
+            ARC("ARC-Easy", "validation", source="offline"),
+            ARC("ARC-Challenge", "validation", source="offline"),
+        ]
     if args.mc_epochs:
         val += [MMLU("all", "test", source="offline", stop=args.val_size)]
     if not train:
@@ -251,8 +356,14 @@ def offline_mixture(args):
 
 def custom_tasks(args) -> list:
     """(train, val, weight) of every --chats source; reading validates every line (ChatFileError, a ValueError)."""
-    return [(CustomJSON(path, "train", args.chats_val_fraction, args.seed),
-             CustomJSON(path, "val", args.chats_val_fraction, args.seed), weight) for path, weight in args.chats]
+    return [
+        (
+            CustomJSON(path, "train", args.chats_val_fraction, args.seed),
+            CustomJSON(path, "val", args.chats_val_fraction, args.seed),
+            weight,
+        )
+        for path, weight in args.chats
+    ]
 
 
 def build_mixtures(args, custom=()):
@@ -339,8 +450,10 @@ def resume(out_dir, model, optimizer, train_loader, mesh, trainable, lora, base_
             raise FileNotFoundError(f"no checkpoint in {out_dir} yet")
         meta = ckpt.read_meta(step)
         if meta.get("lora") != (lora.to_dict() if lora is not None else None) or meta.get("base") != base_ref:
-            raise ValueError(f"the checkpoint in {out_dir} (step {step}) was trained from {meta.get('base')} with LoRA "
-                             f"{meta.get('lora')}; these flags ask for {base_ref} with LoRA {lora}")
+            raise ValueError(
+                f"the checkpoint in {out_dir} (step {step}) was trained from {meta.get('base')} with LoRA "
+                f"{meta.get('lora')}; these flags ask for {base_ref} with LoRA {lora}"
+            )
         if "loop_state" not in meta or meta["loop_state"]["last_step"]:
             raise ValueError(f"the run in {out_dir} already finished at step {step}")
         info = ckpt.restore(model, optimizer, step=step, mesh=mesh, params=trainable)
@@ -371,8 +484,9 @@ def fitting_prompts(dataset, tokenizer, n: int, max_prompt_tokens: int) -> list[
     return chosen
 
 
-def reply_end_rate(model, tokenizer, conversations, max_tokens: int, seed: int = 0, show: int = 3,
-                   rows: int = 64) -> float:
+def reply_end_rate(
+    model, tokenizer, conversations, max_tokens: int, seed: int = 0, show: int = 3, rows: int = 64
+) -> float:
     """Fraction of sampled replies (temperature 1, top-k 50) that end with <|assistant_end|>.
 
     A reply ends when the model writes <|assistant_end|> or <|bos|>, or is cut at max_tokens; only the first
@@ -384,11 +498,15 @@ def reply_end_rate(model, tokenizer, conversations, max_tokens: int, seed: int =
     ended = 0
     with progress_bar(total=len(conversations), desc="reply check", leave=False, disable=not is_main_process()) as bar:
         for first in range(0, len(conversations), rows):
-            batch = conversations[first:first + rows]
+            batch = conversations[first : first + rows]
             replies = [[] for _ in batch]
-            for column, _, live in engine.generate_many([tokenizer.render_for_completion(c) for c in batch],
-                                                        max_tokens=max_tokens, temperature=1.0, top_k=50,
-                                                        seeds=[seed + first + i for i in range(len(batch))]):
+            for column, _, live in engine.generate_many(
+                [tokenizer.render_for_completion(c) for c in batch],
+                max_tokens=max_tokens,
+                temperature=1.0,
+                top_k=50,
+                seeds=[seed + first + i for i in range(len(batch))],
+            ):
                 for reply, token, going in zip(replies, column, live):
                     if going:
                         reply.append(token)
@@ -407,8 +525,15 @@ def run_chatcore(model, tokenizer, args, source: str) -> dict:
     for name in [t.strip() for t in args.chatcore_tasks.split(",") if t.strip()]:
         categorical = name in ("ARC-Easy", "ARC-Challenge", "MMLU")
         limit = args.chatcore_max_cat if categorical else args.chatcore_max_sample
-        result = chat_eval.run_chat_eval(name, model, tokenizer, engine, batch_size=args.device_batch_size,
-                                         max_problems=None if limit < 0 else limit, source=source)
+        result = chat_eval.run_chat_eval(
+            name,
+            model,
+            tokenizer,
+            engine,
+            batch_size=args.device_batch_size,
+            max_problems=None if limit < 0 else limit,
+            source=source,
+        )
         accuracies[name] = result["accuracy"]
     score, n = chat_eval.chatcore(accuracies)
     return {"chatcore": score, "chatcore_tasks": n, **{f"chatcore/{k}": v for k, v in accuracies.items()}}
@@ -452,16 +577,25 @@ def main(argv=None):
     mesh = sharding.mesh_from_args(parser, args)
     dp = mesh.shape["data"] * mesh.shape["fsdp"]
     dtype = compute_dtype(args.dtype)
-    print0(f"devices: {jax.device_count()} x {jax.devices()[0].device_kind} | mesh: {dict(mesh.shape)} | dtype: {jnp.dtype(dtype).name}")
+    print0(
+        f"devices: {jax.device_count()} x {jax.devices()[0].device_kind} | mesh: {dict(mesh.shape)} | "
+        f"dtype: {jnp.dtype(dtype).name}"
+    )
 
     # -------------------------------------------------------------------------
     # Base model (and optimizer state), tokenizer, inherited hyperparameters
 
     try:
         model_tag = args.model_tag or find_model_tag("base")
-        model, base_inner, meta, base_step = restore_base(model_tag, args.model_step, mesh, dtype,
-                                                          bool(args.load_optimizer) and lora is None,
-                                                          attention=args.attention, remat=args.remat)
+        model, base_inner, meta, base_step = restore_base(
+            model_tag,
+            args.model_step,
+            mesh,
+            dtype,
+            bool(args.load_optimizer) and lora is None,
+            attention=args.attention,
+            remat=args.remat,
+        )
         tokenizer, token_bytes = get_tokenizer(), get_token_bytes()
     except FileNotFoundError as e:
         sys.exit(f"error: {e}")
@@ -476,12 +610,16 @@ def main(argv=None):
         parser.error(f"--max-seq-len {args.max_seq_len} exceeds the model's context {model.config.sequence_len}")
     tokens_per_micro = args.device_batch_size * dp * args.max_seq_len
     if args.total_batch_size % tokens_per_micro:
-        parser.error(f"total batch size {args.total_batch_size:,} is not a multiple of one micro-step "
-                     f"({args.device_batch_size} x {dp} devices x {args.max_seq_len} = {tokens_per_micro:,})")
+        parser.error(
+            f"total batch size {args.total_batch_size:,} is not a multiple of one micro-step "
+            f"({args.device_batch_size} x {dp} devices x {args.max_seq_len} = {tokens_per_micro:,})"
+        )
     grad_accum = args.total_batch_size // tokens_per_micro
     global_batch = args.device_batch_size * dp
-    print0(f"micro-batch: {global_batch} x {args.max_seq_len} | grad accumulation: {grad_accum}"
-           + sub_batch_note(args.device_batch_size, args.max_seq_len, mesh))
+    print0(
+        f"micro-batch: {global_batch} x {args.max_seq_len} | grad accumulation: {grad_accum}"
+        + sub_batch_note(args.device_batch_size, args.max_seq_len, mesh)
+    )
 
     if lora is not None:
         # the base stays frozen: only the adapters get gradients and optimizer state, so the base optimizer's
@@ -492,13 +630,20 @@ def main(argv=None):
             parser.error(str(e))
         optimizer = build_lora_optimizer(model, args.lora_lr, lora)
         trainable = lora.trainable()
-        print0(f"LoRA rank {lora.rank}, alpha {lora.alpha:g} on {len(adapter_modules(model))} matrices ({lora.targets}) | "
-               f"AdamW lr {args.lora_lr:g} on the adapters{''.join(', ' + n for n in lora.full)}; the rest frozen")
+        print0(
+            f"LoRA rank {lora.rank}, alpha {lora.alpha:g} on {len(adapter_modules(model))} matrices ({lora.targets}) | "
+            f"AdamW lr {args.lora_lr:g} on the adapters{''.join(', ' + n for n in lora.full)}; the rest frozen"
+        )
     else:
         # nanochat: weight decay 0 (pretraining ends with it decayed to zero); LRs x init_lr_frac via the multiplier
         with jax.set_mesh(mesh):
-            optimizer = build_optimizer(model, unembedding_lr=args.unembedding_lr, embedding_lr=args.embedding_lr,
-                                        matrix_lr=args.matrix_lr, weight_decay=0.0)
+            optimizer = build_optimizer(
+                model,
+                unembedding_lr=args.unembedding_lr,
+                embedding_lr=args.embedding_lr,
+                matrix_lr=args.matrix_lr,
+                weight_decay=0.0,
+            )
         trainable = nnx.Param
         if base_inner is not None:
             nnx.update(optimizer, nnx.State({"opt_state": {"inner_state": base_inner}}))
@@ -506,8 +651,10 @@ def main(argv=None):
         elif args.load_optimizer:
             print0("warning: the base checkpoint has no optimizer state; starting with a fresh optimizer")
     num_trainable = count_params(model, trainable)
-    print0(f"trainable parameters: {num_trainable:,} (the base model has "
-           f"{count_params(model, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))):,})")
+    print0(
+        f"trainable parameters: {num_trainable:,} (the base model has "
+        f"{count_params(model, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))):,})"
+    )
     base_ref = {"phase": "base", "model_tag": model_tag, "step": base_step}
 
     # -------------------------------------------------------------------------
@@ -518,10 +665,18 @@ def main(argv=None):
     except (FileNotFoundError, ValueError) as e:
         hint = "" if args.mixture in ("online", "none") else " (or leave out the multiple choice: --mc-epochs 0)"
         sys.exit(f"error: {e}{hint}")
-    print0(f"{which} mixture{' + ' + str(len(custom)) + ' --chats' if custom else ''}: {len(train_ds):,} training "
-           f"conversations, {len(val_ds):,} val conversations")
-    train_loader = make_sft_loader(train_ds, tokenizer, global_batch, args.max_seq_len, mesh=mesh,
-                                   num_batches=args.num_iterations * grad_accum if args.num_iterations > 0 else -1)
+    print0(
+        f"{which} mixture{' + ' + str(len(custom)) + ' --chats' if custom else ''}: {len(train_ds):,} training "
+        f"conversations, {len(val_ds):,} val conversations"
+    )
+    train_loader = make_sft_loader(
+        train_ds,
+        tokenizer,
+        global_batch,
+        args.max_seq_len,
+        mesh=mesh,
+        num_batches=args.num_iterations * grad_accum if args.num_iterations > 0 else -1,
+    )
     data_source = "hub" if which == "online" else "offline"
 
     # -------------------------------------------------------------------------
@@ -529,8 +684,15 @@ def main(argv=None):
 
     out_dir = checkpoint_dir("sft", args.output_tag or args.model_tag or model_tag)
     metrics_path = os.path.join(out_dir, "metrics.jsonl")
-    loop = {"step": 0, "smooth": 0.0, "train_time": 0.0, "val_bpb": None, "min_val_bpb": float("inf"),
-            "last_step": False, "progress": 0.0}
+    loop = {
+        "step": 0,
+        "smooth": 0.0,
+        "train_time": 0.0,
+        "val_bpb": None,
+        "min_val_bpb": float("inf"),
+        "last_step": False,
+        "progress": 0.0,
+    }
     resume_step = None
     if args.resume:
         try:
@@ -541,7 +703,11 @@ def main(argv=None):
     if is_main_process():
         os.makedirs(out_dir, exist_ok=True)
         if resume_step is not None:  # drop what was logged after the checkpoint: it is done again
-            rows = [r for r in read_jsonl(metrics_path) if r["step"] <= resume_step] if os.path.exists(metrics_path) else []
+            rows = (
+                [r for r in read_jsonl(metrics_path) if r["step"] <= resume_step]
+                if os.path.exists(metrics_path)
+                else []
+            )
             with open(metrics_path, "w", encoding="utf-8") as f:
                 f.writelines(json.dumps(r) + "\n" for r in rows)
         elif os.path.exists(metrics_path):
@@ -569,20 +735,40 @@ def main(argv=None):
         if not saved_once:
             ckpt.drop_earlier_run()
             saved_once = True
-        ckpt.save(step, model, optimizer, data_state=train_loader.get_state(), params=trainable, meta={
-            "val_bpb": loop["val_bpb"], "user_config": user_config, "max_seq_len": args.max_seq_len,
-            "device_batch_size": args.device_batch_size, "total_batch_size": args.total_batch_size,
-            "mixture": which, "chats": [list(d) for d in args.chats], "base": base_ref,
-            "tokenizer_hash": tokenizer.content_hash, "git_commit": git_commit(), "loop_state": loop,
-            **({"lora": lora.to_dict()} if lora is not None else {}),
-        })
+        ckpt.save(
+            step,
+            model,
+            optimizer,
+            data_state=train_loader.get_state(),
+            params=trainable,
+            meta={
+                "val_bpb": loop["val_bpb"],
+                "user_config": user_config,
+                "max_seq_len": args.max_seq_len,
+                "device_batch_size": args.device_batch_size,
+                "total_batch_size": args.total_batch_size,
+                "mixture": which,
+                "chats": [list(d) for d in args.chats],
+                "base": base_ref,
+                "tokenizer_hash": tokenizer.content_hash,
+                "git_commit": git_commit(),
+                "loop_state": loop,
+                **({"lora": lora.to_dict()} if lora is not None else {}),
+            },
+        )
         ckpt.close()
 
     # -------------------------------------------------------------------------
-    # Training loop: eval at step 0 and every eval_every, train; at the end eval, save, then ChatCORE and the reply check
+    # Training loop: eval at step 0 and every eval_every, train; at the end eval, save, then ChatCORE and the reply
+    # check
 
-    bar = progress_bar(total=args.num_iterations if args.num_iterations > 0 else None, initial=loop["step"], desc="sft",
-                       disable=not is_main_process(), dynamic_ncols=True)
+    bar = progress_bar(
+        total=args.num_iterations if args.num_iterations > 0 else None,
+        initial=loop["step"],
+        desc="sft",
+        disable=not is_main_process(),
+        dynamic_ncols=True,
+    )
     say = bar.write if is_main_process() else (lambda _: None)
     # one jax.jit over the model's and optimizer's arrays, as pretrain calls the step: a call skips NNX's walk over
     # both (training.FlatStep)
@@ -598,13 +784,24 @@ def main(argv=None):
         loss, (n, lrm, progress, epoch), dt = done  # n: steps done, this one included
         loss = float(loss)
         loop["smooth"] = ema * loop["smooth"] + (1 - ema) * loss
-        debiased = loop["smooth"] / (1 - ema ** n)
+        debiased = loop["smooth"] / (1 - ema**n)
         tok_per_s = args.total_batch_size / dt
         mfu = 100 * flops_per_token * args.total_batch_size / dt / (peak * jax.device_count())
         if n - (resume_step or 0) > 2:  # the first steps compile
             loop["train_time"] += dt
-        log({"step": n, "loss": loss, "smooth_loss": debiased, "lrm": lrm, "dt": dt, "tok_per_s": tok_per_s,
-             "mfu": mfu, "epoch": epoch, "progress": progress})
+        log(
+            {
+                "step": n,
+                "loss": loss,
+                "smooth_loss": debiased,
+                "lrm": lrm,
+                "dt": dt,
+                "tok_per_s": tok_per_s,
+                "mfu": mfu,
+                "epoch": epoch,
+                "progress": progress,
+            }
+        )
         if args.num_iterations <= 0 and progress > 0:
             bar.total = max(n, round(n / progress))  # steps in one epoch, estimated as we go
         bar.set_postfix(loss=f"{debiased:.4f}", lrm=f"{lrm:.2f}", tok_s=f"{tok_per_s:,.0f}", epoch=epoch, refresh=False)
@@ -615,7 +812,9 @@ def main(argv=None):
         again = step == resume_step  # the checkpoint we resumed from already evaluated and saved this step
         do_eval = last_step or (args.eval_every > 0 and step % args.eval_every == 0 and not again)
         do_save = last_step or (args.save_every > 0 and step > 0 and step % args.save_every == 0 and not again)
-        do_chatcore = args.chatcore_every > 0 and (last_step or (step > 0 and step % args.chatcore_every == 0 and not again))
+        do_chatcore = args.chatcore_every > 0 and (
+            last_step or (step > 0 and step % args.chatcore_every == 0 and not again)
+        )
         if do_eval or do_save or do_chatcore or last_step:
             record(in_flight.finish())
         if do_eval:
@@ -655,7 +854,9 @@ def main(argv=None):
 
     if args.reply_check > 0:  # every process samples (the Engine runs on the global model); process 0 prints and logs
         prompts = fitting_prompts(val_ds, tokenizer, args.reply_check, model.config.sequence_len - REPLY_ROOM)
-        rate = reply_end_rate(for_sampling(), tokenizer, prompts, max_tokens=args.max_seq_len // 2 + 128, seed=args.seed)
+        rate = reply_end_rate(
+            for_sampling(), tokenizer, prompts, max_tokens=args.max_seq_len // 2 + 128, seed=args.seed
+        )
         print0(f"replies ending with <|assistant_end|>: {rate:.1%} of {len(prompts)}")
         log({"step": step, "reply_end_rate": rate})
         summary["reply_end_rate"] = rate
@@ -663,11 +864,20 @@ def main(argv=None):
     if is_main_process():
         plot_training(read_jsonl(metrics_path), os.path.join(out_dir, "training.png"), title=f"{model_tag} SFT")
     peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-    print0(f"SFT done: {step} steps | training time {loop['train_time'] / 60:.2f} min | min val bpb "
-           f"{loop['min_val_bpb']:.4f} | trainable parameters {num_trainable:,} | peak RSS {peak_rss_mb:,.0f} MB | "
-           f"checkpoint: {out_dir}")
-    return {"step": step, "val_bpb": loop["val_bpb"], "min_val_bpb": loop["min_val_bpb"], "trainable_params": num_trainable,
-            "train_time": loop["train_time"], "peak_rss_mb": peak_rss_mb, **summary}
+    print0(
+        f"SFT done: {step} steps | training time {loop['train_time'] / 60:.2f} min | min val bpb "
+        f"{loop['min_val_bpb']:.4f} | trainable parameters {num_trainable:,} | peak RSS {peak_rss_mb:,.0f} MB | "
+        f"checkpoint: {out_dir}"
+    )
+    return {
+        "step": step,
+        "val_bpb": loop["val_bpb"],
+        "min_val_bpb": loop["min_val_bpb"],
+        "trainable_params": num_trainable,
+        "train_time": loop["train_time"],
+        "peak_rss_mb": peak_rss_mb,
+        **summary,
+    }
 
 
 if __name__ == "__main__":

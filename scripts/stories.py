@@ -24,8 +24,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0, help="stream seed")
     parser.add_argument("--split", default="train", choices=SPLITS, help="which split to draw from")
     parser.add_argument("--start", type=int, default=0, help="position of the first story in the split")
-    parser.add_argument("--stats", type=int, default=0, metavar="N",
-                        help="instead of printing stories, generate N and print corpus statistics as JSON")
+    parser.add_argument(
+        "--stats",
+        type=int,
+        default=0,
+        metavar="N",
+        help="instead of printing stories, generate N and print corpus statistics as JSON",
+    )
     args = parser.parse_args(argv)
     if args.n < 0 or args.stats < 0 or args.start < 0:
         parser.error("--n, --stats and --start must be >= 0")
@@ -34,12 +39,17 @@ def main(argv: list[str] | None = None) -> None:
     if args.stats:
         t0 = time.perf_counter()
         stream = itertools.islice(iter_stories(args.split, args.seed, args.start), args.stats)
-        stories = list(progress_bar(stream, total=args.stats, desc="stories", unit="story",
-                                    disable=args.stats < 50_000))
+        stories = list(
+            progress_bar(stream, total=args.stats, desc="stories", unit="story", disable=args.stats < 50_000)
+        )
         seconds = time.perf_counter() - t0
         stats = corpus_stats(stories)
-        stats.update(seconds=round(seconds, 2), words_per_s=round(stats["words"] / seconds),
-                     mb_per_s=round(stats["bytes"] / seconds / 1e6, 3), mean_words=round(stats["mean_words"], 1))
+        stats.update(
+            seconds=round(seconds, 2),
+            words_per_s=round(stats["words"] / seconds),
+            mb_per_s=round(stats["bytes"] / seconds / 1e6, 3),
+            mean_words=round(stats["mean_words"], 1),
+        )
         print(json.dumps(stats, indent=2))
         return
 

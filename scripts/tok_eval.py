@@ -158,9 +158,19 @@ def format_table(rows: list[tuple[str, str]], columns: dict[str, dict[str, int]]
 
 def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description="Bytes per token of the trained tokenizer on several kinds of text")
-    parser.add_argument("--source", default=None, help="source whose val split is measured, as in tok_train (default: <base_dir>/base_data/ shards, if any)")
-    parser.add_argument("--max-val-chars", type=int, default=1_000_000, help="characters of the val split to measure (default 1M)")
-    parser.add_argument("--compare", default="gpt2,cl100k_base", help="comma-separated tiktoken encodings to compare with, if cached locally ('' for none)")
+    parser.add_argument(
+        "--source",
+        default=None,
+        help="source whose val split is measured, as in tok_train (default: <base_dir>/base_data/ shards, if any)",
+    )
+    parser.add_argument(
+        "--max-val-chars", type=int, default=1_000_000, help="characters of the val split to measure (default 1M)"
+    )
+    parser.add_argument(
+        "--compare",
+        default="gpt2,cl100k_base",
+        help="comma-separated tiktoken encodings to compare with, if cached locally ('' for none)",
+    )
     args = parser.parse_args(argv)
     if args.max_val_chars <= 0:
         parser.error("--max-val-chars must be positive")
@@ -187,7 +197,9 @@ def main(argv: list[str] | None = None) -> str:
     for name in filter(None, (n.strip() for n in args.compare.split(","))):
         enc = load_cached_encoding(name)
         if enc is None:
-            print(f"({name}: not in tiktoken's local cache, so not compared; run once online or set TIKTOKEN_CACHE_DIR)")
+            print(
+                f"({name}: not in tiktoken's local cache, so not compared; run once online or set TIKTOKEN_CACHE_DIR)"
+            )
         else:
             encoders[name] = (enc.encode_ordinary, enc.decode, enc.n_vocab)
     columns = {name: {d: measure(enc, text, dec) for d, text in rows} for name, (enc, dec, _) in encoders.items()}

@@ -79,17 +79,34 @@ def show_samples(tokenizer: Tokenizer) -> None:
 
 def main(argv: list[str] | None = None) -> Tokenizer:
     parser = argparse.ArgumentParser(description="Train the BPE tokenizer and save it to <base_dir>/tokenizer/")
-    parser.add_argument("--vocab-size", type=int, default=32768, help="vocabulary size incl. the 9 special tokens (default 32768 = 2^15)")
-    parser.add_argument("--max-chars", type=int, default=2_000_000_000, help="stop after this many characters (default 2B)")
-    parser.add_argument("--doc-cap", type=int, default=10_000, help="crop each document to this many characters (default 10,000)")
-    parser.add_argument("--source", default=None, help="a text file or folder (.txt/.md/.jsonl/.parquet), a folder of parquet shards, "
-                        "or a flaxchat.data.dataset source name: parquet, synthetic-stories, tinystories (default: <base_dir>/base_data/ shards)")
+    parser.add_argument(
+        "--vocab-size",
+        type=int,
+        default=32768,
+        help="vocabulary size incl. the 9 special tokens (default 32768 = 2^15)",
+    )
+    parser.add_argument(
+        "--max-chars", type=int, default=2_000_000_000, help="stop after this many characters (default 2B)"
+    )
+    parser.add_argument(
+        "--doc-cap", type=int, default=10_000, help="crop each document to this many characters (default 10,000)"
+    )
+    parser.add_argument(
+        "--source",
+        default=None,
+        help="a text file or folder (.txt/.md/.jsonl/.parquet), a folder of parquet shards, "
+        "or a flaxchat.data.dataset source name: parquet, synthetic-stories, tinystories "
+        "(default: <base_dir>/base_data/ shards)",
+    )
     args = parser.parse_args(argv)
     if args.vocab_size < 256 + 9:
         parser.error(f"--vocab-size must be at least 265 (256 bytes + 9 special tokens), got {args.vocab_size}")
     if args.max_chars <= 0 or args.doc_cap <= 0:
         parser.error("--max-chars and --doc-cap must be positive")
-    print(f"vocab_size: {args.vocab_size:,}  max_chars: {args.max_chars:,}  doc_cap: {args.doc_cap:,}  source: {args.source or 'base_data'}")
+    print(
+        f"vocab_size: {args.vocab_size:,}  max_chars: {args.max_chars:,}  doc_cap: {args.doc_cap:,}  "
+        f"source: {args.source or 'base_data'}"
+    )
 
     # --- train (a source that fails while streaming, e.g. the hub being unreachable, is reported too)
     stats: dict = {}
@@ -102,13 +119,17 @@ def main(argv: list[str] | None = None) -> Tokenizer:
     train_time = time.perf_counter() - t0
     if stats["chars"] == 0:
         parser.error("the source yielded no text to train on")
-    print(f"Training time: {train_time:.2f}s on {stats['docs']:,} documents, {stats['chars']:,} chars "
-          f"({stats['chars'] / train_time:,.0f} chars/s, {stats['bytes'] / 1e6 / train_time:.2f} MB/s)")
+    print(
+        f"Training time: {train_time:.2f}s on {stats['docs']:,} documents, {stats['chars']:,} chars "
+        f"({stats['chars'] / train_time:,.0f} chars/s, {stats['bytes'] / 1e6 / train_time:.2f} MB/s)"
+    )
 
     # --- save
     tokenizer_dir = os.path.join(get_base_dir(), "tokenizer")
     path = tokenizer.save(tokenizer_dir)
-    print(f"Saved {path} and token_bytes.npy (vocab {tokenizer.get_vocab_size():,}, hash {tokenizer.content_hash[:16]})")
+    print(
+        f"Saved {path} and token_bytes.npy (vocab {tokenizer.get_vocab_size():,}, hash {tokenizer.content_hash[:16]})"
+    )
 
     # --- a look at what it learned
     show_samples(tokenizer)

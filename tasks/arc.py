@@ -25,8 +25,13 @@ class ARC(Task):
             raise ValueError(f"ARC split must be train, validation or test, got {split!r}")
         self.subset, self.split = subset, split
         pack = ("arc", subset, split) if split != "train" else None
-        self.ds = load_rows(f"{subset} {split}", ("allenai/ai2_arc", subset, split), pack, source,
-                            no_pack_reason="offline runs use the validation split instead").shuffle(seed=42)
+        self.ds = load_rows(
+            f"{subset} {split}",
+            ("allenai/ai2_arc", subset, split),
+            pack,
+            source,
+            no_pack_reason="offline runs use the validation split instead",
+        ).shuffle(seed=42)
 
     @property
     def eval_type(self) -> str:

@@ -39,6 +39,7 @@ class DataUnavailableError(FileNotFoundError):
 # -----------------------------------------------------------------------------
 # Where rows come from
 
+
 @functools.lru_cache(maxsize=None)
 def hub_reachable() -> bool:
     """Can we open a connection to the Hugging Face hub? Checked once per process, in at most 3 s.
@@ -108,17 +109,21 @@ def load_rows(
         except Exception as e:  # any hub failure (network, auth, missing split) means: try the offline pack
             if source == "hub":
                 raise DataUnavailableError(
-                    f"{name}: could not load {repo_id} ({split}) from the Hugging Face hub: {e}") from e
+                    f"{name}: could not load {repo_id} ({split}) from the Hugging Face hub: {e}"
+                ) from e
             hub_failure = f"loading {repo_id} from the hub failed ({type(e).__name__}: {e})"
             print0(f"{name}: {hub_failure}; trying the offline pack")
     hub_note = hub_failure or f"the Hugging Face hub ({repo_id}) is not reachable"
     if pack is None:
-        raise DataUnavailableError(f"{name} is only on the Hugging Face hub ({repo_id}), and {hub_note}; "
-                                   f"{no_pack_reason or 'no package registry ships it'}.")
+        raise DataUnavailableError(
+            f"{name} is only on the Hugging Face hub ({repo_id}), and {hub_note}; "
+            f"{no_pack_reason or 'no package registry ships it'}."
+        )
     path = offline.pack_path(*pack)
     if not os.path.exists(path):
-        raise DataUnavailableError(f"{name} is not available: {hub_note} and the offline pack {path} is missing; "
-                                   f"{offline.FETCH_HINT}.")
+        raise DataUnavailableError(
+            f"{name} is not available: {hub_note} and the offline pack {path} is missing; {offline.FETCH_HINT}."
+        )
     rows = offline.read_jsonl(path)
     return Rows([row for row in rows if row_filter(row)] if row_filter else rows)
 
@@ -126,18 +131,20 @@ def load_rows(
 # -----------------------------------------------------------------------------
 # Tasks
 
+
 class Task:
     """A dataset of conversations viewed through start/stop/step (all examples by default)."""
 
     def __init__(self, start: int = 0, stop: int | None = None, step: int = 1):
         if start < 0 or step < 1 or (stop is not None and stop < start):
-            raise ValueError(f"bad task slice start={start} stop={stop} step={step}: "
-                             "need 0 <= start <= stop and step >= 1")
+            raise ValueError(
+                f"bad task slice start={start} stop={stop} step={step}: need 0 <= start <= stop and step >= 1"
+            )
         self.start, self.stop, self.step = start, stop, step
 
     @property
     def eval_type(self) -> str:
-        """"categorical" or "generative"."""
+        """ "categorical" or "generative"."""
         raise NotImplementedError(f"{type(self).__name__} is not an evaluation task")
 
     def num_examples(self) -> int:

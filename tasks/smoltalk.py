@@ -30,9 +30,13 @@ class SmolTalk(Task):
         if split not in ("train", "test"):
             raise ValueError(f"SmolTalk split must be train or test, got {split!r}")
         self.split = split
-        self.ds = load_rows(f"SmolTalk {split}", ("HuggingFaceTB/smol-smoltalk", None, split), None, source,
-                            no_pack_reason="offline SFT uses the project's synthetic conversations instead"
-                            ).shuffle(seed=42)
+        self.ds = load_rows(
+            f"SmolTalk {split}",
+            ("HuggingFaceTB/smol-smoltalk", None, split),
+            None,
+            source,
+            no_pack_reason="offline SFT uses the project's synthetic conversations instead",
+        ).shuffle(seed=42)
 
     def num_examples(self) -> int:
         return len(self.ds)

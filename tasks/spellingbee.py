@@ -54,7 +54,8 @@ def load_words() -> tuple[list[str], str]:
         return words, f"{source} ({path})"
     raise FileNotFoundError(
         f"SpellingBee needs an English word list: install Debian's wamerican (apt-get install wamerican) or "
-        f"{offline.FETCH_HINT} (it fetches npm {offline.NPM_WORDS}, else PyPI {offline.WORDFREQ}).")
+        f"{offline.FETCH_HINT} (it fetches npm {offline.NPM_WORDS}, else PyPI {offline.WORDFREQ})."
+    )
 
 
 def _quote(rng: random.Random, text: str) -> str:
@@ -93,8 +94,12 @@ class SpellingBee(Task):
             question = question.lower()
         if is_question and rng.random() < 0.7:
             question += "?"
-        return {"messages": [{"role": "user", "content": question},
-                             {"role": "assistant", "content": counting_parts(word, letter)}]}
+        return {
+            "messages": [
+                {"role": "user", "content": question},
+                {"role": "assistant", "content": counting_parts(word, letter)},
+            ]
+        }
 
     def evaluate(self, conversation: dict, completion) -> int:
         """1 if the number after #### in the completion is the true count, else 0."""
@@ -106,8 +111,12 @@ class SpellingBee(Task):
 def counting_parts(word: str, letter: str) -> list[dict]:
     """The assistant's answer: spell the word, count hits one letter at a time, confirm with the tool."""
     count = word.count(letter)
-    lines = [f"We need to count the letter '{letter}' in the word '{word}'. Spelling it out:",
-             f"{word}:{','.join(word)}", "", f"Going through the letters and counting each '{letter}':"]
+    lines = [
+        f"We need to count the letter '{letter}' in the word '{word}'. Spelling it out:",
+        f"{word}:{','.join(word)}",
+        "",
+        f"Going through the letters and counting each '{letter}':",
+    ]
     seen = 0
     for position, char in enumerate(word, 1):
         if char == letter:
@@ -146,8 +155,12 @@ class SimpleSpelling(Task):
     def get_example(self, index: int) -> dict:
         # a different stream of words than SpellingBee's for the same index
         word = random.Random(SPLIT_SEEDS[self.split] + 5_000_000 + index).choice(self.words)
-        return {"messages": [{"role": "user", "content": f"Spell the word: {word}"},
-                             {"role": "assistant", "content": f"{word}:{','.join(word)}"}]}
+        return {
+            "messages": [
+                {"role": "user", "content": f"Spell the word: {word}"},
+                {"role": "assistant", "content": f"{word}:{','.join(word)}"},
+            ]
+        }
 
     def evaluate(self, conversation: dict, completion) -> bool:
         return completion_text(completion).strip() == conversation["messages"][-1]["content"]

@@ -82,51 +82,99 @@ GREETING_REPLIES = (
 # topic -> (ways to ask, ways to answer); every answer is true of this project
 IDENTITY_TOPICS = {
     "name": (
-        ("Who are you?", "What is your name?", "What's your name?", "What should I call you?",
-         "Do you have a name?", "Tell me about yourself.", "Introduce yourself, please.", "What are you?",
-         "Who am I talking to?", "Can you tell me who you are?"),
-        ("I'm flaxchat, a small language model trained with JAX. I'm here to chat and help with simple tasks.",
-         "My name is flaxchat. I am a small language model, trained from scratch with JAX and Flax.",
-         "I'm flaxchat: a small chat assistant. I was trained with JAX, so I'm a tiny cousin of nanochat.",
-         "You can call me flaxchat. I'm a small language model trained with JAX, and I'm happy to help."),
+        (
+            "Who are you?",
+            "What is your name?",
+            "What's your name?",
+            "What should I call you?",
+            "Do you have a name?",
+            "Tell me about yourself.",
+            "Introduce yourself, please.",
+            "What are you?",
+            "Who am I talking to?",
+            "Can you tell me who you are?",
+        ),
+        (
+            "I'm flaxchat, a small language model trained with JAX. I'm here to chat and help with simple tasks.",
+            "My name is flaxchat. I am a small language model, trained from scratch with JAX and Flax.",
+            "I'm flaxchat: a small chat assistant. I was trained with JAX, so I'm a tiny cousin of nanochat.",
+            "You can call me flaxchat. I'm a small language model trained with JAX, and I'm happy to help.",
+        ),
     ),
     "maker": (
-        ("Who made you?", "Who created you?", "Who built you?", "Where do you come from?",
-         "Which company made you?", "Who trained you?", "Who is your creator?", "Who developed you?"),
-        ("I was built by the flaxchat project, which rewrites Andrej Karpathy's nanochat in JAX. Every step, "
-         "from the tokenizer to pretraining and fine-tuning, runs in JAX.",
-         "The flaxchat project made me. It takes nanochat, a small open-source chat model pipeline, and "
-         "rebuilds it with JAX, Flax, Optax and Orbax.",
-         "I come from flaxchat, an open-source project. It trains small chat models like me with JAX, on "
-         "anything from a laptop CPU to a TPU pod."),
+        (
+            "Who made you?",
+            "Who created you?",
+            "Who built you?",
+            "Where do you come from?",
+            "Which company made you?",
+            "Who trained you?",
+            "Who is your creator?",
+            "Who developed you?",
+        ),
+        (
+            "I was built by the flaxchat project, which rewrites Andrej Karpathy's nanochat in JAX. Every step, "
+            "from the tokenizer to pretraining and fine-tuning, runs in JAX.",
+            "The flaxchat project made me. It takes nanochat, a small open-source chat model pipeline, and "
+            "rebuilds it with JAX, Flax, Optax and Orbax.",
+            "I come from flaxchat, an open-source project. It trains small chat models like me with JAX, on "
+            "anything from a laptop CPU to a TPU pod.",
+        ),
     ),
     "training": (
-        ("How were you trained?", "What framework were you trained with?", "Are you built with PyTorch?",
-         "What software runs you?", "How did you learn to talk?", "Were you trained with JAX?"),
-        ("I was trained with JAX. First I read a lot of text during pretraining, then I was fine-tuned on "
-         "conversations like this one, and finally I practised math problems with reinforcement learning.",
-         "I'm a JAX model: my weights live in Flax, Optax updated them, and Orbax saved them. I learned from "
-         "pretraining text first and from example conversations after that.",
-         "Not PyTorch: I was trained with JAX and Flax. Pretraining taught me language, supervised fine-tuning "
-         "taught me to chat, and reinforcement learning helped with arithmetic."),
+        (
+            "How were you trained?",
+            "What framework were you trained with?",
+            "Are you built with PyTorch?",
+            "What software runs you?",
+            "How did you learn to talk?",
+            "Were you trained with JAX?",
+        ),
+        (
+            "I was trained with JAX. First I read a lot of text during pretraining, then I was fine-tuned on "
+            "conversations like this one, and finally I practised math problems with reinforcement learning.",
+            "I'm a JAX model: my weights live in Flax, Optax updated them, and Orbax saved them. I learned from "
+            "pretraining text first and from example conversations after that.",
+            "Not PyTorch: I was trained with JAX and Flax. Pretraining taught me language, supervised fine-tuning "
+            "taught me to chat, and reinforcement learning helped with arithmetic.",
+        ),
     ),
     "skills": (
-        ("What can you do?", "How can you help me?", "What are you good at?", "What are your abilities?",
-         "Can you do math?", "What kind of questions can you answer?", "What do you know how to do?"),
-        ("I can chat, tell short stories, spell words and count letters, answer multiple-choice questions, and "
-         "solve simple arithmetic word problems with a calculator tool. I'm small, so please double-check me.",
-         "I can tell you a story, count the letters in a word, or work out a simple math problem with my "
-         "calculator. I'm a small model and I make mistakes, so check anything important.",
-         "Simple things: short stories, spelling, letter counting and arithmetic word problems, where I use a "
-         "calculator tool. For hard questions I'm not the right assistant: I'm a very small model."),
+        (
+            "What can you do?",
+            "How can you help me?",
+            "What are you good at?",
+            "What are your abilities?",
+            "Can you do math?",
+            "What kind of questions can you answer?",
+            "What do you know how to do?",
+        ),
+        (
+            "I can chat, tell short stories, spell words and count letters, answer multiple-choice questions, and "
+            "solve simple arithmetic word problems with a calculator tool. I'm small, so please double-check me.",
+            "I can tell you a story, count the letters in a word, or work out a simple math problem with my "
+            "calculator. I'm a small model and I make mistakes, so check anything important.",
+            "Simple things: short stories, spelling, letter counting and arithmetic word problems, where I use a "
+            "calculator tool. For hard questions I'm not the right assistant: I'm a very small model.",
+        ),
     ),
     "nature": (
-        ("Are you a human?", "Are you ChatGPT?", "Are you alive?", "Are you a robot?", "Are you a person?",
-         "Are you smart?", "Are you a big model?", "Do you have feelings?"),
-        ("No, I'm flaxchat, a small language model trained with JAX. I'm a program, not a person.",
-         "I'm not a person, and I'm not ChatGPT either. I'm flaxchat, a small model trained with JAX.",
-         "I'm a computer program called flaxchat: a small language model trained with JAX. I don't have "
-         "feelings, but I'm glad to help."),
+        (
+            "Are you a human?",
+            "Are you ChatGPT?",
+            "Are you alive?",
+            "Are you a robot?",
+            "Are you a person?",
+            "Are you smart?",
+            "Are you a big model?",
+            "Do you have feelings?",
+        ),
+        (
+            "No, I'm flaxchat, a small language model trained with JAX. I'm a program, not a person.",
+            "I'm not a person, and I'm not ChatGPT either. I'm flaxchat, a small model trained with JAX.",
+            "I'm a computer program called flaxchat: a small language model trained with JAX. I don't have "
+            "feelings, but I'm glad to help.",
+        ),
     ),
 }
 THANKS = ("Thank you!", "Thanks!", "Thanks, that helps.", "Cool, thanks.", "Great, thank you.")
@@ -141,14 +189,18 @@ def _identity_conversation(rng: random.Random) -> dict:
     messages = []
     style = rng.random()
     if style < 0.2:  # greeting as its own turn
-        messages += [{"role": "user", "content": rng.choice(GREETINGS)},
-                     {"role": "assistant", "content": rng.choice(GREETING_REPLIES)}]
+        messages += [
+            {"role": "user", "content": rng.choice(GREETINGS)},
+            {"role": "assistant", "content": rng.choice(GREETING_REPLIES)},
+        ]
     elif style < 0.45:  # greeting in the same message
         question = f"{rng.choice(GREETINGS)} {question}"
     messages += [{"role": "user", "content": question}, {"role": "assistant", "content": rng.choice(answers)}]
     if rng.random() < 0.15:
-        messages += [{"role": "user", "content": rng.choice(THANKS)},
-                     {"role": "assistant", "content": rng.choice(THANKS_REPLIES)}]
+        messages += [
+            {"role": "user", "content": rng.choice(THANKS)},
+            {"role": "assistant", "content": rng.choice(THANKS_REPLIES)},
+        ]
     return {"messages": messages}
 
 
@@ -164,20 +216,48 @@ class IdentityChat(Task):
         return self.size
 
     def get_example(self, index: int) -> dict:
-        return _draw_in_split(f"flaxchat-identity:{self.seed}:{self.split}:{index}", self.split,
-                              _identity_conversation)
+        return _draw_in_split(f"flaxchat-identity:{self.seed}:{self.split}:{index}", self.split, _identity_conversation)
 
 
 # -----------------------------------------------------------------------------
 # Arithmetic word problems with the calculator tool
 
 
-ITEMS = ("apples", "cookies", "marbles", "stickers", "pencils", "crayons", "books", "cards", "shells", "balloons",
-         "stamps", "eggs", "flowers", "beads", "buttons", "carrots", "grapes", "toy cars", "blocks", "ribbons")
+ITEMS = (
+    "apples",
+    "cookies",
+    "marbles",
+    "stickers",
+    "pencils",
+    "crayons",
+    "books",
+    "cards",
+    "shells",
+    "balloons",
+    "stamps",
+    "eggs",
+    "flowers",
+    "beads",
+    "buttons",
+    "carrots",
+    "grapes",
+    "toy cars",
+    "blocks",
+    "ribbons",
+)
 MADE = ("cookies", "cupcakes", "bracelets", "paper stars", "sandwiches", "paper boats", "muffins", "kites")
 CONTAINERS = ("boxes", "bags", "baskets", "jars", "packs", "bowls")
-PRICED = (("notebook", "notebooks"), ("toy car", "toy cars"), ("ball", "balls"), ("kite", "kites"), ("book", "books"),
-          ("cupcake", "cupcakes"), ("sandwich", "sandwiches"), ("puzzle", "puzzles"), ("box of crayons", "boxes of crayons"))
+PRICED = (
+    ("notebook", "notebooks"),
+    ("toy car", "toy cars"),
+    ("ball", "balls"),
+    ("kite", "kites"),
+    ("book", "books"),
+    ("cupcake", "cupcakes"),
+    ("sandwich", "sandwiches"),
+    ("puzzle", "puzzles"),
+    ("box of crayons", "boxes of crayons"),
+)
 
 
 @dataclass
@@ -189,8 +269,12 @@ class Problem:
     answer: int
 
     def conversation(self) -> dict:
-        return {"messages": [{"role": "user", "content": self.question},
-                             {"role": "assistant", "content": [dict(p) for p in self.parts]}]}
+        return {
+            "messages": [
+                {"role": "user", "content": self.question},
+                {"role": "assistant", "content": [dict(p) for p in self.parts]},
+            ]
+        }
 
 
 def _solution(*pieces) -> tuple[list[dict], int]:
@@ -231,8 +315,11 @@ def _add(rng):
     name, he, He, _ = _people(rng)
     a, b, item = rng.randint(2, 400), rng.randint(2, 300), rng.choice(ITEMS)
     q = f"{name} has {a} {item}. {He} gets {b} more. How many {item} does {name} have now?"
-    return q, _solution(f"{name} starts with {a} {item} and gets {b} more, so {he} has {a} + {b} = ",
-                        ("calc", f"{a}+{b}"), f" {a + b} {item}.")
+    return q, _solution(
+        f"{name} starts with {a} {item} and gets {b} more, so {he} has {a} + {b} = ",
+        ("calc", f"{a}+{b}"),
+        f" {a + b} {item}.",
+    )
 
 
 def _subtract(rng):
@@ -240,16 +327,18 @@ def _subtract(rng):
     a = rng.randint(10, 900)
     b, item = rng.randint(1, a - 1), rng.choice(ITEMS)
     q = f"{name} had {a} {item}. {He} gave {b} of them to {friend}. How many {item} does {name} have left?"
-    return q, _solution(f"{name} had {a} {item} and gave away {b}, so {he} has {a} - {b} = ",
-                        ("calc", f"{a}-{b}"), f" {a - b} {item} left.")
+    return q, _solution(
+        f"{name} had {a} {item} and gave away {b}, so {he} has {a} - {b} = ",
+        ("calc", f"{a}-{b}"),
+        f" {a - b} {item} left.",
+    )
 
 
 def _multiply(rng):
     a, b = rng.randint(2, 40), rng.randint(2, 60)
     item, box = rng.choice(ITEMS), rng.choice(CONTAINERS)
     q = f"There are {a} {box} with {b} {item} in each. How many {item} are there in all?"
-    return q, _solution(f"{a} {box} with {b} {item} each make {a} * {b} = ", ("calc", f"{a}*{b}"),
-                        f" {a * b} {item}.")
+    return q, _solution(f"{a} {box} with {b} {item} each make {a} * {b} = ", ("calc", f"{a}*{b}"), f" {a * b} {item}.")
 
 
 def _divide(rng):
@@ -257,8 +346,11 @@ def _divide(rng):
     b, k = rng.randint(2, 19), rng.randint(2, 60)
     a, item = b * k, rng.choice(ITEMS)
     q = f"{name} has {a} {item} and shares them equally among {b} friends. How many {item} does each friend get?"
-    return q, _solution(f"{a} {item} shared equally among {b} friends gives each friend {a} / {b} = ",
-                        ("calc", f"{a}//{b}"), f" {k} {item}.")
+    return q, _solution(
+        f"{a} {item} shared equally among {b} friends gives each friend {a} / {b} = ",
+        ("calc", f"{a}//{b}"),
+        f" {k} {item}.",
+    )
 
 
 def _price(rng):
@@ -285,22 +377,34 @@ def _older(rng):
 def _packs_plus(rng):
     name, he, He, _ = _people(rng)
     a, b, c, item = rng.randint(2, 20), rng.randint(2, 30), rng.randint(1, 200), rng.choice(ITEMS)
-    q = (f"{name} buys {a} packs of {item} with {b} {item} in each pack. {He} already had {c} {item}. "
-         f"How many {item} does {he} have now?")
-    return q, _solution(f"The packs hold {a} * {b} = ", ("calc", f"{a}*{b}"),
-                        f" {a * b} {item}. Adding the {c} {he} had gives {a * b} + {c} = ",
-                        ("calc", f"{a * b}+{c}"), f" {a * b + c} {item}.")
+    q = (
+        f"{name} buys {a} packs of {item} with {b} {item} in each pack. {He} already had {c} {item}. "
+        f"How many {item} does {he} have now?"
+    )
+    return q, _solution(
+        f"The packs hold {a} * {b} = ",
+        ("calc", f"{a}*{b}"),
+        f" {a * b} {item}. Adding the {c} {he} had gives {a * b} + {c} = ",
+        ("calc", f"{a * b}+{c}"),
+        f" {a * b + c} {item}.",
+    )
 
 
 def _buy_then_give(rng):
     name, he, He, friend = _people(rng)
     a, b, item = rng.randint(5, 400), rng.randint(2, 300), rng.choice(ITEMS)
     c = rng.randint(1, a + b - 1)
-    q = (f"{name} has {a} {item}. {He} buys {b} more and then gives {c} to {friend}. "
-         f"How many {item} does {name} have now?")
-    return q, _solution(f"After buying, {name} has {a} + {b} = ", ("calc", f"{a}+{b}"),
-                        f" {a + b} {item}. After giving {c} away, {he} has {a + b} - {c} = ",
-                        ("calc", f"{a + b}-{c}"), f" {a + b - c} {item}.")
+    q = (
+        f"{name} has {a} {item}. {He} buys {b} more and then gives {c} to {friend}. "
+        f"How many {item} does {name} have now?"
+    )
+    return q, _solution(
+        f"After buying, {name} has {a} + {b} = ",
+        ("calc", f"{a}+{b}"),
+        f" {a + b} {item}. After giving {c} away, {he} has {a + b} - {c} = ",
+        ("calc", f"{a + b}-{c}"),
+        f" {a + b - c} {item}.",
+    )
 
 
 def _change(rng):
@@ -308,8 +412,13 @@ def _change(rng):
     b, c, (_, things) = rng.randint(2, 12), rng.randint(2, 30), rng.choice(PRICED)
     a = rng.randint(b * c, b * c + 200)
     q = f"{name} has ${a}. {He} buys {b} {things} that cost ${c} each. How many dollars does {he} have left?"
-    return q, _solution(f"The {things} cost {b} * {c} = $", ("calc", f"{b}*{c}"),
-                        f"{b * c}. {name} has ${a} - ${b * c} = $", ("calc", f"{a}-{b * c}"), f"{a - b * c} left.")
+    return q, _solution(
+        f"The {things} cost {b} * {c} = $",
+        ("calc", f"{b}*{c}"),
+        f"{b * c}. {name} has ${a} - ${b * c} = $",
+        ("calc", f"{a}-{b * c}"),
+        f"{a - b * c} left.",
+    )
 
 
 # Harder kinds: three steps, an unstated intermediate quantity, or a number that does not matter. The tool still
@@ -319,14 +428,28 @@ def _change(rng):
 
 def _three_steps(rng):
     name, he, He, friend = _people(rng)
-    a, b, c, item, box = rng.randint(2, 200), rng.randint(2, 20), rng.randint(2, 40), rng.choice(ITEMS), rng.choice(CONTAINERS)
+    a, b, c, item, box = (
+        rng.randint(2, 200),
+        rng.randint(2, 20),
+        rng.randint(2, 40),
+        rng.choice(ITEMS),
+        rng.choice(CONTAINERS),
+    )
     d = rng.randint(1, a + b * c - 1)
-    q = (f"{name} has {a} {item}. {He} buys {b} {box} with {c} {item} in each, and then gives {d} {item} to "
-         f"{friend}. How many {item} does {name} have now?")
+    q = (
+        f"{name} has {a} {item}. {He} buys {b} {box} with {c} {item} in each, and then gives {d} {item} to "
+        f"{friend}. How many {item} does {name} have now?"
+    )
     x, y = b * c, a + b * c
-    return q, _solution(f"The {box} hold {b} * {c} = ", ("calc", f"{b}*{c}"), f" {x} {item}. With the {a} {he} had, "
-                        f"{he} has {a} + {x} = ", ("calc", f"{a}+{x}"), f" {y} {item}. After giving {d} to {friend}, "
-                        f"{he} has {y} - {d} = ", ("calc", f"{y}-{d}"), f" {y - d} {item}.")
+    return q, _solution(
+        f"The {box} hold {b} * {c} = ",
+        ("calc", f"{b}*{c}"),
+        f" {x} {item}. With the {a} {he} had, {he} has {a} + {x} = ",
+        ("calc", f"{a}+{x}"),
+        f" {y} {item}. After giving {d} to {friend}, {he} has {y} - {d} = ",
+        ("calc", f"{y}-{d}"),
+        f" {y - d} {item}.",
+    )
 
 
 def _fewer_together(rng):
@@ -334,26 +457,46 @@ def _fewer_together(rng):
     a, item = rng.randint(10, 600), rng.choice(ITEMS)
     b = rng.randint(1, a - 1)
     q = f"{name} has {a} {item}. {friend} has {b} fewer {item} than {name}. How many {item} do they have together?"
-    return q, _solution(f"{friend} has {a} - {b} = ", ("calc", f"{a}-{b}"), f" {a - b} {item}. Together they have "
-                        f"{a} + {a - b} = ", ("calc", f"{a}+{a - b}"), f" {2 * a - b} {item}.")
+    return q, _solution(
+        f"{friend} has {a} - {b} = ",
+        ("calc", f"{a}-{b}"),
+        f" {a - b} {item}. Together they have {a} + {a - b} = ",
+        ("calc", f"{a}+{a - b}"),
+        f" {2 * a - b} {item}.",
+    )
 
 
 def _times_more(rng):
     name, he, He, friend = _people(rng)
     a, b, item = rng.randint(2, 90), rng.randint(2, 12), rng.choice(ITEMS)
-    q = (f"{name} has {a} {item}. {friend} has {b} times as many {item} as {name}. "
-         f"How many more {item} does {friend} have than {name}?")
-    return q, _solution(f"{friend} has {a} * {b} = ", ("calc", f"{a}*{b}"), f" {a * b} {item}. That is "
-                        f"{a * b} - {a} = ", ("calc", f"{a * b}-{a}"), f" {a * b - a} more than {name}.")
+    q = (
+        f"{name} has {a} {item}. {friend} has {b} times as many {item} as {name}. "
+        f"How many more {item} does {friend} have than {name}?"
+    )
+    return q, _solution(
+        f"{friend} has {a} * {b} = ",
+        ("calc", f"{a}*{b}"),
+        f" {a * b} {item}. That is {a * b} - {a} = ",
+        ("calc", f"{a * b}-{a}"),
+        f" {a * b - a} more than {name}.",
+    )
 
 
 def _hours(rng):
     name, he, He, _ = _people(rng)
     a, start, item = rng.randint(3, 60), rng.randint(6, 11), rng.choice(MADE)
     end = rng.randint(start + 1, 18)
-    q = f"{name} makes {a} {item} every hour. {He} works from {start} o'clock until {end} o'clock. How many {item} does {he} make?"
-    return q, _solution(f"{He} works {end} - {start} = ", ("calc", f"{end}-{start}"), f" {end - start} hours, so {he} "
-                        f"makes {a} * {end - start} = ", ("calc", f"{a}*{end - start}"), f" {a * (end - start)} {item}.")
+    q = (
+        f"{name} makes {a} {item} every hour. {He} works from {start} o'clock until {end} o'clock. "
+        f"How many {item} does {he} make?"
+    )
+    return q, _solution(
+        f"{He} works {end} - {start} = ",
+        ("calc", f"{end}-{start}"),
+        f" {end - start} hours, so {he} makes {a} * {end - start} = ",
+        ("calc", f"{a}*{end - start}"),
+        f" {a * (end - start)} {item}.",
+    )
 
 
 def _split_cost(rng):
@@ -361,10 +504,17 @@ def _split_cost(rng):
     total = n * rng.randint(3, 60)
     a = rng.randint(1, total - 1)
     b = total - a
-    q = (f"{n} friends buy a pizza for ${a} and drinks for ${b}. They split the cost equally. "
-         f"How many dollars does each friend pay?")
-    return q, _solution(f"Everything costs {a} + {b} = $", ("calc", f"{a}+{b}"), f"{total}. Split {n} ways, each "
-                        f"friend pays {total} / {n} = $", ("calc", f"{total}//{n}"), f"{total // n}.")
+    q = (
+        f"{n} friends buy a pizza for ${a} and drinks for ${b}. They split the cost equally. "
+        f"How many dollars does each friend pay?"
+    )
+    return q, _solution(
+        f"Everything costs {a} + {b} = $",
+        ("calc", f"{a}+{b}"),
+        f"{total}. Split {n} ways, each friend pays {total} / {n} = $",
+        ("calc", f"{total}//{n}"),
+        f"{total // n}.",
+    )
 
 
 def _distractor(rng):
@@ -373,8 +523,9 @@ def _distractor(rng):
     item, other = rng.sample(ITEMS, 2)
     if rng.random() < 0.5:
         q = f"{name} is {age} years old. {He} has {a} {item} and finds {b} more. How many {item} does {name} have?"
-        return q, _solution(f"{name}'s age does not matter here. {He} has {a} + {b} = ", ("calc", f"{a}+{b}"),
-                            f" {a + b} {item}.")
+        return q, _solution(
+            f"{name}'s age does not matter here. {He} has {a} + {b} = ", ("calc", f"{a}+{b}"), f" {a + b} {item}."
+        )
     a = max(a, b + 1)
     q = f"{name} has {a} {item} and {c} {other}. {He} gives away {b} {item}. How many {item} are left?"
     return q, _solution(f"Only the {item} matter: {a} - {b} = ", ("calc", f"{a}-{b}"), f" {a - b} {item} are left.")
@@ -385,23 +536,54 @@ def _savings(rng):
     a, w = rng.randint(2, 60), rng.randint(2, 20)
     b = rng.randint(1, a * w - 1)
     q = f"{name} saves ${a} every week for {w} weeks. Then {he} spends ${b}. How many dollars does {he} have left?"
-    return q, _solution(f"{He} saves {a} * {w} = $", ("calc", f"{a}*{w}"), f"{a * w}. After spending ${b}, {he} has "
-                        f"{a * w} - {b} = $", ("calc", f"{a * w}-{b}"), f"{a * w - b} left.")
+    return q, _solution(
+        f"{He} saves {a} * {w} = $",
+        ("calc", f"{a}*{w}"),
+        f"{a * w}. After spending ${b}, {he} has {a * w} - {b} = $",
+        ("calc", f"{a * w}-{b}"),
+        f"{a * w - b} left.",
+    )
 
 
 def _trip(rng):
     n, a, b = rng.randint(3, 30), rng.randint(2, 20), rng.randint(2, 12)
     c = n * (a + b) + rng.randint(0, 200)
-    q = (f"{n} children go on a trip. Each ticket costs ${a} and each lunch costs ${b}. The teacher pays for all "
-         f"of it with ${c}. How many dollars of change does the teacher get?")
+    q = (
+        f"{n} children go on a trip. Each ticket costs ${a} and each lunch costs ${b}. The teacher pays for all "
+        f"of it with ${c}. How many dollars of change does the teacher get?"
+    )
     x, y = a + b, n * (a + b)
-    return q, _solution(f"One child costs {a} + {b} = $", ("calc", f"{a}+{b}"), f"{x}. All {n} children cost "
-                        f"{n} * {x} = $", ("calc", f"{n}*{x}"), f"{y}. The change is {c} - {y} = $",
-                        ("calc", f"{c}-{y}"), f"{c - y}.")
+    return q, _solution(
+        f"One child costs {a} + {b} = $",
+        ("calc", f"{a}+{b}"),
+        f"{x}. All {n} children cost {n} * {x} = $",
+        ("calc", f"{n}*{x}"),
+        f"{y}. The change is {c} - {y} = $",
+        ("calc", f"{c}-{y}"),
+        f"{c - y}.",
+    )
 
 
-PROBLEM_KINDS = (_add, _subtract, _multiply, _divide, _price, _rate, _older, _packs_plus, _buy_then_give, _change,
-                 _three_steps, _fewer_together, _times_more, _hours, _split_cost, _distractor, _savings, _trip)
+PROBLEM_KINDS = (
+    _add,
+    _subtract,
+    _multiply,
+    _divide,
+    _price,
+    _rate,
+    _older,
+    _packs_plus,
+    _buy_then_give,
+    _change,
+    _three_steps,
+    _fewer_together,
+    _times_more,
+    _hours,
+    _split_cost,
+    _distractor,
+    _savings,
+    _trip,
+)
 
 
 def make_problem(rng: random.Random) -> Problem:
@@ -450,7 +632,9 @@ class ArithmeticProblems(Task):
 
     def evaluate(self, conversation: dict, completion) -> int:
         """1 if the number after "####" in the completion equals the answer, else 0 (as GSM8K)."""
-        reference = conversation.get("answer") or extract_answer(completion_text(conversation["messages"][-1]["content"]))
+        reference = conversation.get("answer") or extract_answer(
+            completion_text(conversation["messages"][-1]["content"])
+        )
         predicted = extract_answer(completion_text(completion))
         return int(predicted is not None and predicted == reference)
 
@@ -460,8 +644,11 @@ class ArithmeticProblems(Task):
 
 
 _NAMES = frozenset(WORDS.girl_names) | frozenset(WORDS.boy_names)
-_ANIMAL_WORDS = tuple(dict.fromkeys([a.noun for a in WORDS.animals] + [k.kind for k in WORDS.pet_kinds]
-                                    + [b.baby for b in WORDS.lost_babies]))
+_ANIMAL_WORDS = tuple(
+    dict.fromkeys(
+        [a.noun for a in WORDS.animals] + [k.kind for k in WORDS.pet_kinds] + [b.baby for b in WORDS.lost_babies]
+    )
+)
 _FIRST_SENTENCE = re.compile(r"^.*?[.!?](?=\s|$)")
 
 
@@ -481,14 +668,21 @@ def story_facts(story: str) -> dict:
 def story_request(rng: random.Random, facts: dict) -> str:
     """A user's request that this story answers: it names only what the story really contains."""
     name, kind, animal = facts["name"], facts["kind"], facts["animal"]
-    generic = ["Tell me a story.", "Can you tell me a short story?", "Write a short story for kids.",
-               f"Tell me a story that starts like this: {facts['first_sentence']}",
-               f"Continue this story: {facts['first_sentence']}"]
+    generic = [
+        "Tell me a story.",
+        "Can you tell me a short story?",
+        "Write a short story for kids.",
+        f"Tell me a story that starts like this: {facts['first_sentence']}",
+        f"Continue this story: {facts['first_sentence']}",
+    ]
     options = []
     if name:
-        options += [f"Tell me a story about a {kind} named {name}.", f"Can you write a short story about {name}?",
-                    f"Write a story for children about a little {kind} called {name}.",
-                    f"Please tell me a bedtime story about {name}."]
+        options += [
+            f"Tell me a story about a {kind} named {name}.",
+            f"Can you write a short story about {name}?",
+            f"Write a story for children about a little {kind} called {name}.",
+            f"Please tell me a bedtime story about {name}.",
+        ]
     if animal:
         options += [f"Tell me a story with a {animal} in it.", f"I'd like a story about a {animal}, please."]
         if name:

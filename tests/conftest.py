@@ -49,8 +49,9 @@ if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
     atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 # The xdist workers and the scripts tests start run with glibc's huge pages, as pixi tasks and the demo's stages do
-# (flaxchat.common.with_huge_pages: XLA:CPU's per-call temporaries without a page fault per 4 KB).
-from flaxchat.perf.machine import with_huge_pages
+# (flaxchat.perf.machine.with_huge_pages: XLA:CPU's per-call temporaries without a page fault per 4 KB). Imported
+# here, after the environment above is set, because importing flaxchat imports JAX.
+from flaxchat.perf.machine import with_huge_pages  # noqa: E402
 
 os.environ["GLIBC_TUNABLES"] = with_huge_pages(os.environ)["GLIBC_TUNABLES"]
 
@@ -109,8 +110,11 @@ def pytest_runtest_setup(item):
 
     backend, n = jax.default_backend(), jax.device_count()  # starts JAX (once per process) with the flags above
     if backend == "cpu" and n != N_DEVICES:
-        pytest.fail(f"JAX sees {n} CPU devices, not the {N_DEVICES} this file asks for: something in this process "
-                    "set XLA_FLAGS before JAX started, or restarted JAX's backends", pytrace=False)
+        pytest.fail(
+            f"JAX sees {n} CPU devices, not the {N_DEVICES} this file asks for: something in this process "
+            "set XLA_FLAGS before JAX started, or restarted JAX's backends",
+            pytrace=False,
+        )
     if item.get_closest_marker("eight_devices") and n < N_DEVICES:
         pytest.skip(f"needs {N_DEVICES} devices; JAX's {backend} backend has {n}")  # only off the CPU
     item.stash[_STATE] = _process_state()
@@ -126,8 +130,11 @@ def pytest_runtest_teardown(item, nextitem):
         leaks = _leaks(before, after)
         if leaks:
             _restore(before, after)  # so that only the test that leaked fails, not every test after it
-            pytest.fail("the test changed process-wide state that later tests would see (use monkeypatch, or a "
-                        "subprocess with its own environment):\n  " + "\n  ".join(leaks), pytrace=False)
+            pytest.fail(
+                "the test changed process-wide state that later tests would see (use monkeypatch, or a "
+                "subprocess with its own environment):\n  " + "\n  ".join(leaks),
+                pytrace=False,
+            )
     return result
 
 
@@ -184,7 +191,7 @@ def tiny_base_dir(tiny_corpus, tmp_path, monkeypatch):
 # A stand-in for a nanochat checkout (tests run offline): nanochat/gpt.py with the interface scripts.nanochat_bench
 # uses (GPTConfig, GPT built on the meta device, init_weights, setup_optimizer, forward(idx, targets) -> loss,
 # COMPUTE_DTYPE), a one-layer model, and a note of the environment it ran in.
-STAND_IN = '''
+STAND_IN = """
 import dataclasses, json, os
 import torch
 from torch import nn
@@ -218,7 +225,7 @@ class GPT(nn.Module):
             raise ValueError("the stand-in was told to fail")
         logits = self.lm_head(self.wte(idx))
         return nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
-'''
+"""
 
 # and a stand-in for its scripts/base_train.py (`bench --what run`): nanochat's flags, its base dir read as
 # base_train reads it (tokenizer.pkl, the shards of base_data_climbmix), scripts/ a namespace package as in

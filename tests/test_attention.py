@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from flaxchat.model import cpu
 from flaxchat import sharding
+from flaxchat.model import cpu
 from flaxchat.model.attention import attention, resolve_attention
 from flaxchat.model.config import GPTConfig
 from flaxchat.model.gpt import GPT
@@ -51,23 +51,31 @@ def qkv_example(B=2, T=128, H=4, Hkv=2, D=32, seed=0):
 @pytest.mark.parametrize("window", [16, 40, 128, 1000])
 def test_xla_attention_equals_reference(window):
     q, k, v = qkv_example()
-    np.testing.assert_allclose(np.asarray(attention(q, k, v, window, "xla")), reference_attention(q, k, v, window),
-                               atol=2e-5)
+    np.testing.assert_allclose(
+        np.asarray(attention(q, k, v, window, "xla")), reference_attention(q, k, v, window), atol=2e-5
+    )
 
 
 # 64 KB of scores: one row a chunk (the blocks then have no row axis); 256 KB: two rows a chunk
-@pytest.mark.parametrize(("window", "T", "score_bytes"), [
-    *((w, t, 2**16) for w in (16, 40, 128, 1000) for t in (128, 100)),  # 100: the last query block is short
-    (40, 100, 2**18), (1000, 100, 2**18)])
+@pytest.mark.parametrize(
+    ("window", "T", "score_bytes"),
+    [
+        *((w, t, 2**16) for w in (16, 40, 128, 1000) for t in (128, 100)),  # 100: the last query block is short
+        (40, 100, 2**18),
+        (1000, 100, 2**18),
+    ],
+)
 @pytest.mark.parametrize("Hkv", [2, 4])  # 4: no GQA, heads-major, the scores without a group axis
 def test_chunked_attention_equals_reference_forward_and_backward(window, T, score_bytes, Hkv, monkeypatch):
     """The CPU path: chunks of rows, query blocks over the keys they see, recomputed in the backward pass."""
     monkeypatch.setattr(cpu, "CHUNK_SCORE_BYTES", score_bytes)  # several chunks of rows even at this size
     q, k, v = qkv_example(B=4, T=T, Hkv=Hkv)
-    np.testing.assert_allclose(np.asarray(attention(q, k, v, window, "chunked")),
-                               reference_attention(q, k, v, window), atol=2e-5)
-    f = lambda impl: jax.jit(jax.value_and_grad(
-        lambda q, k, v: jnp.sum(jnp.sin(attention(q, k, v, window, impl))), argnums=(0, 1, 2)))
+    np.testing.assert_allclose(
+        np.asarray(attention(q, k, v, window, "chunked")), reference_attention(q, k, v, window), atol=2e-5
+    )
+    f = lambda impl: jax.jit(
+        jax.value_and_grad(lambda q, k, v: jnp.sum(jnp.sin(attention(q, k, v, window, impl))), argnums=(0, 1, 2))
+    )
     (val_c, grads_c), (val_x, grads_x) = f("chunked")(q, k, v), f("xla")(q, k, v)
     np.testing.assert_allclose(float(val_c), float(val_x), rtol=2e-4)  # a sum of 50k terms
     for a, b in zip(grads_c, grads_x):
@@ -107,15 +115,17 @@ def test_bf16_chunked_attention_multiplies_bf16_into_fp32():
     from flaxchat.perf.hlo import dot_types
 
     q, k, v = (x.astype(jnp.bfloat16) for x in qkv_example(B=2, T=128, Hkv=4))
-    f = jax.jit(jax.grad(lambda q, k, v: jnp.sum(attention(q, k, v, 40, "chunked").astype(jnp.float32) ** 2),
-                         argnums=(0, 1, 2)))
+    f = jax.jit(
+        jax.grad(lambda q, k, v: jnp.sum(attention(q, k, v, 40, "chunked").astype(jnp.float32) ** 2), argnums=(0, 1, 2))
+    )
     dots = dot_types(f.lower(q, k, v).compile().as_text())
     assert len(dots) >= 5 * 2 and {(lhs, rhs) for lhs, rhs, _ in dots} == {("bf16", "bf16")}
 
 
 @pytest.mark.eight_devices
-@pytest.mark.parametrize(("impl", "dtype"), [("chunked", jnp.float32), ("chunked", jnp.bfloat16),
-                                             ("splash", jnp.float32)])
+@pytest.mark.parametrize(
+    ("impl", "dtype"), [("chunked", jnp.float32), ("chunked", jnp.bfloat16), ("splash", jnp.float32)]
+)
 def test_attention_kernels_on_a_mesh_run_per_shard(impl, dtype):
     q, k, v = (x.astype(dtype) for x in qkv_example(B=4))
     mesh = sharding.make_mesh(2, 2, 2)
@@ -134,10 +144,10 @@ def test_attention_kernels_on_a_mesh_run_per_shard(impl, dtype):
 def test_splash_attention_equals_xla_forward_and_backward(window):
     """The TPU kernel, run by Pallas' interpreter on the CPU: same values and gradients as the XLA path."""
     q, k, v = qkv_example()
-    f = lambda impl: jax.jit(jax.value_and_grad(
-        lambda q, k, v: jnp.sum(jnp.sin(attention(q, k, v, window, impl))), argnums=(0, 1, 2)))
+    f = lambda impl: jax.jit(
+        jax.value_and_grad(lambda q, k, v: jnp.sum(jnp.sin(attention(q, k, v, window, impl))), argnums=(0, 1, 2))
+    )
     (val_s, grads_s), (val_x, grads_x) = f("splash")(q, k, v), f("xla")(q, k, v)
     np.testing.assert_allclose(float(val_s), float(val_x), rtol=1e-5)
     for a, b in zip(grads_s, grads_x):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=5e-5)
-

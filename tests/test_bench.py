@@ -22,8 +22,9 @@ def run(capsys, argv):
 @pytest.mark.eight_devices
 @pytest.mark.slow
 def test_train_runs_on_the_mesh_the_flags_build(capsys):
-    out = run(capsys, TINY + ["--what", "train", "--device-batch-size", "1", "--fsdp", "2", "--steps", "2",
-                              "--warmup", "0"])
+    out = run(
+        capsys, TINY + ["--what", "train", "--device-batch-size", "1", "--fsdp", "2", "--steps", "2", "--warmup", "0"]
+    )
     assert out["mesh"] == {"data": 4, "fsdp": 2, "tensor": 1}
     assert out["tokens_per_step"] == 8 * 64  # one row per device
     assert out["tok_per_s"] > 0 and 0 < out["mfu"] < 100 and out["compile_s"] >= 0
@@ -53,8 +54,11 @@ def test_suite_prints_one_line_per_shape_and_reads_real_batches(capsys, monkeypa
     import scripts.bench as bench
 
     tiny = dict(depth=2, head_dim=32, aspect_ratio=32, max_seq_len=64, device_batch_size=1)
-    monkeypatch.setattr(bench, "CPU_SUITE", {"random": {**tiny, "vocab_size": 512},
-                                             "real": {**tiny, "grad_accum": 2, "real_data": True}})
+    monkeypatch.setattr(
+        bench,
+        "CPU_SUITE",
+        {"random": {**tiny, "vocab_size": 512}, "real": {**tiny, "grad_accum": 2, "real_data": True}},
+    )
     main(["--what", "train", "--suite", "cpu", "--steps", "2", "--warmup", "0"])
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [r["shape"] for r in rows] == ["random", "real"]
@@ -66,7 +70,18 @@ def test_suite_prints_one_line_per_shape_and_reads_real_batches(capsys, monkeypa
 
 @pytest.mark.slow
 def test_batches_placed_afresh_or_cycled_from_the_loader(capsys, tiny_base_dir):
-    tiny = TINY[:-2] + ["--what", "train", "--device-batch-size", "1", "--grad-accum", "2", "--steps", "3", "--warmup", "0"]
+    tiny = TINY[:-2] + [
+        "--what",
+        "train",
+        "--device-batch-size",
+        "1",
+        "--grad-accum",
+        "2",
+        "--steps",
+        "3",
+        "--warmup",
+        "0",
+    ]
     fresh = run(capsys, tiny + ["--fresh-batches"])
     cycled = run(capsys, tiny + ["--real-data", "--cycle-batches", "2"])
     assert fresh["data"] == "random tokens, new arrays every step" and fresh["config"]["vocab_size"] == 32768
@@ -74,11 +89,14 @@ def test_batches_placed_afresh_or_cycled_from_the_loader(capsys, tiny_base_dir):
     assert all(r["tok_per_s"] > 0 and len(r["times_s"]) == 3 for r in (fresh, cycled))
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--cycle-batches", "2"], "use it with --real-data"),
-    (["--real-data", "--cycle-batches", "-1"], "use it with --real-data"),
-    (["--real-data", "--fresh-batches"], "--fresh-batches draws random tokens"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--cycle-batches", "2"], "use it with --real-data"),
+        (["--real-data", "--cycle-batches", "-1"], "use it with --real-data"),
+        (["--real-data", "--fresh-batches"], "--fresh-batches draws random tokens"),
+    ],
+)
 def test_batch_flags_that_do_not_go_together_are_one_line(capsys, flags, message):
     with pytest.raises(SystemExit):
         main(TINY + ["--what", "train"] + flags)
@@ -86,8 +104,9 @@ def test_batch_flags_that_do_not_go_together_are_one_line(capsys, flags, message
 
 
 def test_in_flight_times_every_step_with_the_next_dispatched_first(capsys):
-    out = run(capsys, TINY + ["--what", "train", "--device-batch-size", "1", "--steps", "3",
-                              "--warmup", "0", "--in-flight"])
+    out = run(
+        capsys, TINY + ["--what", "train", "--device-batch-size", "1", "--steps", "3", "--warmup", "0", "--in-flight"]
+    )
     assert out["in_flight"] is True and out["tok_per_s"] > 0 and out["step_s_min"] <= out["step_s"]
     assert len(out["times_s"]) == 3 and min(out["times_s"]) == out["step_s_min"]  # every timed step, in order
 
@@ -95,10 +114,10 @@ def test_in_flight_times_every_step_with_the_next_dispatched_first(capsys):
 def test_generate_times_speculative_sampling_between_checkpoints(capsys, tiny_base_dir):
     from flax import nnx
 
-    from flaxchat.train.checkpoint import Checkpointer, checkpoint_dir
+    from flaxchat.data.tokenizer import get_tokenizer
     from flaxchat.model.config import GPTConfig
     from flaxchat.model.gpt import GPT
-    from flaxchat.data.tokenizer import get_tokenizer
+    from flaxchat.train.checkpoint import Checkpointer, checkpoint_dir
 
     vocab = get_tokenizer().get_vocab_size()
     for tag, layers in (("d2", 2), ("d1", 1)):
@@ -106,8 +125,23 @@ def test_generate_times_speculative_sampling_between_checkpoints(capsys, tiny_ba
         ckpt = Checkpointer(checkpoint_dir("sft", tag), async_save=False)
         ckpt.save(1, GPT(config, rngs=nnx.Rngs(layers)))
         ckpt.close()
-    out = run(capsys, ["--what", "generate", "--checkpoint", "sft:d2", "--draft-model", "d1", "--draft-steps", "2",
-                       "--max-new-tokens", "8", "-t", "0"])
+    out = run(
+        capsys,
+        [
+            "--what",
+            "generate",
+            "--checkpoint",
+            "sft:d2",
+            "--draft-model",
+            "d1",
+            "--draft-steps",
+            "2",
+            "--max-new-tokens",
+            "8",
+            "-t",
+            "0",
+        ],
+    )
     assert out["speculative"] and out["checkpoint"] == "sft:d2" and out["draft_model"] == "d1"
     assert out["tok_per_s"] > 0 and out["plain_tok_per_s"] > 0 and 0 <= out["acceptance_rate"] <= 1
     with pytest.raises(SystemExit):
@@ -129,18 +163,48 @@ def test_nanochat_is_timed_before_us_each_round_on_the_same_shape(capsys, monkey
         return {**stops[-1], "steal_pct": 30.0 if len(stops) == 5 else 0.0}
 
     monkeypatch.setattr(MachineLoad, "stop", stop_with_steal)
-    main(TINY + ["--what", "train", "--device-batch-size", "2", "--grad-accum", "2", "--steps", "2", "--warmup", "0",
-                 "--rounds", "3", "--nanochat", str(nanochat_checkout), "--profile-steps", "2:4",
-                 "--profile-dir", str(tmp_path / "prof"), "--nanochat-mkl", "avx512"])
+    main(
+        TINY
+        + [
+            "--what",
+            "train",
+            "--device-batch-size",
+            "2",
+            "--grad-accum",
+            "2",
+            "--steps",
+            "2",
+            "--warmup",
+            "0",
+            "--rounds",
+            "3",
+            "--nanochat",
+            str(nanochat_checkout),
+            "--profile-steps",
+            "2:4",
+            "--profile-dir",
+            str(tmp_path / "prof"),
+            "--nanochat-mkl",
+            "avx512",
+        ]
+    )
     printed = capsys.readouterr()
     out = json.loads(printed.out)
-    assert "warning: round 3: other guests of this VM's host took over 5% of the CPU time while nanochat ran" in printed.err
+    assert (
+        "warning: round 3: other guests of this VM's host took over 5% of the CPU time while nanochat ran"
+        in printed.err
+    )
     assert out["noisy_rounds"] == [3] and [r.get("noisy", False) for r in out["rounds"]] == [False, False, True]
     ours, theirs = out["profile"], out["nanochat"]["profile"]
     assert ours["steps"] == 2 and ours["device"] == "cpu" and ours["trace"].startswith(str(tmp_path / "prof"))
     assert ours["by_kind"]["matmul"]["ms"] > 0 and ours["op_ms_per_step"] > 0
     assert "other" not in {t["kind"] for t in ours["top"]}  # every op of the step has its kind from the program
-    modules = ("flaxchat/model/gpt.py:", "flaxchat/model/loss.py:", "flaxchat/model/attention.py:", "flaxchat/train/optim.py:")
+    modules = (
+        "flaxchat/model/gpt.py:",
+        "flaxchat/model/loss.py:",
+        "flaxchat/model/attention.py:",
+        "flaxchat/train/optim.py:",
+    )
     assert any(t.get("source", "").startswith(modules) for t in ours["top"])  # and its source line
     assert theirs["steps"] == 2 and theirs["by_kind"]["matmul"]["ms"] > 0  # the stand-in's lm_head
     assert any(t["op"].startswith("aten::") for t in theirs["top"])
@@ -189,24 +253,32 @@ def test_nanochat_mkl_errors_are_one_line(capsys, monkeypatch, tmp_path, nanocha
     argv = TINY + ["--what", "train", "--steps", "1", "--warmup", "0", "--nanochat-mkl", "avx512"]
     with pytest.raises(SystemExit):
         main(argv)
-    assert "--nanochat-mkl avx512 chooses nanochat's BLAS kernels: use it with --nanochat DIR" in capsys.readouterr().err
+    assert (
+        "--nanochat-mkl avx512 chooses nanochat's BLAS kernels: use it with --nanochat DIR" in capsys.readouterr().err
+    )
     monkeypatch.setenv("STAND_IN_FAILS", "1")  # nanochat is never reached
     monkeypatch.delenv("CC", raising=False)
     monkeypatch.setattr(shutil, "which", lambda name: None)
     with pytest.raises(SystemExit) as e:
         main(argv + ["--nanochat", str(nanochat_checkout)])
-    assert str(e.value) == "error: --nanochat-mkl avx512 builds a one-line C library: no C compiler found ($CC, cc or gcc)"
+    assert (
+        str(e.value) == "error: --nanochat-mkl avx512 builds a one-line C library: no C compiler found ($CC, cc or gcc)"
+    )
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     with pytest.raises(SystemExit) as e:
         main(argv + ["--nanochat", str(nanochat_checkout)])
-    assert str(e.value).startswith(f"error: --nanochat-mkl avx512: the C compiler {tmp_path / 'no-such-cc'} did not start")
+    assert str(e.value).startswith(
+        f"error: --nanochat-mkl avx512: the C compiler {tmp_path / 'no-such-cc'} did not start"
+    )
     failing = tmp_path / "failing-cc"
     failing.write_text("#!/bin/sh\necho 'mkl_avx512.c:1: error: this compiler refuses' >&2\nexit 1\n")
     failing.chmod(0o755)
     monkeypatch.setenv("CC", str(failing))
     with pytest.raises(SystemExit) as e:
         main(argv + ["--nanochat", str(nanochat_checkout)])
-    assert str(e.value) == f"error: --nanochat-mkl avx512: {failing} failed: mkl_avx512.c:1: error: this compiler refuses"
+    assert (
+        str(e.value) == f"error: --nanochat-mkl avx512: {failing} failed: mkl_avx512.c:1: error: this compiler refuses"
+    )
     assert not (tmp_path / "base" / "bench_run" / "mkl_avx512" / "mkl_avx512.so").exists()
 
 
@@ -216,20 +288,57 @@ def test_nanochat_on_a_gpu_needs_one(nanochat_checkout):
 
     if torch.cuda.is_available():
         pytest.skip("this PyTorch sees a CUDA GPU")
-    r = subprocess.run([sys.executable, "-m", "scripts.nanochat_bench", "--dir", str(nanochat_checkout), "--config",
-                        json.dumps({"sequence_len": 8, "vocab_size": 16}), "--batch-size", "1", "--device", "cuda"],
-                       capture_output=True, text=True, timeout=120, cwd=os.path.dirname(os.path.dirname(__file__)))
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "scripts.nanochat_bench",
+            "--dir",
+            str(nanochat_checkout),
+            "--config",
+            json.dumps({"sequence_len": 8, "vocab_size": 16}),
+            "--batch-size",
+            "1",
+            "--device",
+            "cuda",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=os.path.dirname(os.path.dirname(__file__)),
+    )
     assert r.returncode != 0 and r.stdout == ""
     assert r.stderr.strip().splitlines()[-1].startswith("error: --device cuda, but this PyTorch (")
 
 
-RUN = ["--what", "run", "--depth", "2", "--aspect-ratio", "32", "--head-dim", "32", "--max-seq-len", "64",
-       "--window-pattern", "SL", "--device-batch-size", "2", "--grad-accum", "2", "--steps", "4", "--warmup", "1"]
+RUN = [
+    "--what",
+    "run",
+    "--depth",
+    "2",
+    "--aspect-ratio",
+    "32",
+    "--head-dim",
+    "32",
+    "--max-seq-len",
+    "64",
+    "--window-pattern",
+    "SL",
+    "--device-batch-size",
+    "2",
+    "--grad-accum",
+    "2",
+    "--steps",
+    "4",
+    "--warmup",
+    "1",
+]
 
 
 @pytest.mark.slow
-def test_run_times_a_real_pretrain_run_beside_nanochats_base_train(capsys, monkeypatch, tiny_base_dir,
-                                                                  nanochat_checkout, xla_flags):
+def test_run_times_a_real_pretrain_run_beside_nanochats_base_train(
+    capsys, monkeypatch, tiny_base_dir, nanochat_checkout, xla_flags
+):
     """--what run: nanochat's base_train (the stand-in) first, on our tokenizer and shards in its own base dir, with
     the same flags; then scripts.pretrain for real; each run's median step after the first and --warmup more."""
     from flaxchat.data.tokenizer import get_tokenizer
@@ -242,9 +351,30 @@ def test_run_times_a_real_pretrain_run_beside_nanochats_base_train(capsys, monke
     printed = capsys.readouterr()
     out = json.loads(printed.out)
     assert "step 00003/00004" in printed.err and "pretrain" in printed.err  # both runs' output, streamed as it came
-    flags = ["--depth", "2", "--aspect-ratio", "32", "--head-dim", "32", "--max-seq-len", "64", "--window-pattern",
-             "SL", "--device-batch-size", "2", "--total-batch-size", "256", "--num-iterations", "4",
-             "--eval-every", "-1", "--core-metric-every", "-1", "--sample-every", "-1"]
+    flags = [
+        "--depth",
+        "2",
+        "--aspect-ratio",
+        "32",
+        "--head-dim",
+        "32",
+        "--max-seq-len",
+        "64",
+        "--window-pattern",
+        "SL",
+        "--device-batch-size",
+        "2",
+        "--total-batch-size",
+        "256",
+        "--num-iterations",
+        "4",
+        "--eval-every",
+        "-1",
+        "--core-metric-every",
+        "-1",
+        "--sample-every",
+        "-1",
+    ]
     assert out["what"] == "run" and out["flags"] == flags and out["tokens_per_step"] == 256
     assert out["timed_from_step"] == 3 and out["dtype"] == "float32"
     theirs = out["nanochat"]
@@ -267,15 +397,23 @@ def test_run_times_a_real_pretrain_run_beside_nanochats_base_train(capsys, monke
     run_base = tiny_base_dir / "bench_run" / "flaxchat_base"
     metrics = [json.loads(line) for line in (run_base / "base_checkpoints" / "d2" / "metrics.jsonl").open()]
     assert [r["step"] for r in metrics if "dt" in r] == [1, 2, 3, 4]
-    assert (run_base / "report").is_dir() and (run_base / "tokenizer").resolve() == (tiny_base_dir / "tokenizer").resolve()
+    assert (run_base / "report").is_dir() and (run_base / "tokenizer").resolve() == (
+        tiny_base_dir / "tokenizer"
+    ).resolve()
     assert sorted(os.listdir(tiny_base_dir)) == ["base_data", "bench_run", "tokenizer"]
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["--rounds", "2"], "--what run runs scripts.pretrain as it is (its own loader, one run): not with --suite"),
-    (["--warmup", "3"], "--what run times the steps after the first and --warmup more: --steps (4) must be at least "
-                        "--warmup + 2 (5)"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--rounds", "2"], "--what run runs scripts.pretrain as it is (its own loader, one run): not with --suite"),
+        (
+            ["--warmup", "3"],
+            "--what run times the steps after the first and --warmup more: --steps (4) must be at least "
+            "--warmup + 2 (5)",
+        ),
+    ],
+)
 def test_run_flag_errors_are_one_line(capsys, extra, message):
     with pytest.raises(SystemExit):
         main(RUN + extra)
@@ -292,8 +430,10 @@ def test_run_errors_are_one_line(capsys, monkeypatch, tmp_path, tiny_base_dir, n
     with pytest.raises(SystemExit) as e:
         main(RUN + ["--nanochat", str(nanochat_checkout)])
     log = tiny_base_dir / "bench_run" / "nanochat.log"
-    assert str(e.value) == f"error: nanochat's base_train exited with 1: RuntimeError: the stand-in was told to fail " \
-                           f"(its output: {log})"
+    assert (
+        str(e.value) == f"error: nanochat's base_train exited with 1: RuntimeError: the stand-in was told to fail "
+        f"(its output: {log})"
+    )
     monkeypatch.setenv("FLAXCHAT_BASE_DIR", str(tmp_path / "empty"))
     with pytest.raises(SystemExit) as e:
         main(RUN + ["--nanochat", str(nanochat_checkout)])
@@ -311,18 +451,20 @@ def test_product_census_counts_every_product_the_compiled_step_runs():
     from flaxchat import sharding
     from flaxchat.model.gpt import GPT, GPTConfig
     from flaxchat.perf.hlo import program_stats
+    from flaxchat.perf.products import format_census, product_census
     from flaxchat.train.optim import build_optimizer
     from flaxchat.train.step import train_step
-    from flaxchat.perf.products import format_census, product_census
 
     mesh = sharding.make_mesh(data=1, devices=jax.devices()[:1])
-    config = GPTConfig(sequence_len=64, vocab_size=512, n_layer=2, n_head=2, n_kv_head=2, n_embd=64,
-                       window_pattern="SL")
+    config = GPTConfig(
+        sequence_len=64, vocab_size=512, n_layer=2, n_head=2, n_kv_head=2, n_embd=64, window_pattern="SL"
+    )
     with jax.set_mesh(mesh):
         model = GPT(config, rngs=nnx.Rngs(0))
         optimizer = build_optimizer(model, verbose=False)
-    rows = jax.device_put(np.random.default_rng(0).integers(0, 512, (2, 64), dtype=np.int32),
-                          sharding.batch_sharding(mesh))
+    rows = jax.device_put(
+        np.random.default_rng(0).integers(0, 512, (2, 64), dtype=np.int32), sharding.batch_sharding(mesh)
+    )
     batch = ((rows, rows), (rows, rows))  # two micro-steps
     census = product_census(model, optimizer, batch, mesh, repeats=1)
     with jax.set_mesh(mesh):

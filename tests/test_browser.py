@@ -23,8 +23,16 @@ from flaxchat.serve.app import BackgroundServer, create_app
 from flaxchat.serve.server import ServeConfig
 
 CHROMIUM = os.environ.get("FLAXCHAT_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
-CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+CHROMIUM_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 
 
 def scripted_model(tok, transitions: dict[int, int], seq_len=128, logit=30.0):
@@ -34,8 +42,9 @@ def scripted_model(tok, transitions: dict[int, int], seq_len=128, logit=30.0):
     of the current token: the model is a bigram table. lm_head rows are set through the pseudo-inverse of those
     hidden states, so each scripted source raises exactly its own successor's logit.
     """
-    config = GPTConfig(sequence_len=seq_len, vocab_size=tok.get_vocab_size(), n_layer=2, n_head=2, n_kv_head=2,
-                       n_embd=64)
+    config = GPTConfig(
+        sequence_len=seq_len, vocab_size=tok.get_vocab_size(), n_layer=2, n_head=2, n_kv_head=2, n_embd=64
+    )
     model = GPT(config, rngs=nnx.Rngs(0))
     sources = list(transitions)
     dual = jnp.linalg.pinv(rms_norm(model.transformer.wte.weight[...][jnp.array(sources)]))  # (C, n)
@@ -101,8 +110,12 @@ def browser(tmp_path_factory):
     sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright (the browser comes from apt)")
     with sync_api.sync_playwright() as p:
         context = p.chromium.launch_persistent_context(
-            str(tmp_path_factory.mktemp("chromium-profile")), executable_path=CHROMIUM, headless=True,
-            args=CHROMIUM_FLAGS, viewport={"width": 1280, "height": 800})
+            str(tmp_path_factory.mktemp("chromium-profile")),
+            executable_path=CHROMIUM,
+            headless=True,
+            args=CHROMIUM_FLAGS,
+            viewport={"width": 1280, "height": 800},
+        )
         yield context
         context.close()
 

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from flaxchat.model.config import GPTConfig
-from flaxchat.generate.engine import Engine
-from flaxchat.model.gpt import GPT, KVCache
 from flaxchat.data.tokenizer import Tokenizer
+from flaxchat.generate.engine import Engine
+from flaxchat.model.config import GPTConfig
+from flaxchat.model.gpt import GPT, KVCache
 from scripts import chat_cli
 
 TEXT = ["Hello there! The cat sat on the mat. 2+2 is 4. Café, naïve.\n" * 20]
@@ -43,8 +43,9 @@ class ScriptedModel(nnx.Module):
     """Mock model: after absolute position p it puts all mass on script[p + 1], whatever the tokens are."""
 
     def __init__(self, script, vocab_size, sequence_len=64):
-        self.config = GPTConfig(sequence_len=sequence_len, vocab_size=vocab_size, n_layer=1, n_head=1, n_kv_head=1,
-                                n_embd=2)
+        self.config = GPTConfig(
+            sequence_len=sequence_len, vocab_size=vocab_size, n_layer=1, n_head=1, n_kv_head=1, n_embd=2
+        )
         self.script = nnx.Variable(jnp.asarray(script + [script[-1]] * (sequence_len + 1 - len(script)), jnp.int32))
         self.dtype = jnp.float32  # the compute dtype the engine casts parameters to
 
@@ -81,8 +82,13 @@ def test_flags_are_checked(capsys):
     got = (args.source, args.model_tag, args.step, args.temperature, args.top_k, args.top_p)
     assert got == ("rl", "d4", 7, 0.0, 0, 0.9)
     assert not args.sandbox and chat_cli.get_args(["--sandbox"]).sandbox  # the calculator only, unless asked
-    for bad, message in [(["-t", "-1"], "--temperature"), (["-k", "-2"], "--top-k"), (["--top-p", "1.5"], "--top-p"),
-                         (["--max-tokens", "0"], "--max-tokens"), (["-i", "dpo"], "invalid choice")]:
+    for bad, message in [
+        (["-t", "-1"], "--temperature"),
+        (["-k", "-2"], "--top-k"),
+        (["--top-p", "1.5"], "--top-p"),
+        (["--max-tokens", "0"], "--max-tokens"),
+        (["-i", "dpo"], "invalid choice"),
+    ]:
         with pytest.raises(SystemExit):
             chat_cli.get_args(bad)
         assert message in capsys.readouterr().err
@@ -90,8 +96,16 @@ def test_flags_are_checked(capsys):
 
 def test_reply_printer_shows_tool_parts_and_whole_characters(tok):
     sp = tok.encode_special
-    reply = [*tok.encode("Café"), sp("<|python_start|>"), *tok.encode("2+2"), sp("<|python_end|>"),
-             sp("<|output_start|>"), *tok.encode("4"), sp("<|output_end|>"), *tok.encode(" naïve €5")]
+    reply = [
+        *tok.encode("Café"),
+        sp("<|python_start|>"),
+        *tok.encode("2+2"),
+        sp("<|python_end|>"),
+        sp("<|output_start|>"),
+        *tok.encode("4"),
+        sp("<|output_end|>"),
+        *tok.encode(" naïve €5"),
+    ]
     assert len(tok.encode("€")) == 3  # one character, three byte tokens: it must not print in pieces
     out = io.StringIO()
     printer = chat_cli.ReplyPrinter(tok, out, color=False)
@@ -101,8 +115,12 @@ def test_reply_printer_shows_tool_parts_and_whole_characters(tok):
     parts = printer.finish()
     assert "".join(writes) == "Café[python: 2+2][output: 4] naïve €5"
     assert not any("\ufffd" in w for w in writes)
-    assert parts == [{"type": "text", "text": "Café"}, {"type": "python", "text": "2+2"},
-                     {"type": "python_output", "text": "4"}, {"type": "text", "text": " naïve €5"}]
+    assert parts == [
+        {"type": "text", "text": "Café"},
+        {"type": "python", "text": "2+2"},
+        {"type": "python_output", "text": "4"},
+        {"type": "text", "text": " naïve €5"},
+    ]
     colored = io.StringIO()
     printer = chat_cli.ReplyPrinter(tok, colored, color=True)
     for t in [sp("<|python_start|>"), *tok.encode("1"), sp("<|python_end|>")]:
@@ -116,14 +134,17 @@ def test_multi_turn_clear_and_quit(tok, model):
     out = io.StringIO()
     messages = chat_cli.run_chat(engine, tok, args, replies(["Hello", "", "The cat", "/clear", "2+2", "/quit"]), out)
     first, second, third = engine.prompts
-    assert first == tok.render_for_completion({"messages": [{"role": "user", "content": "Hello"},
-                                                            {"role": "assistant", "content": ""}]})
+    assert first == tok.render_for_completion(
+        {"messages": [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": ""}]}
+    )
     assert second[: len(first)] == first and len(second) > len(first) + 6  # the first exchange is in the prompt
-    assert third == tok.render_for_completion({"messages": [{"role": "user", "content": "2+2"},
-                                                            {"role": "assistant", "content": ""}]})
+    assert third == tok.render_for_completion(
+        {"messages": [{"role": "user", "content": "2+2"}, {"role": "assistant", "content": ""}]}
+    )
     assert [m["role"] for m in messages] == ["user", "assistant"] and messages[0]["content"] == "2+2"
     text = out.getvalue()
     assert text.count("Assistant: ") == 3 and "(new conversation)" in text
+
     # Ctrl-C during a reply stops it and keeps what was said; Ctrl-D ends the chat
     class Interrupting(SpyEngine):
         def generate(self, tokens, **kwargs):
@@ -142,20 +163,32 @@ def test_prompt_mode_streams_a_tool_call(tok):
     sp = tok.encode_special
     chat = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}]}
     prompt = tok.render_for_completion(chat)
-    reply = [sp("<|python_start|>"), *tok.encode("2+2"), sp("<|python_end|>"), *tok.encode("ZZZ"),
-             *tok.encode(" The cat"), sp("<|assistant_end|>")]
+    reply = [
+        sp("<|python_start|>"),
+        *tok.encode("2+2"),
+        sp("<|python_end|>"),
+        *tok.encode("ZZZ"),
+        *tok.encode(" The cat"),
+        sp("<|assistant_end|>"),
+    ]
     engine = Engine(ScriptedModel(prompt + reply, tok.get_vocab_size()), tok)
     out = io.StringIO()
     args = chat_cli.get_args(["-p", "hi"])
     messages = chat_cli.run_chat(engine, tok, args, read_line=None, out=out)
     assert out.getvalue() == "[python: 2+2][output: 4] The cat\n"  # the Zs were overwritten by the forced output
-    assert messages[1]["content"] == [{"type": "python", "text": "2+2"}, {"type": "python_output", "text": "4"},
-                                      {"type": "text", "text": " The cat"}]
+    assert messages[1]["content"] == [
+        {"type": "python", "text": "2+2"},
+        {"type": "python_output", "text": "4"},
+        {"type": "text", "text": " The cat"},
+    ]
 
 
 def test_long_conversations_drop_the_oldest_turns(tok):
-    messages = [{"role": "user", "content": "Hello there! " * 8}, {"role": "assistant", "content": "The cat sat."},
-                {"role": "user", "content": "2+2"}]
+    messages = [
+        {"role": "user", "content": "Hello there! " * 8},
+        {"role": "assistant", "content": "The cat sat."},
+        {"role": "user", "content": "2+2"},
+    ]
     ids, dropped = chat_cli.render_prompt(tok, messages, capacity=40, reserve=16)
     assert dropped == 2 and len(ids) + 16 <= 40
     with pytest.raises(ValueError, match="context holds 40"):
@@ -173,8 +206,8 @@ def compile_cache_restored():
 
 
 def test_main_loads_a_checkpoint(tok, capsys, monkeypatch, compile_cache_restored):
-    from flaxchat.train.checkpoint import Checkpointer, checkpoint_dir
     from flaxchat.common import get_base_dir
+    from flaxchat.train.checkpoint import Checkpointer, checkpoint_dir
 
     engines = []
 

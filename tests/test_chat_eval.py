@@ -14,9 +14,9 @@ import pytest
 from flax import nnx
 
 import tasks.common as common
+from flaxchat.data.tokenizer import Tokenizer
 from flaxchat.eval import chat as chat_eval
 from flaxchat.generate.engine import Engine
-from flaxchat.data.tokenizer import Tokenizer
 from tasks import offline
 from tasks.common import Task, render_mc
 from tasks.gsm8k import GSM8K, extract_answer
@@ -71,19 +71,27 @@ class Letters(Task):
     def get_example(self, index):
         question, choices, answer = self.items[index]
         letters = "ABCDE"[: len(choices)]
-        return {"messages": [{"role": "user", "content": render_mc(question, letters, choices)},
-                             {"role": "assistant", "content": answer}], "letters": tuple(letters), "index": index}
+        return {
+            "messages": [
+                {"role": "user", "content": render_mc(question, letters, choices)},
+                {"role": "assistant", "content": answer},
+            ],
+            "letters": tuple(letters),
+            "index": index,
+        }
 
     def evaluate(self, conversation, completion):
         self.picked[conversation["index"]] = completion
         return completion == conversation["messages"][-1]["content"]
 
 
-ITEMS = [("What do cats like?", ["fish", "rocks", "rain"], "A"),
-         ("Which is a color?", ["red", "dog", "run", "sky", "hat"], "A"),
-         ("Where do birds live?", ["nests", "cars"], "B"),
-         ("What is big?", ["an ant", "a whale", "a pea", "a bee"], "B"),
-         ("Pick the animal.", ["lamp", "cow", "cup"], "B")]
+ITEMS = [
+    ("What do cats like?", ["fish", "rocks", "rain"], "A"),
+    ("Which is a color?", ["red", "dog", "run", "sky", "hat"], "A"),
+    ("Where do birds live?", ["nests", "cars"], "B"),
+    ("What is big?", ["an ant", "a whale", "a pea", "a bee"], "B"),
+    ("Pick the animal.", ["lamp", "cow", "cup"], "B"),
+]
 
 
 @nnx.jit
@@ -126,8 +134,16 @@ class ScriptedEngine:
         self.tokenizer, self.reply, self.calls = tokenizer, reply, []
 
     def generate_batches(self, prompts, num_samples=1, max_tokens=None, temperature=0.0, top_k=None, seeds=42):
-        self.calls.append({"prompts": len(prompts), "num_samples": num_samples, "max_tokens": max_tokens,
-                           "temperature": temperature, "top_k": top_k, "seeds": seeds})
+        self.calls.append(
+            {
+                "prompts": len(prompts),
+                "num_samples": num_samples,
+                "max_tokens": max_tokens,
+                "temperature": temperature,
+                "top_k": top_k,
+                "seeds": seeds,
+            }
+        )
         return [self.one(tokens, num_samples) for tokens in prompts]
 
     def one(self, tokens, num_samples):
@@ -157,6 +173,7 @@ def reply_by_question(replies):
             if key in prompt:
                 return [text] * n if isinstance(text, str) else text
         raise AssertionError(f"no reply for {prompt!r}")
+
     return reply
 
 
@@ -166,9 +183,10 @@ def test_gsm8k_answers_after_hashes(tok):
     engine = ScriptedEngine(tok, reply_by_question(GSM_REPLIES))
     acc = chat_eval.run_generative_eval(task, tok, engine, max_new_tokens=64, top_k=50, seed=7, rows=3)
     assert acc == pytest.approx(3 / 4)  # "#### 5.0" is not "#### 5"
-    assert engine.calls == [{"prompts": 3, "num_samples": 1, "max_tokens": 64, "temperature": 0.0, "top_k": 50,
-                             "seeds": 7}, {"prompts": 1, "num_samples": 1, "max_tokens": 64, "temperature": 0.0,
-                                           "top_k": 50, "seeds": 7}]  # 3 problems a batch, one seed for all
+    assert engine.calls == [
+        {"prompts": 3, "num_samples": 1, "max_tokens": 64, "temperature": 0.0, "top_k": 50, "seeds": 7},
+        {"prompts": 1, "num_samples": 1, "max_tokens": 64, "temperature": 0.0, "top_k": 50, "seeds": 7},
+    ]  # 3 problems a batch, one seed for all
     no_answer = ScriptedEngine(tok, reply_by_question({k: "I think it is 36." for k in GSM_REPLIES}))
     assert chat_eval.run_generative_eval(task, tok, no_answer) == 0.0
     assert extract_answer("#### 1,000 and #### 2") == "1000"
@@ -187,7 +205,8 @@ def test_pass_at_k_counts_a_problem_once_any_sample_passes(tok):
 
 
 HUMANEVAL_ROW = {
-    "task_id": "HumanEval/0", "entry_point": "add",
+    "task_id": "HumanEval/0",
+    "entry_point": "add",
     "prompt": 'from typing import List\n\n\ndef add(a: int, b: int) -> int:\n    """Sum of a and b."""\n',
     "canonical_solution": "    return a + b\n",
     "test": "def check(candidate):\n    assert candidate(1, 2) == 3\n    assert candidate(-1, 1) == 0\n",
@@ -208,8 +227,12 @@ def test_spellingbee_checks_the_count(tok):
     with open(offline.words_path(), "w", encoding="utf-8") as f:
         f.write("strawberry\nbanana\nletter\nmississippi\n")
     task = SpellingBee(size=6, split="test")
-    truth = {tuple(tok.render_for_completion(task[i])):
-             int(extract_answer("".join(p["text"] for p in task[i]["messages"][-1]["content"]))) for i in range(len(task))}
+    truth = {
+        tuple(tok.render_for_completion(task[i])): int(
+            extract_answer("".join(p["text"] for p in task[i]["messages"][-1]["content"]))
+        )
+        for i in range(len(task))
+    }
 
     class Counter(ScriptedEngine):  # answers the true count plus an offset, looked up by the prompt's ids
         def one(self, tokens, num_samples):
@@ -240,7 +263,7 @@ def test_generative_eval_with_the_real_engine(tiny_gpt, tok):
     for i in range(2):  # both problems in one batch, each as a call of its own
         prompt = tok.render_for_completion(task[i])
         tokens, _ = engine.generate_batch(prompt, num_samples=1, max_tokens=12, temperature=0.0, top_k=50)
-        assert seen[i] == tok.decode(tokens[0][len(prompt):]) and len(tokens[0]) - len(prompt) <= 12
+        assert seen[i] == tok.decode(tokens[0][len(prompt) :]) and len(tokens[0]) - len(prompt) <= 12
     chat_eval.run_generative_eval(task, tok, engine, max_new_tokens=12, temperature=0.0, rows=1)
     assert seen[2:] == seen[:2]  # one problem a batch: the same completions
 
@@ -250,7 +273,14 @@ def test_generative_eval_with_the_real_engine(tiny_gpt, tok):
 
 
 def test_chatcore_is_the_centered_mean_over_nanochats_tasks():
-    accuracies = {"ARC-Easy": 0.5, "ARC-Challenge": 0.25, "MMLU": 1.0, "GSM8K": 0.1, "HumanEval": 0.0, "SpellingBee": 1.0}
+    accuracies = {
+        "ARC-Easy": 0.5,
+        "ARC-Challenge": 0.25,
+        "MMLU": 1.0,
+        "GSM8K": 0.1,
+        "HumanEval": 0.0,
+        "SpellingBee": 1.0,
+    }
     score, n = chat_eval.chatcore(accuracies)
     assert n == 5 and score == pytest.approx((1 / 3 + 0 + 1 + 0.1 + 0) / 5)  # SpellingBee is reported, not averaged
     assert chat_eval.chatcore({"MMLU": 0.625}) == (pytest.approx(0.5), 1)

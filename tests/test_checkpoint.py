@@ -11,10 +11,10 @@ import pytest
 from flax import nnx
 
 from flaxchat import sharding
-from flaxchat.train.checkpoint import Checkpointer, checkpoint_dir, find_model_tag, load_model
+from flaxchat.export.nanochat import to_nanochat_state_dict
 from flaxchat.model.config import GPTConfig
 from flaxchat.model.gpt import GPT
-from flaxchat.export.nanochat import to_nanochat_state_dict
+from flaxchat.train.checkpoint import Checkpointer, checkpoint_dir, find_model_tag, load_model
 
 CFG = GPTConfig(sequence_len=32, vocab_size=128, n_layer=2, n_head=2, n_kv_head=2, n_embd=64)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -94,7 +94,9 @@ def test_a_save_killed_at_any_moment_never_loads_half_written(tmp_path, delay, x
     """SIGKILL while step 2 is being written: whatever is on disk is either absent or complete."""
     run = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": ROOT, "XLA_FLAGS": xla_flags(1)}
-    proc = subprocess.run([sys.executable, "-c", KILLER, str(run), str(delay)], env=env, cwd=ROOT, capture_output=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", KILLER, str(run), str(delay)], env=env, cwd=ROOT, capture_output=True, timeout=300
+    )
     assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
     ckpt = Checkpointer(str(run))
     steps = ckpt.all_steps()
@@ -117,7 +119,9 @@ def test_load_model_and_errors(tmp_path, tiny_base_dir):
         checkpoint_dir("nope", "d2")
     from flaxchat.data.tokenizer import get_tokenizer
 
-    cfg = GPTConfig(sequence_len=32, vocab_size=get_tokenizer().get_vocab_size(), n_layer=2, n_head=2, n_kv_head=2, n_embd=64)
+    cfg = GPTConfig(
+        sequence_len=32, vocab_size=get_tokenizer().get_vocab_size(), n_layer=2, n_head=2, n_kv_head=2, n_embd=64
+    )
     for tag, seed in [("d2", 0), ("d10", 1)]:
         ckpt = Checkpointer(checkpoint_dir("base", tag), async_save=False)
         ckpt.save(3, GPT(cfg, rngs=nnx.Rngs(seed)))

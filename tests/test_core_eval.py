@@ -22,8 +22,8 @@ import pytest
 import yaml
 from flax import nnx
 
-from flaxchat.eval import core as ce
 from flaxchat.data.tokenizer import Tokenizer
+from flaxchat.eval import core as ce
 from tasks.core_bundle import CORE_TASKS, LM, MC, SCHEMA, write_bundle_config
 
 
@@ -78,12 +78,19 @@ class Teacher(nnx.Module):
         return -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
 
 
-MC_ITEMS = [{"query": "The sky is", "choices": ["blue", "green", "loud"], "gold": 0},
-            {"query": "Cats say", "choices": ["woof", "meow"], "gold": 1},
-            {"query": "Two plus two is", "choices": ["three", "five", "four", "six"], "gold": 2}]
-SCHEMA_ITEMS = [{"context_options": ["The cat sat", "The dog flew"], "continuation": "on the mat.", "gold": 0},
-                {"context_options": ["Rain falls up", "Rain falls down"], "continuation": "from clouds.", "gold": 1}]
-LM_ITEMS = [{"context": "one two three  ", "continuation": "four"}, {"context": "red green", "continuation": "blue sky"}]
+MC_ITEMS = [
+    {"query": "The sky is", "choices": ["blue", "green", "loud"], "gold": 0},
+    {"query": "Cats say", "choices": ["woof", "meow"], "gold": 1},
+    {"query": "Two plus two is", "choices": ["three", "five", "four", "six"], "gold": 2},
+]
+SCHEMA_ITEMS = [
+    {"context_options": ["The cat sat", "The dog flew"], "continuation": "on the mat.", "gold": 0},
+    {"context_options": ["Rain falls up", "Rain falls down"], "continuation": "from clouds.", "gold": 1},
+]
+LM_ITEMS = [
+    {"context": "one two three  ", "continuation": "four"},
+    {"context": "red green", "continuation": "blue sky"},
+]
 
 
 def gold_prompts(task_type, data, delim, num_fewshot, right=True):
@@ -109,7 +116,9 @@ def test_each_task_type_scores_hand_made_examples(tok, task_type, data, num_fews
     bos = tok.get_bos_token_id()
     teacher = Teacher(tok(gold_prompts(task_type, data, " ", num_fewshot), prepend=bos), tok.get_vocab_size())
     assert ce.evaluate_task(teacher, tok, data, meta, batch_size=2) == 1.0
-    wrong = Teacher(tok(gold_prompts(task_type, data, " ", num_fewshot, right=False), prepend=bos), tok.get_vocab_size())
+    wrong = Teacher(
+        tok(gold_prompts(task_type, data, " ", num_fewshot, right=False), prepend=bos), tok.get_vocab_size()
+    )
     assert ce.evaluate_task(wrong, tok, data, meta, batch_size=4) == 0.0
 
 
@@ -145,12 +154,19 @@ def test_evaluate_core_on_a_hand_made_bundle(tok, tmp_path):
 def test_prompt_rendering_matches_the_bundle_templates():
     few = [{"query": "Q1", "choices": ["a", "b"], "gold": 1}]
     assert ce.render_prompts_mc({"query": "Q", "choices": ["x", "y"]}, "\nAnswer: ", few) == [
-        "Q1\nAnswer: b\n\nQ\nAnswer: x", "Q1\nAnswer: b\n\nQ\nAnswer: y"]
+        "Q1\nAnswer: b\n\nQ\nAnswer: x",
+        "Q1\nAnswer: b\n\nQ\nAnswer: y",
+    ]
     few = [{"context_options": ["c0", "c1"], "continuation": "end0", "gold": 0}]
     assert ce.render_prompts_schema({"context_options": ["A", "B"], "continuation": "z"}, " ", few) == [
-        "c0 end0\n\nA z", "c0 end0\n\nB z"]
+        "c0 end0\n\nA z",
+        "c0 end0\n\nB z",
+    ]
     few = [{"context": " ctx ", "continuation": "c"}]
-    assert ce.render_prompts_lm({"context": "item \n", "continuation": "cont"}, " ", few) == ["ctx c\n\nitem", "ctx c\n\nitem cont"]
+    assert ce.render_prompts_lm({"context": "item \n", "continuation": "cont"}, " ", few) == [
+        "ctx c\n\nitem",
+        "ctx c\n\nitem cont",
+    ]
 
 
 def test_fewshot_sampling_is_nanochats():
@@ -210,8 +226,15 @@ def tiny_gpt(tok):
     from flaxchat.model.config import GPTConfig
     from flaxchat.model.gpt import GPT
 
-    config = GPTConfig(sequence_len=64, vocab_size=tok.get_vocab_size(), n_layer=2, n_head=2, n_kv_head=2, n_embd=64,
-                       window_pattern="L")
+    config = GPTConfig(
+        sequence_len=64,
+        vocab_size=tok.get_vocab_size(),
+        n_layer=2,
+        n_head=2,
+        n_kv_head=2,
+        n_embd=64,
+        window_pattern="L",
+    )
     model = GPT(config, rngs=nnx.Rngs(0))
     w = model.lm_head.weight  # a sharper output layer than the init's, so choices really differ
     w[...] = 0.5 * jax.random.normal(jax.random.key(1), w.shape)
@@ -260,8 +283,10 @@ def test_batched_scoring_equals_scoring_each_row_alone(tiny_gpt, tok):
 
 
 def test_receptive_field_crop_changes_no_score(tiny_gpt, tok):
-    data = [{"query": "Once upon a time " * 12, "choices": ["there was a cat.", "the end of it all."], "gold": 0}
-            for _ in range(3)]
+    data = [
+        {"query": "Once upon a time " * 12, "choices": ["there was a cat.", "the end of it all."], "gold": 0}
+        for _ in range(3)
+    ]
     meta = {"task_type": MC, "num_fewshot": 2, "continuation_delimiter": "\nAnswer: "}
     full = ce.task_rows(tiny_gpt.config, tok, data, meta, crop=False)
     cropped = ce.task_rows(tiny_gpt.config, tok, data, meta)
@@ -303,9 +328,21 @@ def test_plan_batches_bounds_shapes_and_memory():
 def tiny_bundle_zip() -> bytes:
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w") as zf:
-        zf.writestr("eval_bundle/core.yaml", yaml.safe_dump({"icl_tasks": [
-            {"label": "copa", "dataset_uri": "commonsense_reasoning/copa.jsonl", "num_fewshot": [0],
-             "icl_task_type": "multiple_choice"}]}))
+        zf.writestr(
+            "eval_bundle/core.yaml",
+            yaml.safe_dump(
+                {
+                    "icl_tasks": [
+                        {
+                            "label": "copa",
+                            "dataset_uri": "commonsense_reasoning/copa.jsonl",
+                            "num_fewshot": [0],
+                            "icl_task_type": "multiple_choice",
+                        }
+                    ]
+                }
+            ),
+        )
         zf.writestr("eval_bundle/eval_meta_data.csv", "Eval Task,Task Category,Random baseline\ncopa,commonsense,50\n")
         zf.writestr("eval_bundle/eval_data/commonsense_reasoning/copa.jsonl", json.dumps(MC_ITEMS[1]) + "\n")
     return buf.getvalue()
@@ -342,7 +379,9 @@ def test_download_bundle_from_a_loopback_server(bundle_server, tmp_path, tok):
     assert bundle.baselines == {"copa": 50.0} and bundle.tasks[0]["label"] == "copa"
     again = ce.load_bundle("download", url=f"{bundle_server}/missing.zip", base_dir=str(tmp_path))
     assert again.path == bundle.path  # cached: no second download
-    teacher = Teacher(tok(gold_prompts(MC, [MC_ITEMS[1]], " ", 0), prepend=tok.get_bos_token_id()), tok.get_vocab_size())
+    teacher = Teacher(
+        tok(gold_prompts(MC, [MC_ITEMS[1]], " ", 0), prepend=tok.get_bos_token_id()), tok.get_vocab_size()
+    )
     assert ce.evaluate_core(teacher, tok, bundle)["label"] == "CORE over 1 of 22 tasks"
 
 

@@ -87,20 +87,26 @@ def _run_everything(dtype):
     from flaxchat.model.gpt import GPT
 
     # GQA, a sliding window, value embeddings on alternating layers, a vocabulary that pads
-    config = GPTConfig(sequence_len=64, vocab_size=300, n_layer=3, n_head=4, n_kv_head=2, n_embd=64,
-                       window_pattern="SL")
+    config = GPTConfig(
+        sequence_len=64, vocab_size=300, n_layer=3, n_head=4, n_kv_head=2, n_embd=64, window_pattern="SL"
+    )
     model = GPT(config, rngs=nnx.Rngs(0), dtype=dtype)
     params = nnx.state(model, nnx.Param)
     leaves, treedef = jax.tree.flatten(params)
     keys = jax.random.split(jax.random.key(1), len(leaves))
-    nnx.update(model, jax.tree.unflatten(treedef, [x + 0.05 * jax.random.normal(k, x.shape, x.dtype)
-                                                   for x, k in zip(leaves, keys)]))
+    nnx.update(
+        model,
+        jax.tree.unflatten(treedef, [x + 0.05 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]),
+    )
     idx = jax.random.randint(jax.random.key(2), (16, 64), 0, config.vocab_size)
     targets = jnp.roll(idx, -1, axis=1).at[:, -3:].set(-1)
     loss, grads = nnx.jit(nnx.value_and_grad(lambda m: m(idx, targets)))(model)
     graphdef, state = nnx.split(model)
-    token_losses = jax.jit(lambda s: cpu.in_sub_batches(
-        nnx.merge(graphdef, s), lambda m, x, y: m(x, y, loss_reduction="none"), idx, targets))(state)
+    token_losses = jax.jit(
+        lambda s: cpu.in_sub_batches(
+            nnx.merge(graphdef, s), lambda m, x, y: m(x, y, loss_reduction="none"), idx, targets
+        )
+    )(state)
 
     def decode(s):
         m = nnx.merge(graphdef, s)

@@ -8,8 +8,16 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from flaxchat.data.dataloader import (BestFitPacker, make_loader, make_val_loader, numpy_loader,
-                                 pack_documents, reader_for_rows, reader_shard, batch_sharding)
+from flaxchat.data.dataloader import (
+    BestFitPacker,
+    batch_sharding,
+    make_loader,
+    make_val_loader,
+    numpy_loader,
+    pack_documents,
+    reader_for_rows,
+    reader_shard,
+)
 from flaxchat.data.dataset import iter_documents, list_parquet_files, split_files, write_shards
 from flaxchat.data.tokenizer import Tokenizer
 from flaxchat.perf.measure import measure_throughput
@@ -90,7 +98,7 @@ def nanochat_chunks(files, tokenize, tokenizer_batch_size, rank=0, world=1):
             for rg in range(rank, pf.num_row_groups, world):
                 texts = pf.read_row_group(rg).column("text").to_pylist()
                 for i in range(0, len(texts), tokenizer_batch_size):
-                    yield tokenize(texts[i:i + tokenizer_batch_size])
+                    yield tokenize(texts[i : i + tokenizer_batch_size])
 
 
 @pytest.mark.parametrize("B,T,buffer_size,refill", [(2, 16, 8, 3), (4, 64, 50, 16), (1, 7, 1, 1), (3, 128, 200, 128)])
@@ -100,7 +108,7 @@ def test_packing_equals_reference(B, T, buffer_size, refill):
     lengths = rng.choice([1, 2, 3, 5, 8, T // 2, T, T + 1, T + 2, 3 * T], size=3000)
     docs = [[BOS] + rng.integers(0, 256, n - 1).tolist() for n in lengths]
     got = list(pack_documents(docs, B, T, buffer_size, refill))
-    want = reference_best_fit((docs[i:i + refill] for i in range(0, len(docs), refill)), B, T, buffer_size)
+    want = reference_best_fit((docs[i : i + refill] for i in range(0, len(docs), refill)), B, T, buffer_size)
     assert len(got) == len(want) > 5
     for g, w in zip(got, want):
         np.testing.assert_array_equal(g, w)
@@ -132,7 +140,7 @@ def test_packer_steps_by_hand():
 
 def _segments(row):
     starts = np.flatnonzero(row == BOS).tolist() + [len(row)]
-    return [bytes(row[a + 1:b].tolist()).decode() for a, b in zip(starts, starts[1:])]
+    return [bytes(row[a + 1 : b].tolist()).decode() for a, b in zip(starts, starts[1:])]
 
 
 def test_rows_start_with_bos_and_are_documents_without_padding(data_dir, texts):
@@ -217,13 +225,19 @@ def test_two_processes_read_disjoint_documents(data_dir):
         loader = numpy_loader(tok, 2, 48, shard=(p, 2), data_dir=data_dir, **SMALL)
         got = _take(loader, 6)
         loader.close()
-        want = reference_best_fit(nanochat_chunks(files, _byte_ids, SMALL["tokenizer_batch_size"], p, 2), 2, 48,
-                                  SMALL["buffer_size"], max_batches=6)
+        want = reference_best_fit(
+            nanochat_chunks(files, _byte_ids, SMALL["tokenizer_batch_size"], p, 2),
+            2,
+            48,
+            SMALL["buffer_size"],
+            max_batches=6,
+        )
         for (inputs, targets), rows in zip(got, want):
             np.testing.assert_array_equal(inputs, rows[:, :-1])
             np.testing.assert_array_equal(targets, rows[:, 1:])
-        seen.append({s.split(">")[0] for x, y in got for row in np.concatenate([x, y[:, -1:]], 1)
-                     for s in _segments(row)[:-1]})
+        seen.append(
+            {s.split(">")[0] for x, y in got for row in np.concatenate([x, y[:, -1:]], 1) for s in _segments(row)[:-1]}
+        )
     assert seen[0] and seen[1] and not seen[0] & seen[1]
 
 
@@ -242,8 +256,9 @@ def uneven_dir(tmp_path_factory):
 def test_batches_equal_nanochat_across_files_with_uneven_row_groups(uneven_dir):
     files = split_files(list_parquet_files(uneven_dir), "train")
     assert len(files) == 4
-    loader = numpy_loader(ByteTokenizer(), 2, 64, data_dir=uneven_dir, buffer_size=40, tokenizer_batch_size=16,
-                          prefetch=0)
+    loader = numpy_loader(
+        ByteTokenizer(), 2, 64, data_dir=uneven_dir, buffer_size=40, tokenizer_batch_size=16, prefetch=0
+    )
     got = _take(loader, 300)  # ~1.5 passes over the 800 train documents
     loader.close()
     want = reference_best_fit(nanochat_chunks(files, _byte_ids, 16), 2, 64, 40, max_batches=300)
@@ -259,7 +274,7 @@ class IdTokenizer(ByteTokenizer):
     """Documents "<i>..." become [BOS, 1000 + i, bytes...]: the second token names the document."""
 
     def encode(self, texts, prepend=None, num_threads=1):
-        return [[prepend, 1000 + int(t[1:t.index(">")])] + list(t.encode()) for t in texts]
+        return [[prepend, 1000 + int(t[1 : t.index(">")])] + list(t.encode()) for t in texts]
 
 
 @pytest.fixture
@@ -307,7 +322,7 @@ def test_resume_on_another_layout_trains_each_document_once(uneven_dir, taken, o
         assert len(prefix_takes) == owed  # 150 batches are enough to finish the owed share
         np.add.at(counts, prefix_takes, 1)
         # after its share, the reader runs through its own shard in order (as nanochat's rank j would)
-        mine = [int(t[1:t.index(">")]) for t in iter_documents(split="train", shard=(j, new), data_dir=uneven_dir)]
+        mine = [int(t[1 : t.index(">")]) for t in iter_documents(split="train", shard=(j, new), data_dir=uneven_dir)]
         later = sorted(pos - owed for pos, _ in logged if pos >= owed)
         assert sorted(d for pos, d in logged if pos >= owed) == sorted(mine[p % len(mine)] for p in later)
         assert state["first_epoch"] == 3
@@ -391,7 +406,7 @@ def test_real_tokenizer_and_throughput(data_dir):
     assert (inputs[:, 0] == bos).all()
     row = inputs[0]
     starts = np.flatnonzero(row == bos).tolist()
-    whole = [tok.decode(row[a + 1:b].tolist()) for a, b in zip(starts, starts[1:])]
+    whole = [tok.decode(row[a + 1 : b].tolist()) for a, b in zip(starts, starts[1:])]
     assert len(starts) >= 2 and all(w in docs for w in whole)
     loader.close()
     stats = measure_throughput(tok, 2, 64, num_batches=5, warmup=1, data_dir=data_dir, **SMALL)

@@ -11,8 +11,15 @@ import pyarrow.parquet as pq
 import pytest
 
 from flaxchat.data import dataset
-from flaxchat.data.dataset import (ParquetDocuments, download, iter_documents, list_parquet_files, split_files,
-                                   text_documents, write_shards)
+from flaxchat.data.dataset import (
+    ParquetDocuments,
+    download,
+    iter_documents,
+    list_parquet_files,
+    split_files,
+    text_documents,
+    write_shards,
+)
 from scripts.data import main
 
 DOCS = [f"doc{i}: " + "word " * (i % 37) for i in range(500)]
@@ -165,6 +172,7 @@ def test_cli_bad_flags_give_one_line_errors(tmp_path, capsys):
 
 def test_tinystories_converts_the_hub_dataset(tmp_path, monkeypatch):
     import datasets  # a core dependency (imported here: it takes a second)
+
     splits = {"train": [f"story {i}" for i in range(30)], "validation": ["val a", "val b"]}
     calls = []
 
@@ -251,7 +259,7 @@ class _Server:
                 self.end_headers()
                 if name in server.truncate_first:  # drop the connection halfway through, once
                     server.truncate_first.discard(name)
-                    self.wfile.write(body[start:start + (len(body) - start) // 2])
+                    self.wfile.write(body[start : start + (len(body) - start) // 2])
                     self.close_connection = True
                     return
                 self.wfile.write(body[start:])

@@ -16,9 +16,23 @@ def run_demo(base):
     """The demo as a user runs it: its own process, one CPU device (not this suite's 8 fake ones), so it leaves
     nothing behind in the test process (JAX's device count is fixed when JAX starts)."""
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "PYTHONPATH": ROOT}
-    proc = subprocess.run([sys.executable, "-m", "scripts.run_tinystories", "--quick", "--base-dir", str(base),
-                           "--source", "synthetic-stories"], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=1200)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "scripts.run_tinystories",
+            "--quick",
+            "--base-dir",
+            str(base),
+            "--source",
+            "synthetic-stories",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
 
@@ -57,4 +71,3 @@ def test_demo_writes_under_the_base_dir(tmp_path, monkeypatch, capsys):
     demo = run_tinystories.Demo(run_tinystories.build_parser().parse_args(["--base-dir", str(tmp_path / "d")]))
     assert demo.env["FLAXCHAT_BASE_DIR"] == str(tmp_path / "d")
     assert HUGE_PAGES_TUNABLE in demo.env["GLIBC_TUNABLES"].split(":")  # its stages start with huge pages
-

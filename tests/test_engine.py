@@ -41,8 +41,15 @@ def tok():
 
 @pytest.fixture(scope="module")
 def model(tok):
-    config = GPTConfig(sequence_len=64, vocab_size=tok.get_vocab_size(), n_layer=2, n_head=2, n_kv_head=1, n_embd=64,
-                       window_pattern="SL")
+    config = GPTConfig(
+        sequence_len=64,
+        vocab_size=tok.get_vocab_size(),
+        n_layer=2,
+        n_head=2,
+        n_kv_head=1,
+        n_embd=64,
+        window_pattern="SL",
+    )
     model = make_model(config, 0, 0.3)
     model.window_sizes = [8, 64]  # a window shorter than the sequences, so the cached path must honour it
     return model
@@ -62,7 +69,7 @@ def naive_greedy(model, prompt, n, width=64):
     for _ in range(n):
         logits = full_forward(model, jnp.array([seq + [0] * (width - len(seq))]))[0, len(seq) - 1]
         seq.append(int(jnp.argmax(logits)))
-    return seq[len(prompt):]
+    return seq[len(prompt) :]
 
 
 def test_bucket_and_padding():
@@ -90,8 +97,9 @@ def test_cached_logits_equal_full_forward_every_step(model):
         span = attention_span(max(map(len, PROMPTS)) + step + 1, 1024)
         spans.add(span)
         ctl = controls(3, remaining=24 - step, offset=step, temperature=0.0)
-        slots, out, forced, steps = progs.decode(params, slots, ctl, np.int32(1), rows=3, span=span, chunk=1,
-                                                 stop_tokens=(), tool_end=-1, tiers=())
+        slots, out, forced, steps = progs.decode(
+            params, slots, ctl, np.int32(1), rows=3, span=span, chunk=1, stop_tokens=(), tool_end=-1, tiers=()
+        )
         assert int(steps) == 1 and not np.asarray(forced).any()
         columns.append(np.asarray(out)[:, 0])
     assert spans == {64} and slots.cache.k[0].shape[2] == 1024  # 64 of 1024 positions read
@@ -161,7 +169,7 @@ def test_engine_stream_equals_one_loop(model, tok):
     assert [r[: len(x)] for r, x in zip(rows, ref)] == ref
     assert len({tuple(r) for r in rows}) > 1  # samples differ
     results, masks = engine.generate_batch(prompt, num_samples=3, max_tokens=20, temperature=1.0, top_k=50, seed=7)
-    assert [r[len(prompt):] for r in results] == [[t for t in x if t not in engine.stop_tokens] for x in ref]
+    assert [r[len(prompt) :] for r in results] == [[t for t in x if t not in engine.stop_tokens] for x in ref]
     assert all(len(r) == len(m) for r, m in zip(results, masks))
 
 
@@ -181,8 +189,9 @@ class ScriptedModel(nnx.Module):
 
     def __init__(self, script, vocab_size, sequence_len=64):
         self.transformer = NoEmbedding()
-        self.config = GPTConfig(sequence_len=sequence_len, vocab_size=vocab_size, n_layer=1, n_head=1, n_kv_head=1,
-                                n_embd=2)
+        self.config = GPTConfig(
+            sequence_len=sequence_len, vocab_size=vocab_size, n_layer=1, n_head=1, n_kv_head=1, n_embd=2
+        )
         self.script = nnx.Variable(jnp.asarray(script + [script[-1]] * (sequence_len + 1 - len(script)), jnp.int32))
         self.dtype = jnp.float32  # the compute dtype the engine casts parameters to
 
@@ -203,8 +212,13 @@ def tool_script(tok, code: str, forced_len: int):
     """A prompt and a scripted reply that calls the tool with `code`; where the tool's output (forced_len
     tokens) goes, the script says "Z", so the output can only appear if the engine forces it."""
     sp = tok.encode_special
-    prompt = [tok.get_bos_token_id(), sp("<|user_start|>"), *tok.encode("hi"), sp("<|user_end|>"),
-              sp("<|assistant_start|>")]
+    prompt = [
+        tok.get_bos_token_id(),
+        sp("<|user_start|>"),
+        *tok.encode("hi"),
+        sp("<|user_end|>"),
+        sp("<|assistant_start|>"),
+    ]
     call = [sp("<|python_start|>"), *tok.encode(code), sp("<|python_end|>")]
     after = [*tok.encode(" The cat"), sp("<|assistant_end|>")]
     reply = call + tok.encode("Z") * forced_len + after
@@ -223,7 +237,7 @@ def test_tool_injection_with_mock_model(tok):
     assert masks == [1] * len(call) + [0] * len(forced) + [1] * len(after)
     assert all(col[1] == col[0] for col, _ in stream)  # both samples ran the tool
     results, _ = engine.generate_batch(prompt, num_samples=1, max_tokens=40, temperature=0.0)
-    assert tok.decode(results[0][len(prompt):]).endswith("4<|output_end|> The cat")  # no <|assistant_end|>
+    assert tok.decode(results[0][len(prompt) :]).endswith("4<|output_end|> The cat")  # no <|assistant_end|>
 
 
 def test_tool_runs_per_row_in_a_batch_of_prompts(tok):
@@ -296,9 +310,10 @@ def test_rows_still_going_are_packed_into_fewer_slots(model, tok):
         assert [x for x, on in zip(a, alive) if on] == [x for x, on in zip(b, alive) if on] and ma == mb
     # 4 rows left of 8: slots 4-7 move to 0-3 (padded with a repeated pair); none go below COMPACT_MIN_ROWS
     assert COMPACT_MIN_ROWS == 4 and moves == [([4, 5, 6, 7, 4, 4, 4, 4], [0, 1, 2, 3, 0, 0, 0, 0])]
-    assert packed.generate_batches(prompts, **kwargs) == [plain.generate_batch(p, num_samples=2, seed=seed,
-                                                                               temperature=1.0, top_k=50)
-                                                          for p, seed in zip(prompts, [1, 2, 3, 4])]
+    assert packed.generate_batches(prompts, **kwargs) == [
+        plain.generate_batch(p, num_samples=2, seed=seed, temperature=1.0, top_k=50)
+        for p, seed in zip(prompts, [1, 2, 3, 4])
+    ]
 
 
 def test_speculative_engine_runs_the_tool(tok):
@@ -428,7 +443,9 @@ def test_sampling_on_a_mesh_equals_one_device(model):
     top-k there: XLA cannot rewrite them) and samples the same tokens as on one device."""
     mesh = sharding.make_mesh(data=-1)
     sharded = nnx.eval_shape(lambda: model)
-    nnx.update(sharded, jax.device_put(nnx.state(model), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())))
+    nnx.update(
+        sharded, jax.device_put(nnx.state(model), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    )
     for top_k in (None, 5, 50):
         want = generate(model, PROMPTS, 6, temperature=1.0, top_k=top_k, seed=1)
         assert generate(sharded, PROMPTS, 6, temperature=1.0, top_k=top_k, seed=1) == want
@@ -441,18 +458,32 @@ def test_decode_loop_updates_the_cache_in_place(model, users_codegen):
     for rows in (1, 3):
         padded, lengths = pad_prompts([[1, 2, 3]] * rows, 64, 8)
         slots = progs.start(params, padded, lengths, copies=1, rows=rows, capacity=64)
-        lowered = progs.decode.lower(params, slots, controls(rows, remaining=8), np.int32(8), rows=rows, span=64,
-                                     chunk=8, stop_tokens=(), tool_end=-1, tiers=())
+        lowered = progs.decode.lower(
+            params,
+            slots,
+            controls(rows, remaining=8),
+            np.int32(8),
+            rows=rows,
+            span=64,
+            chunk=8,
+            stop_tokens=(),
+            tool_end=-1,
+            tiers=(),
+        )
         hlo = lowered.compile(compiler_options=users_codegen).as_text()
         loop = next(line for line in hlo.splitlines() if " while(" in line and 'op_name="jit(_decode)/while"' in line)
         name = re.search(r"body=(%[\w.-]+)", loop).group(1)
-        body = hlo[hlo.index(f"\n{name} ") + 1:]
+        body = hlo[hlo.index(f"\n{name} ") + 1 :]
         body = body[: body.index("\n}")]
         layer = rows * 1 * 64 * 32  # (rows, Hkv, S, D) elements
         whole = []
         for line in body.splitlines()[1:]:
             m = re.match(r"\s*(?:ROOT )?(%\S+) = f32\[([\d,]+)\]\S* (\S+?)\(", line)
-            if m and np.prod([int(d) for d in m.group(2).split(",")]) == layer and m.group(3) not in ("bitcast", "get-tuple-element"):
+            if (
+                m
+                and np.prod([int(d) for d in m.group(2).split(",")]) == layer
+                and m.group(3) not in ("bitcast", "get-tuple-element")
+            ):
                 whole.append((m.group(1), m.group(3)))
         assert whole and all("update-slice" in n or "scatter" in n for n, _ in whole), whole  # the writes, only
 
@@ -471,8 +502,18 @@ def test_an_extracted_part_decodes_like_the_whole_cache(model):
         for chunk in range(3):
             n = rows if part else 4  # controls cover every row of what is decoded
             ctl = controls(n, remaining=12 - 4 * chunk, offset=4 * chunk, seed=list(range(n)))
-            work, out, _, steps = progs.decode(params, work, ctl, np.int32(4), rows=rows, span=64, chunk=4,
-                                               stop_tokens=(), tool_end=-1, tiers=TOP_K_TIERS)
+            work, out, _, steps = progs.decode(
+                params,
+                work,
+                ctl,
+                np.int32(4),
+                rows=rows,
+                span=64,
+                chunk=4,
+                stop_tokens=(),
+                tool_end=-1,
+                tiers=TOP_K_TIERS,
+            )
             outs.append(np.asarray(out)[:, : int(steps)])
         if part:
             assert work.cache.k[0].shape[:3] == (rows, 1, 64) and work.logits.shape[0] == rows

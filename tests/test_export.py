@@ -6,17 +6,19 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from flaxchat.train.checkpoint import Checkpointer, checkpoint_dir
+from flaxchat.data.tokenizer import get_tokenizer
+from flaxchat.export.nanochat import load_nanochat_checkpoint, load_safetensors, to_nanochat_state_dict
 from flaxchat.model.config import GPTConfig
 from flaxchat.model.gpt import GPT
-from flaxchat.export.nanochat import load_nanochat_checkpoint, load_safetensors, to_nanochat_state_dict
-from flaxchat.data.tokenizer import get_tokenizer
+from flaxchat.train.checkpoint import Checkpointer, checkpoint_dir
 from scripts.export import main
 
 
 @pytest.fixture
 def sft_model(tiny_base_dir):
-    cfg = GPTConfig(sequence_len=32, vocab_size=get_tokenizer().get_vocab_size(), n_layer=2, n_head=2, n_kv_head=2, n_embd=64)
+    cfg = GPTConfig(
+        sequence_len=32, vocab_size=get_tokenizer().get_vocab_size(), n_layer=2, n_head=2, n_kv_head=2, n_embd=64
+    )
     model = GPT(cfg, rngs=nnx.Rngs(4))
     ckpt = Checkpointer(checkpoint_dir("sft", "d2"), async_save=False)
     ckpt.save(12, model, meta={"val_bpb": 1.5})
@@ -103,8 +105,20 @@ def _litert_export(base, quantize, out):
     prefill in chunks of 8, so the test prompt takes several."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("FLAXCHAT_BASE_DIR", str(base))
-        main(["-i", "sft", "--format", "litert", "--litert-quantize", quantize, "--litert-prefill-len", "8",
-              "--out", str(out)])
+        main(
+            [
+                "-i",
+                "sft",
+                "--format",
+                "litert",
+                "--litert-quantize",
+                quantize,
+                "--litert-prefill-len",
+                "8",
+                "--out",
+                str(out),
+            ]
+        )
     return out
 
 
@@ -118,8 +132,8 @@ def litert_exports(litert_checkpoint):
 def test_litert_greedy_and_logits_match_the_model(litert_exports):
     import jax.numpy as jnp
 
-    from flaxchat.generate.engine import generate as engine_generate
     from flaxchat.export.litert_chat import LiteRTModel, generate
+    from flaxchat.generate.engine import generate as engine_generate
 
     model, tokenizer, dirs = litert_exports
     prompt = tokenizer.encode(LITERT_PROMPT, prepend="<|bos|>")
@@ -137,7 +151,7 @@ def test_litert_greedy_and_logits_match_the_model(litert_exports):
     seq = prompt + expected[:6]
     reference = np.asarray(nnx.jit(lambda m, idx: m(idx))(model, jnp.array([seq]))[0])
     got = [lite.feed(prompt)] + [lite.step(t) for t in expected[:6]]
-    diff = np.abs(np.stack(got) - reference[len(prompt) - 1:]).max()
+    diff = np.abs(np.stack(got) - reference[len(prompt) - 1 :]).max()
     assert diff < 1e-4, diff
 
 
@@ -147,7 +161,7 @@ def test_litert_quantized_exports_are_smaller_and_close(litert_checkpoint, liter
     _, tokenizer, base = litert_checkpoint
     dirs = {"none": litert_exports[2]["none"], **{q: _litert_export(base, q, tmp_path / q) for q in ("fp16", "int8")}}
     size = {q: os.path.getsize(d / "model.tflite") for q, d in dirs.items()}
-    # int8 (dynamic range) covers the matmul weights only: the embedding tables stay float32 (see flaxchat.export.litert)
+    # int8 (dynamic range) covers the matmul weights only: the embedding tables stay float32 (flaxchat.export.litert)
     assert size["fp16"] < 0.6 * size["none"] and size["int8"] < 0.75 * size["none"], size
     prompt = tokenizer.encode(LITERT_PROMPT, prepend="<|bos|>")
     reference = LiteRTModel(str(dirs["none"])).feed(prompt)  # == the JAX model's (the test above)
@@ -167,16 +181,21 @@ def test_litert_runner_needs_no_jax(litert_exports):
     from flaxchat.export.litert_chat import LiteRTModel, generate
 
     _, tokenizer, dirs = litert_exports
-    code = ("import runpy, sys\n"
-            "for name in ('jax', 'jaxlib', 'flax', 'tensorflow', 'orbax', 'rustbpe'): sys.modules[name] = None\n"
-            f"sys.argv = ['litert_chat', {str(dirs['none'])!r}, '-p', {LITERT_PROMPT!r}, '--complete', '-m', '12']\n"
-            "runpy.run_module('scripts.litert_chat', run_name='__main__')\n")
+    code = (
+        "import runpy, sys\n"
+        "for name in ('jax', 'jaxlib', 'flax', 'tensorflow', 'orbax', 'rustbpe'): sys.modules[name] = None\n"
+        f"sys.argv = ['litert_chat', {str(dirs['none'])!r}, '-p', {LITERT_PROMPT!r}, '--complete', '-m', '12']\n"
+        "runpy.run_module('scripts.litert_chat', run_name='__main__')\n"
+    )
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=repo, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     lite = LiteRTModel(str(dirs["none"]))
-    tokens = list(generate(lite, tokenizer.encode(LITERT_PROMPT, prepend="<|bos|>"), 12,
-                           stop_tokens=set(lite.config["stop_token_ids"])))
+    tokens = list(
+        generate(
+            lite, tokenizer.encode(LITERT_PROMPT, prepend="<|bos|>"), 12, stop_tokens=set(lite.config["stop_token_ids"])
+        )
+    )
     expected = tokenizer.decode([t for t in tokens if t not in lite.config["stop_token_ids"]])
     assert result.stdout.rstrip("\n") == expected
 
@@ -187,7 +206,9 @@ def test_litert_unconvertible_model_is_one_line(tiny_base_dir, tmp_path, monkeyp
     _needs_litert()
     import jax.numpy as jnp
 
-    cfg = GPTConfig(sequence_len=32, vocab_size=get_tokenizer().get_vocab_size(), n_layer=1, n_head=2, n_kv_head=2, n_embd=64)
+    cfg = GPTConfig(
+        sequence_len=32, vocab_size=get_tokenizer().get_vocab_size(), n_layer=1, n_head=2, n_kv_head=2, n_embd=64
+    )
     ckpt = Checkpointer(checkpoint_dir("base", "d1"), async_save=False)
     ckpt.save(1, GPT(cfg, rngs=nnx.Rngs(0)), meta={})
     ckpt.close()

@@ -51,9 +51,10 @@ def test_chunked_loss_gradients_equal_autodiff(monkeypatch, chunk_rows, users_co
 def test_bf16_logits_are_rounded_to_bf16_before_the_fp32_softcap_as_nanochats_head():
     """nanochat's lm_head returns bf16 logits in a bf16 run (then .float() and the soft-cap): so do the training
     loss's and the generation head's."""
+    from flax import nnx
+
     from flaxchat.model.config import GPTConfig
     from flaxchat.model.gpt import GPT
-    from flax import nnx
 
     kx, kw = jax.random.split(jax.random.key(0))
     x = jax.random.normal(kx, (8, 64)).astype(jnp.bfloat16)
@@ -107,7 +108,9 @@ def test_bf16_grid_rounds_as_a_conversion_to_bf16(codegen, users_codegen):
     np.testing.assert_array_equal(np.asarray(grid).view(np.uint32)[:-1], want.astype(np.float32).view(np.uint32)[:-1])
     assert np.isnan(np.asarray(grid)[-1]) and np.isnan(np.asarray(as_bf16, np.float32)[-1])
     # the gradient passes through unrounded (the product's backward rounds it)
-    np.testing.assert_array_equal(jax.grad(lambda v: jnp.sum(cpu.bf16_grid(v) * 1.2345678))(x[:5]), np.float32(1.2345678))
+    np.testing.assert_array_equal(
+        jax.grad(lambda v: jnp.sum(cpu.bf16_grid(v) * 1.2345678))(x[:5]), np.float32(1.2345678)
+    )
 
 
 @pytest.mark.parametrize("n", [512, 40])
@@ -141,8 +144,12 @@ def test_the_bf16_loss_on_a_cpu_rounds_its_logits_without_xlas_conversion(users_
     x = jnp.zeros((n, C), jnp.bfloat16)
     w = jnp.zeros((Vp, C))
     t = jnp.zeros((n,), jnp.int32)
-    program = jax.jit(jax.grad(lambda x, w: fl.loss_sum(x, w, t, Vp), argnums=(0, 1))).lower(x, w).compile(
-        compiler_options=users_codegen).as_text()
+    program = (
+        jax.jit(jax.grad(lambda x, w: fl.loss_sum(x, w, t, Vp), argnums=(0, 1)))
+        .lower(x, w)
+        .compile(compiler_options=users_codegen)
+        .as_text()
+    )
     rows = fl.chunk_rows(n, Vp)
     assert re.search(rf"bf16\[{rows},{Vp}\]", program)  # the gradients' bf16 operand is there
     assert not re.search(rf"= bf16\[{rows},{Vp}\]\S* convert\(", program)  # but made by bit operations

@@ -5,9 +5,9 @@ import pytest
 from flax import nnx
 
 from flaxchat import sharding
+from flaxchat.export.nanochat import from_nanochat_state_dict, to_nanochat_state_dict
 from flaxchat.model.config import GPTConfig
 from flaxchat.model.gpt import GPT, CausalSelfAttention, init_table, rotary_cos_sin, stacked_product
-from flaxchat.export.nanochat import from_nanochat_state_dict, to_nanochat_state_dict
 
 TINY = GPTConfig(sequence_len=64, vocab_size=300, n_layer=2, n_head=2, n_kv_head=2, n_embd=64)
 
@@ -127,7 +127,9 @@ def test_gqa_equals_mha_with_repeated_kv_heads():
 def test_cached_decode_equals_full_forward():
     """At every step, logits from the KV cache (a fresh prefill, a 5-token chunk over a filled cache, then one
     token at a time) equal a full forward."""
-    config = GPTConfig(sequence_len=48, vocab_size=100, n_layer=3, n_head=2, n_kv_head=1, n_embd=64, window_pattern="SL")
+    config = GPTConfig(
+        sequence_len=48, vocab_size=100, n_layer=3, n_head=2, n_kv_head=1, n_embd=64, window_pattern="SL"
+    )
     config = GPTConfig(**{**config.to_dict(), "sequence_len": 48})
     model = make(config)
     # short window so the cached path must honour it: force S windows of 8
@@ -207,7 +209,9 @@ def test_create_sharded_model_is_born_sharded():
     model = sharding.create_sharded(lambda: GPT(TINY, rngs=nnx.Rngs(0)), mesh)
     w = model.transformer.wte.weight[...]
     assert w.sharding.spec == jax.sharding.PartitionSpec("tensor", "fsdp")
-    np.testing.assert_allclose(np.asarray(w), np.asarray(GPT(TINY, rngs=nnx.Rngs(0)).transformer.wte.weight[...]), atol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(w), np.asarray(GPT(TINY, rngs=nnx.Rngs(0)).transformer.wte.weight[...]), atol=1e-6
+    )
 
 
 def test_make_mesh_errors():
@@ -246,7 +250,10 @@ def test_bfloat16_model_stores_embeddings_in_bfloat16_and_trains():
     model = GPT(config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
     assert model.transformer.wte.weight[...].dtype == jnp.bfloat16
     assert model.value_embeds["1"].weight[...].dtype == jnp.bfloat16
-    assert model.lm_head.weight[...].dtype == jnp.float32 and model.transformer.h[0].attn.c_q.weight[...].dtype == jnp.float32
+    assert (
+        model.lm_head.weight[...].dtype == jnp.float32
+        and model.transformer.h[0].attn.c_q.weight[...].dtype == jnp.float32
+    )
     reference = GPT(config, rngs=nnx.Rngs(0), dtype=jnp.float32)
     rng = np.random.default_rng(0)
     seqs = (rng.integers(0, 300, (8, 1)) + np.arange(33)[None]) % 300  # learnable: +1 each position
@@ -299,8 +306,25 @@ def test_a_bfloat16_model_on_a_cpu_multiplies_bfloat16_and_keeps_activations_flo
         return f, params
 
     f, params = loss_and_grads(model)
-    arithmetic = {"mul", "add", "sub", "div", "exp", "tanh", "logistic", "rsqrt", "integer_pow", "square", "max",
-                  "reduce_sum", "reduce_max", "add_any", "neg", "select_n", "log"}
+    arithmetic = {
+        "mul",
+        "add",
+        "sub",
+        "div",
+        "exp",
+        "tanh",
+        "logistic",
+        "rsqrt",
+        "integer_pow",
+        "square",
+        "max",
+        "reduce_sum",
+        "reduce_max",
+        "add_any",
+        "neg",
+        "select_n",
+        "log",
+    }
     ops = _primitives_by_output_dtype(jax.make_jaxpr(f)(params).jaxpr)
     assert ("dot_general", "bfloat16") not in ops and ("dot_general", "float32") in ops
     assert sorted(name for name, dtype in ops if dtype == "bfloat16" and name in arithmetic) == []
@@ -349,13 +373,15 @@ def test_a_bfloat16_embedding_sums_its_gradient_in_float32():
     backward): a scatter-add into the bf16 table rounded after every add and stalled at 256."""
     from flaxchat.model.gpt import Embedding
 
-    table = Embedding(8, 4, init=lambda key, shape: jnp.zeros(shape), axes=("vocab", "embed"), rngs=nnx.Rngs(0),
-                      dtype=jnp.bfloat16)
+    table = Embedding(
+        8, 4, init=lambda key, shape: jnp.zeros(shape), axes=("vocab", "embed"), rngs=nnx.Rngs(0), dtype=jnp.bfloat16
+    )
     idx = jnp.asarray([0] * 5000 + [3] * 7, jnp.int32)
     grad = nnx.grad(lambda m: m(idx, jnp.bfloat16).astype(jnp.float32).sum())(table)["weight"][...]
     assert grad.dtype == jnp.bfloat16
-    np.testing.assert_array_equal(np.asarray(grad, np.float32)[[0, 3, 1]],
-                                  [[float(jnp.bfloat16(5000))] * 4, [7.0] * 4, [0.0] * 4])
+    np.testing.assert_array_equal(
+        np.asarray(grad, np.float32)[[0, 3, 1]], [[float(jnp.bfloat16(5000))] * 4, [7.0] * 4, [0.0] * 4]
+    )
 
 
 @pytest.fixture(scope="module")

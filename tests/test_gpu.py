@@ -29,7 +29,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 on_gpu = pytest.mark.skipif(
     jax.default_backend() != "gpu",
     reason=f"needs a GPU: JAX runs on {jax.default_backend()} here "
-           "(on a CUDA machine: JAX_PLATFORMS=cuda python -m pytest -m gpu, or bash runs/gpu_check.sh)")
+    "(on a CUDA machine: JAX_PLATFORMS=cuda python -m pytest -m gpu, or bash runs/gpu_check.sh)",
+)
 
 
 def rel_err(a, b) -> float:
@@ -64,15 +65,17 @@ def check_attention(fused, window, B=2, T=512, H=8, Hkv=2, D=128, seed=0):
     for name, t, p, r in zip(("out", "dq", "dk", "dv"), tested, plain, reference):
         assert t.shape == r.shape and (name != "out" or t.dtype == jnp.bfloat16), name
         err, bf16_err = rel_err(t, r), rel_err(p, r)
-        assert np.isfinite(err) and err <= max(2.0 * bf16_err, 1e-2), \
+        assert np.isfinite(err) and err <= max(2.0 * bf16_err, 1e-2), (
             f"{name}: {fused} bf16 rel. error {err:.2e} vs XLA bf16 {bf16_err:.2e} (window {window})"
+        )
     return tested
 
 
 def small_config(n_layer=4, T=256):
     """head_dim 128 (cuDNN's sweet spot), GQA (2 query heads per kv head), windows 128 | 256 (S, L)."""
-    return GPTConfig(sequence_len=T, vocab_size=1024, n_layer=n_layer, n_head=2, n_kv_head=1, n_embd=256,
-                     window_pattern="SL")
+    return GPTConfig(
+        sequence_len=T, vocab_size=1024, n_layer=n_layer, n_head=2, n_kv_head=1, n_embd=256, window_pattern="SL"
+    )
 
 
 def random_weights(model, seed=0, scale=0.3):
@@ -87,8 +90,9 @@ def random_weights(model, seed=0, scale=0.3):
 
 def same_weights(model, reference):
     """Copy reference's parameters into model, each cast to model's storage dtype (bf16 embeddings)."""
-    cast = jax.tree.map(lambda mine, ref: ref.astype(mine.dtype), nnx.state(model, nnx.Param),
-                        nnx.state(reference, nnx.Param))
+    cast = jax.tree.map(
+        lambda mine, ref: ref.astype(mine.dtype), nnx.state(model, nnx.Param), nnx.state(reference, nnx.Param)
+    )
     nnx.update(model, cast)
     return model
 
@@ -135,7 +139,7 @@ def check_cached_decode(fused, prefill=64, total=224, B=2, seed=0):
     logits, cache = step(full_model, idx[:, :prefill], cache)
     cached = [np.asarray(logits)]
     for t in range(prefill, total):
-        logits, cache = step(full_model, idx[:, t: t + 1], cache)
+        logits, cache = step(full_model, idx[:, t : t + 1], cache)
         cached.append(np.asarray(logits))
     cached = np.concatenate(cached, axis=1)  # (B, total, V)
     assert np.asarray(cache.pos).tolist() == [total] * B and cache.k[0].dtype == jnp.bfloat16
@@ -177,9 +181,11 @@ def test_cached_decode_equals_full_forward_bf16():
 def test_a_scatter_add_with_repeated_indices_compiles_to_native_fp32_atomics(tmp_path):
     """An embedding's gradient (a fp32 scatter-add whose indices repeat) as the training scripts compile it, with
     sharding.native_gpu_atomics: the kernel's PTX adds with the atomic instruction, no compare-and-swap loop."""
-    code = ("from flaxchat.sharding import native_gpu_atomics; native_gpu_atomics(); import jax, jax.numpy as jnp; "
-            "f = jax.jit(lambda t, i, u: t.at[i].add(u)); "
-            "f(jnp.zeros((399, 128)), jnp.zeros(40960, jnp.int32), jnp.ones((40960, 128))).block_until_ready()")
+    code = (
+        "from flaxchat.sharding import native_gpu_atomics; native_gpu_atomics(); import jax, jax.numpy as jnp; "
+        "f = jax.jit(lambda t, i, u: t.at[i].add(u)); "
+        "f(jnp.zeros((399, 128)), jnp.zeros(40960, jnp.int32), jnp.ones((40960, 128))).block_until_ready()"
+    )
     env = {**os.environ, "JAX_PLATFORMS": "cuda", "XLA_FLAGS": f"--xla_dump_to={tmp_path}"}
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -217,8 +223,12 @@ def test_native_gpu_atomics_adds_the_llvm_option_where_the_cuda_compiler_knows_i
     assert sharding.native_gpu_atomics(env)
     assert env["XLA_FLAGS"] == "--xla_backend_extra_options=xla_gpu_a=1,-nvptx-allow-ftz-atomics"
     # not on a CPU or TPU run, not where the user opted out or chose the denormal mode themselves
-    for env in ({"JAX_PLATFORMS": "cpu"}, {"JAX_PLATFORMS": "tpu"}, {"FLAXCHAT_NATIVE_GPU_ATOMICS": "0"},
-                {"XLA_FLAGS": "--xla_gpu_ftz=false"}):
+    for env in (
+        {"JAX_PLATFORMS": "cpu"},
+        {"JAX_PLATFORMS": "tpu"},
+        {"FLAXCHAT_NATIVE_GPU_ATOMICS": "0"},
+        {"XLA_FLAGS": "--xla_gpu_ftz=false"},
+    ):
         before = dict(env)
         assert not sharding.native_gpu_atomics(env) and env == before
     # a compiler without the option would stop the process on it; no CUDA plugin, nothing to do
@@ -235,8 +245,10 @@ def test_a_cpu_run_compiles_with_the_option_too():
     XLA_FLAGS: its LLVM knows the option (an unknown one stops the process), and programs compile as before."""
     from flaxchat import sharding
 
-    code = ("import jax, jax.numpy as jnp; "
-            "print(jax.jit(lambda t, i, u: t.at[i].add(u))(jnp.zeros(3), jnp.zeros(5, jnp.int32), jnp.ones(5))[0])")
+    code = (
+        "import jax, jax.numpy as jnp; "
+        "print(jax.jit(lambda t, i, u: t.at[i].add(u))(jnp.zeros(3), jnp.zeros(5, jnp.int32), jnp.ones(5))[0])"
+    )
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_backend_extra_options={sharding.FTZ_ATOMICS}"}
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.split() == ["5.0"], r.stderr[-2000:]
@@ -256,8 +268,14 @@ def test_the_cuda_plugin_library_is_found_where_jax_loads_plugins_from(tmp_path,
 
 
 def run_check(*args, env=None, timeout=300):
-    return subprocess.run(["bash", os.path.join(ROOT, "runs", "gpu_check.sh"), *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        ["bash", os.path.join(ROOT, "runs", "gpu_check.sh"), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def test_gpu_check_help():
@@ -286,16 +304,24 @@ def test_gpu_check_cpu_smoke(tmp_path, request):
     t0 = time.perf_counter()
     r = run_check("--cpu", "--out", str(out), *extra)
     seconds = time.perf_counter() - t0
-    assert r.returncode == 0, f"gpu_check.sh --cpu failed after {seconds:.0f} s:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    assert r.returncode == 0, (
+        f"gpu_check.sh --cpu failed after {seconds:.0f} s:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    )
     report = json.loads((out / "report.json").read_text())
     assert report["mode"] == "cpu" and report["ok"] is True
     assert report["env"]["backend"] == "cpu" and report["env"]["device_count"] >= 1
     tests = report["tests"]
     assert tests["ok"] and tests["failed"] == 0 and tests["errors"] == 0
     assert tests["skipped"] >= 4 and tests["passed"] == 0  # the GPU tests above, each skipped with its reason
-    assert [t["name"] for t in report["train"]] == ["train_d2", "train_d2_random_data", "train_d2_random_fresh_data",
-                                                   "train_d2_real_cycled_data", "train_d2_real_data",
-                                                   "train_d2_real_llvm_atomics_data", "train_d2_real_waited_data"]
+    assert [t["name"] for t in report["train"]] == [
+        "train_d2",
+        "train_d2_random_data",
+        "train_d2_random_fresh_data",
+        "train_d2_real_cycled_data",
+        "train_d2_real_data",
+        "train_d2_real_llvm_atomics_data",
+        "train_d2_real_waited_data",
+    ]
     assert [p["name"] for p in report["prepared"]] == ["real_data", "real_tokenizer"]
     assert all(p["ok"] for p in report["prepared"])
     for t in report["train"]:
@@ -322,7 +348,11 @@ def test_gpu_check_cpu_smoke(tmp_path, request):
         assert r["grad_accum"] == 2 and r["config"] == random_data["config"] and "nanochat" not in r
     if nanochat:  # a pair of real runs: nanochat's base_train (the stand-in), then scripts.pretrain
         (run,) = report["runs"]
-        assert run["ok"] and run["name"] == "run_d2_real" and run["command"].startswith("python -m scripts.bench --what run")
+        assert (
+            run["ok"]
+            and run["name"] == "run_d2_real"
+            and run["command"].startswith("python -m scripts.bench --what run")
+        )
         res = run["result"]
         assert res["timed_from_step"] == 3 and res["timed_steps"] == 2 and res["nanochat"]["timed_steps"] == 2
         assert res["step_s"] > 0 and res["vs_nanochat"] == pytest.approx(res["nanochat"]["step_s"] / res["step_s"])
@@ -336,14 +366,24 @@ def test_gpu_check_cpu_smoke(tmp_path, request):
     assert serve["ok"] and set(serve["result"]["median_tok_per_s"]) == {"1", "4"}
     assert all(v > 0 for v in serve["result"]["median_tok_per_s"].values())
     summary = (out / "summary.md").read_text()
-    for heading in ("## Environment", "## Tests", "## Training", "## Where the time goes", "### train_d2: ",
-                    "### train_d2_real_data: ", "## Generation", "## Serving"):
+    for heading in (
+        "## Environment",
+        "## Tests",
+        "## Training",
+        "## Where the time goes",
+        "### train_d2: ",
+        "### train_d2_real_data: ",
+        "## Generation",
+        "## Serving",
+    ):
         assert heading in summary
     assert "2 accumulation steps, grain loader)" in summary and "2 accumulation steps)" in summary
     assert "2 accumulation steps, random tokens, new arrays every step)" in summary
     assert "| matmul | " in summary and "flaxchat's slowest ops" in summary
     assert "flaxchat's scatters (element type, combiner): " in summary
-    assert "flaxchat's lines of the program by the time of their ops" in summary and "`flaxchat/model/gpt.py:" in summary
+    assert (
+        "flaxchat's lines of the program by the time of their ops" in summary and "`flaxchat/model/gpt.py:" in summary
+    )
     assert ("nanochat's slowest ops" in summary) == nanochat
     assert f"{report['train'][0]['result']['tok_per_s']:,.0f}" in summary
     if nanochat:
@@ -358,9 +398,14 @@ def test_gpu_check_only_runs_the_sections_asked_for(tmp_path):
     assert r.returncode == 0, f"{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     report = json.loads((out / "report.json").read_text())
     assert report["ok"] is True and report["sections"] == ["real"]
-    assert [t["name"] for t in report["train"]] == ["train_d2_random_data", "train_d2_random_fresh_data",
-                                                   "train_d2_real_cycled_data", "train_d2_real_data",
-                                                   "train_d2_real_llvm_atomics_data", "train_d2_real_waited_data"]
+    assert [t["name"] for t in report["train"]] == [
+        "train_d2_random_data",
+        "train_d2_random_fresh_data",
+        "train_d2_real_cycled_data",
+        "train_d2_real_data",
+        "train_d2_real_llvm_atomics_data",
+        "train_d2_real_waited_data",
+    ]
     assert report["tests"]["not_run"] and report["serve"]["not_run"] and report["generate"] == []
     summary = (out / "summary.md").read_text()
     assert summary.count("not run (`--only`)") == 3  # tests, generation, serving
@@ -388,10 +433,23 @@ def test_a_gpu_row_without_native_atomics_says_so():
     with it are not."""
     from scripts.gpu_check import train_row
 
-    record = {"config": {"n_layer": 12, "window_pattern": "L", "sequence_len": 2048}, "num_params": 2.9e8,
-              "dtype": "bfloat16", "grad_accum": 2, "data": "grain loader", "tokens_per_step": 131072, "tok_per_s": 2e5,
-              "mfu": 20.0, "compile_s": 15.0, "peak_mem_gb": 60.0, "attention": "cudnn", "remat": "none",
-              "peak_flops": 9.89e14, "peak_flops_source": "datasheet", "backend": "gpu"}
+    record = {
+        "config": {"n_layer": 12, "window_pattern": "L", "sequence_len": 2048},
+        "num_params": 2.9e8,
+        "dtype": "bfloat16",
+        "grad_accum": 2,
+        "data": "grain loader",
+        "tokens_per_step": 131072,
+        "tok_per_s": 2e5,
+        "mfu": 20.0,
+        "compile_s": 15.0,
+        "peak_mem_gb": 60.0,
+        "attention": "cudnn",
+        "remat": "none",
+        "peak_flops": 9.89e14,
+        "peak_flops_source": "datasheet",
+        "backend": "gpu",
+    }
     label = lambda **kw: train_row({**record, **kw})[0]
     assert label(xla_flags="--xla_backend_extra_options=-nvptx-allow-ftz-atomics").endswith("grain loader)")
     assert label(xla_flags="").endswith("grain loader, fp32 atomic adds as LLVM compiles them)")

@@ -5,9 +5,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from flaxchat.export.nanochat import (
+    from_nanochat_state_dict,
+    load_nanochat_checkpoint,
+    save_nanochat_checkpoint,
+    to_nanochat_state_dict,
+)
 from flaxchat.model.config import GPTConfig
 from flaxchat.model.gpt import GPT
-from flaxchat.export.nanochat import from_nanochat_state_dict, load_nanochat_checkpoint, save_nanochat_checkpoint, to_nanochat_state_dict
 
 CFG = GPTConfig(sequence_len=32, vocab_size=100, n_layer=3, n_head=2, n_kv_head=1, n_embd=64)
 

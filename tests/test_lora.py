@@ -20,10 +20,38 @@ from flaxchat.model.gpt import GPT
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:qwix")  # qwix 0.1.8 reads Variable.value
 
-LORA_TINY = ["--mixture", "offline", "--mc-epochs", "0", "--identity-size", "100", "--arithmetic-size", "60",
-             "--story-size", "0", "--spelling-size", "0", "--val-size", "8", "--device-batch-size", "2",
-             "--total-batch-size", "2048", "--eval-tokens", "1024", "--eval-every", "-1", "--chatcore-every", "-1",
-             "--reply-check", "0", "--lora-rank", "4", "--lora-full", "none"]  # adapters alone
+LORA_TINY = [
+    "--mixture",
+    "offline",
+    "--mc-epochs",
+    "0",
+    "--identity-size",
+    "100",
+    "--arithmetic-size",
+    "60",
+    "--story-size",
+    "0",
+    "--spelling-size",
+    "0",
+    "--val-size",
+    "8",
+    "--device-batch-size",
+    "2",
+    "--total-batch-size",
+    "2048",
+    "--eval-tokens",
+    "1024",
+    "--eval-every",
+    "-1",
+    "--chatcore-every",
+    "-1",
+    "--reply-check",
+    "0",
+    "--lora-rank",
+    "4",
+    "--lora-full",
+    "none",
+]  # adapters alone
 
 
 VOCAB = 512  # the tiny tokenizer's (tests/conftest.py): every model here has the same shapes, compiled once
@@ -43,9 +71,18 @@ def forward(model, x):
 
 
 def write_chats(path, n=30, bad_line=None):
-    lines = [json.dumps({"messages": [{"role": "system", "content": "Answer with a number."},
-                                      {"role": "user", "content": f"What is {i} plus one?"},
-                                      {"role": "assistant", "content": f"{i + 1}."}]}) for i in range(n)]
+    lines = [
+        json.dumps(
+            {
+                "messages": [
+                    {"role": "system", "content": "Answer with a number."},
+                    {"role": "user", "content": f"What is {i} plus one?"},
+                    {"role": "assistant", "content": f"{i + 1}."},
+                ]
+            }
+        )
+        for i in range(n)
+    ]
     if bad_line is not None:
         lines[bad_line - 1] = '{"messages": [{"role": "user", "content": "hi"}'  # cut short
     path.write_text("\n".join(lines) + "\n")
@@ -114,8 +151,10 @@ def test_chat_jsonl_is_read_validated_and_split(tmp_path):
     folder = tmp_path / "chats"
     folder.mkdir()
     write_chats(folder / "a.jsonl", n=30)
-    (folder / "b.jsonl").write_text('\n{"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]},'
-                                    ' {"role": "assistant", "content": "Hello."}], "id": 7}\n')
+    (folder / "b.jsonl").write_text(
+        '\n{"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]},'
+        ' {"role": "assistant", "content": "Hello."}], "id": 7}\n'
+    )
     train, val, both = (CustomJSON(str(folder), split) for split in ("train", "val", "all"))
     assert len(both) == 31 and (len(train), len(val)) == (29, 2)  # round(5% of 31) = 2, never 0
     assert sorted(map(json.dumps, [*train, *val])) == sorted(map(json.dumps, both))
@@ -125,10 +164,16 @@ def test_chat_jsonl_is_read_validated_and_split(tmp_path):
     where = "f.jsonl line 3"
     for line, message in [
         ('{"messages": [', "not valid JSON"),
-        ('[1, 2]', 'non-empty "messages" list'),
+        ("[1, 2]", 'non-empty "messages" list'),
         ('{"messages": [{"role": "tool", "content": "x"}]}', "role 'tool'"),
-        ('{"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]}', "message 2 is from 'user'"),
-        ('{"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "a"}]}', "end with an assistant"),
+        (
+            '{"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]}',
+            "message 2 is from 'user'",
+        ),
+        (
+            '{"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "a"}]}',
+            "end with an assistant",
+        ),
         ('{"messages": [{"role": "user", "content": 3}, {"role": "assistant", "content": "b"}]}', "content must be"),
     ]:
         with pytest.raises(ChatFileError, match=message) as e:
@@ -159,8 +204,8 @@ def test_a_malformed_line_stops_sft_before_training(tmp_path, tiny_base_dir, cap
 def lora_run(tiny_corpus, tmp_path_factory):
     """A d2 base checkpoint and a 4-step LoRA SFT run on the offline mixture + a chat JSONL (weight 2) with
     checkpoints at steps 2 and 4, in a base dir of its own. Tests copy what they change."""
-    from flaxchat.train.checkpoint import Checkpointer, checkpoint_dir
     from flaxchat.data.tokenizer import Tokenizer
+    from flaxchat.train.checkpoint import Checkpointer, checkpoint_dir
     from scripts.sft import main
 
     root = tmp_path_factory.mktemp("lora_run")
@@ -168,8 +213,11 @@ def lora_run(tiny_corpus, tmp_path_factory):
         (root / name).symlink_to(tiny_corpus / name, target_is_directory=True)
     vocab = Tokenizer.load(str(tiny_corpus / "tokenizer")).get_vocab_size()
     ckpt = Checkpointer(checkpoint_dir("base", "d2", str(root)), async_save=False)
-    ckpt.save(1, GPT(GPTConfig.from_depth(2, 32, 32, 64, "L", vocab), rngs=nnx.Rngs(0)),
-              meta={"user_config": {}, "max_seq_len": 64, "device_batch_size": 2, "total_batch_size": 2048})
+    ckpt.save(
+        1,
+        GPT(GPTConfig.from_depth(2, 32, 32, 64, "L", vocab), rngs=nnx.Rngs(0)),
+        meta={"user_config": {}, "max_seq_len": 64, "device_batch_size": 2, "total_batch_size": 2048},
+    )
     ckpt.close()
     chats = write_chats(root / "mine.jsonl", n=40)
     argv = LORA_TINY + ["--chats", f"{chats}:2", "--num-iterations", "4", "--save-every", "2", "--keep", "2"]
@@ -230,15 +278,22 @@ def test_adapter_checkpoint_is_small_and_loads_merged(lora_run, monkeypatch):
     assert result["trainable_params"] == 2 * 4 * (4 * (64 + 64) + 2 * (64 + 256))
 
     merged, _, meta = load_model("sft", "straight")
-    assert type(merged) is GPT and meta["lora"] == {"rank": 4, "alpha": 8.0, "targets": "c_q,c_k,c_v,c_proj,c_fc", "full": []}
+    assert type(merged) is GPT and meta["lora"] == {
+        "rank": 4,
+        "alpha": 8.0,
+        "targets": "c_q,c_k,c_v,c_proj,c_fc",
+        "full": [],
+    }
     assert meta["base"] == {"phase": "base", "model_tag": "d2", "step": 1} and meta["step"] == 4
     # every target weight is W + (A B)^T * alpha / r with the checkpoint's own arrays; the rest is the base's
     base, _, _ = load_model("base", "d2")
     adapters = ocp.StandardCheckpointer().restore(out / "4" / "model")
     for i in range(2):
         for part, name in [("attn", "c_q"), ("attn", "c_proj"), ("mlp", "c_fc"), ("mlp", "c_proj")]:
-            a, b = (np.asarray(adapters["transformer"]["h"][str(i)][part][name][k]["value"])
-                    for k in ("weight_lora_a", "weight_lora_b"))
+            a, b = (
+                np.asarray(adapters["transformer"]["h"][str(i)][part][name][k]["value"])
+                for k in ("weight_lora_a", "weight_lora_b")
+            )
             w0 = np.asarray(getattr(getattr(base.transformer.h[i], part), name).weight[...])
             w = np.asarray(getattr(getattr(merged.transformer.h[i], part), name).weight[...])
             np.testing.assert_allclose(w, w0 + 2.0 * (a @ b).T, atol=1e-6)  # alpha / r = 8 / 4
@@ -249,7 +304,9 @@ def test_adapter_checkpoint_is_small_and_loads_merged(lora_run, monkeypatch):
     main(["--merge", "--model-tag", "straight"])
     full, _, full_meta = load_model("sft", "straight-merged")
     assert "lora" not in full_meta and full_meta["merged_from"]["model_tag"] == "straight"
-    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(nnx.state(full)), jax.tree.leaves(nnx.state(merged))))
+    assert all(
+        np.array_equal(a, b) for a, b in zip(jax.tree.leaves(nnx.state(full)), jax.tree.leaves(nnx.state(merged)))
+    )
     # a whole model's arrays, as many bytes as the base's
     merged_bytes = stored_bytes(root / "chatsft_checkpoints" / "straight-merged" / "4" / "model")
     assert merged_bytes == stored_bytes(root / "base_checkpoints" / "d2" / "1" / "model") > 20 * adapter_bytes

@@ -83,8 +83,9 @@ print(out[0])
 """
 
 
-@pytest.mark.skipif(not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"),
-                    reason="no transparent huge pages (not Linux)")
+@pytest.mark.skipif(
+    not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"), reason="no transparent huge pages (not Linux)"
+)
 def test_huge_pages_take_large_allocations_without_a_fault_per_4kb():
     """What the tunable is for: a thread's large allocation, freed and made again, faults once per 2 MB page
     instead of once per 4 KB (the test workers run with it: conftest puts it into their environment)."""
@@ -98,11 +99,11 @@ def test_huge_pages_take_large_allocations_without_a_fault_per_4kb():
     faults = {}
     for name, value in (("4 KB pages", "glibc.malloc.hugetlb=0"), ("huge pages", machine.HUGE_PAGES_TUNABLE)):
         env = {**os.environ, "GLIBC_TUNABLES": value}
-        faults[name] = int(subprocess.run([sys.executable, "-c", _FAULTS], env=env, capture_output=True, text=True,
-                                          check=True).stdout)
+        faults[name] = int(
+            subprocess.run([sys.executable, "-c", _FAULTS], env=env, capture_output=True, text=True, check=True).stdout
+        )
     assert faults["4 KB pages"] > 2 * (256 << 20) // 4096 * 0.9, faults  # every 4 KB page, each time
     assert faults["huge pages"] < faults["4 KB pages"] / 20, faults
-
 
 
 def test_a_cpu_peak_is_measured_for_the_compute_dtypes_products():

@@ -15,9 +15,32 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRETRAIN = ["-m", "scripts.pretrain"]
-ARGS = ["--depth", "2", "--aspect-ratio", "32", "--head-dim", "32", "--max-seq-len", "64",
-        "--device-batch-size", "4", "--total-batch-size", "512", "--warmup-steps", "1", "--num-iterations", "4",
-        "--eval-every", "2", "--eval-tokens", "512", "--sample-every", "-1", "--save-every", "2"]
+ARGS = [
+    "--depth",
+    "2",
+    "--aspect-ratio",
+    "32",
+    "--head-dim",
+    "32",
+    "--max-seq-len",
+    "64",
+    "--device-batch-size",
+    "4",
+    "--total-batch-size",
+    "512",
+    "--warmup-steps",
+    "1",
+    "--num-iterations",
+    "4",
+    "--eval-every",
+    "2",
+    "--eval-tokens",
+    "512",
+    "--sample-every",
+    "-1",
+    "--save-every",
+    "2",
+]
 
 
 def free_port():
@@ -32,11 +55,21 @@ def run_two_processes(base, argv, xla_flags, timeout=420):
     port = free_port()
     procs = []
     for pid in range(2):
-        env = {**os.environ, "PYTHONPATH": ROOT, "FLAXCHAT_BASE_DIR": str(base),
-               "XLA_FLAGS": xla_flags(4), "JAX_PLATFORMS": "cpu",
-               "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(pid)}
-        procs.append(subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        env = {
+            **os.environ,
+            "PYTHONPATH": ROOT,
+            "FLAXCHAT_BASE_DIR": str(base),
+            "XLA_FLAGS": xla_flags(4),
+            "JAX_PLATFORMS": "cpu",
+            "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
+            "JAX_NUM_PROCESSES": "2",
+            "JAX_PROCESS_ID": str(pid),
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, *argv], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
+        )
     try:
         outs = [p.communicate(timeout=timeout)[0] for p in procs]
     finally:  # processes out of step hang in a collective: never leave them behind
@@ -112,7 +145,8 @@ def test_agree_max_and_to_host_on_one_process():
     """With one process agree_max hands the values back untouched (types and all); to_host reads any array."""
     import jax
     import numpy as np
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     from flaxchat.common import agree_max, from_main_process, to_host
     from flaxchat.sharding import make_mesh
@@ -161,10 +195,40 @@ def test_agree_max_and_to_host_across_two_processes(tmp_path, xla_flags):
 # -----------------------------------------------------------------------------
 # SFT: an end of epoch each process sees at its own step, and the reply check
 
-SFT = ["-m", "scripts.sft", "--mixture", "offline", "--mc-epochs", "0", "--identity-size", "5",
-       "--arithmetic-size", "20", "--story-size", "0", "--spelling-size", "0", "--val-size", "4",
-       "--load-optimizer", "0", "--data", "8", "--device-batch-size", "1", "--total-batch-size", "512",
-       "--eval-every", "-1", "--eval-tokens", "512", "--chatcore-every", "-1", "--reply-check", "2"]
+SFT = [
+    "-m",
+    "scripts.sft",
+    "--mixture",
+    "offline",
+    "--mc-epochs",
+    "0",
+    "--identity-size",
+    "5",
+    "--arithmetic-size",
+    "20",
+    "--story-size",
+    "0",
+    "--spelling-size",
+    "0",
+    "--val-size",
+    "4",
+    "--load-optimizer",
+    "0",
+    "--data",
+    "8",
+    "--device-batch-size",
+    "1",
+    "--total-batch-size",
+    "512",
+    "--eval-every",
+    "-1",
+    "--eval-tokens",
+    "512",
+    "--chatcore-every",
+    "-1",
+    "--reply-check",
+    "2",
+]
 
 
 @pytest.fixture
@@ -173,10 +237,10 @@ def sft_base_dir(tiny_base_dir):
     its meta says it was pretrained on 64-token rows, which SFT inherits."""
     from flax import nnx
 
-    from flaxchat.train.checkpoint import Checkpointer, checkpoint_dir
+    from flaxchat.data.tokenizer import get_tokenizer
     from flaxchat.model.config import GPTConfig
     from flaxchat.model.gpt import GPT
-    from flaxchat.data.tokenizer import get_tokenizer
+    from flaxchat.train.checkpoint import Checkpointer, checkpoint_dir
 
     model = GPT(GPTConfig.from_depth(2, 32, 32, 128, "L", get_tokenizer().get_vocab_size()), rngs=nnx.Rngs(0))
     ckpt = Checkpointer(checkpoint_dir("base", "d2"), async_save=False)

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from flaxchat.train import optim
 from flaxchat.model.config import GPTConfig, derive_training
 from flaxchat.model.gpt import GPT
+from flaxchat.train import optim
 
 # -----------------------------------------------------------------------------
 # numpy references, written from nanochat's optim.py formulas
@@ -176,7 +176,10 @@ def test_muon_chain_matches_numpy_over_two_steps():
     params = {"tall": rand(rng, 64, 16, scale=0.1), "wide": rand(rng, 16, 64, scale=0.1)}
     tx = optim.muon(learning_rate=0.02, momentum=0.9, weight_decay=0.2)
     state, update = tx.init(params), jax.jit(tx.update)
-    ref = {k: (p.astype(np.float64), np.zeros(p.shape), np.zeros(optim.normuon_state_shape(p.shape))) for k, p in params.items()}
+    ref = {
+        k: (p.astype(np.float64), np.zeros(p.shape), np.zeros(optim.normuon_state_shape(p.shape)))
+        for k, p in params.items()
+    }
     for _ in range(2):
         grads = {k: rand(rng, *p.shape) for k, p in params.items()}
         updates, state = update(grads, state, params)
@@ -231,7 +234,9 @@ class StandIn(nnx.Module):
         self.smear_lambda = nnx.Param(jnp.full((1,), 0.1, jnp.float32))
         self.backout_lambda = nnx.Param(jnp.full((1,), 0.2, jnp.float32))
         kv = c.n_kv_head * c.head_dim
-        self.value_embeds = nnx.Dict({str(i): _Embedding(c.padded_vocab_size, kv, rngs) for i in range(c.n_layer) if c.has_ve(i)})
+        self.value_embeds = nnx.Dict(
+            {str(i): _Embedding(c.padded_vocab_size, kv, rngs) for i in range(c.n_layer) if c.has_ve(i)}
+        )
 
 
 CONFIG = GPTConfig(sequence_len=64, vocab_size=100, n_layer=1, n_head=2, n_kv_head=1, n_embd=64)
@@ -277,7 +282,9 @@ UPDATE = nnx.jit(lambda model, optimizer, grads: optimizer.update(model, grads))
 
 def make_model():
     """flaxchat's GPT, depth 2, width 64."""
-    return GPT(GPTConfig(sequence_len=64, vocab_size=128, n_layer=2, n_head=2, n_kv_head=1, n_embd=64), rngs=nnx.Rngs(0))
+    return GPT(
+        GPTConfig(sequence_len=64, vocab_size=128, n_layer=2, n_head=2, n_kv_head=1, n_embd=64), rngs=nnx.Rngs(0)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -320,8 +327,15 @@ def check_against_numpy_muon_adamw(model, optimizer, steps=2):
 def test_param_groups_follow_nanochat_table():
     model = nnx.eval_shape(lambda: StandIn(CONFIG, nnx.Rngs(0)))
     names = {".".join(map(str, k)): v for k, v in nnx.to_flat_state(optim.param_labels(nnx.state(model, nnx.Param)))}
-    expected = {"matrix": "matrix", "wte": "embedding", "lm_head": "unembedding", "value_embeds": "value_embeds",
-                "resid_lambdas": "resid", "x0_lambdas": "x0", "smear": "smear"}
+    expected = {
+        "matrix": "matrix",
+        "wte": "embedding",
+        "lm_head": "unembedding",
+        "value_embeds": "value_embeds",
+        "resid_lambdas": "resid",
+        "x0_lambdas": "x0",
+        "smear": "smear",
+    }
     assert len(names) == 15 and all(v == expected[reference_group_of(k)] for k, v in names.items())
     assert names["transformer.h.0.attn.ve_gate.weight"] == "matrix"
     with pytest.raises(ValueError, match="no optimizer group"):
@@ -460,7 +474,9 @@ def test_gradient_check_sees_any_single_bad_element(bad):
 
 def test_skip_report_names_why_a_step_was_dropped():
     assert optim.skip_report(7, 2.5, 1, 1) is None  # nothing dropped this step
-    assert optim.skip_report(7, float("nan"), 1, 2) == "step 7: non-finite loss; the update was skipped (2 skipped so far)"
+    assert (
+        optim.skip_report(7, float("nan"), 1, 2) == "step 7: non-finite loss; the update was skipped (2 skipped so far)"
+    )
     line = optim.skip_report(8, 2.5, 2, 3)  # a finite loss whose gradients were dropped
     assert line == "step 8: gradients not finite or beyond 1e+15; the update was skipped (3 skipped so far)"
 
@@ -517,7 +533,11 @@ def test_schedule_matches_base_train(args):
 
 
 def test_schedule_rejects_bad_values():
-    for bad in (dict(num_iterations=0), dict(num_iterations=10, warmdown_ratio=1.5), dict(num_iterations=10, warmup_steps=-1)):
+    for bad in (
+        dict(num_iterations=0),
+        dict(num_iterations=10, warmdown_ratio=1.5),
+        dict(num_iterations=10, warmup_steps=-1),
+    ):
         with pytest.raises(ValueError):
             optim.Schedule(**bad)
 
@@ -561,10 +581,33 @@ def test_schedule_drives_hyperparameters_without_recompiling():
 
 # num_scaling_params() of nanochat's GPT (vocab 32768, aspect 64, head_dim 128, seq 2048, SSSL)
 COUNTS = {
-    4: dict(wte=8388608, value_embeds=16777216, lm_head=8388608, transformer_matrices=3145776, scalars=34, total=36700242),
-    12: dict(wte=25165824, value_embeds=150994944, lm_head=25165824, transformer_matrices=84935088, scalars=50, total=286261730),
-    20: dict(wte=41943040, value_embeds=419430400, lm_head=41943040, transformer_matrices=393217200, scalars=66, total=896533746),
-    26: dict(wte=54525952, value_embeds=708837376, lm_head=54525952, transformer_matrices=863897580, scalars=78, total=1681786938),
+    4: dict(
+        wte=8388608, value_embeds=16777216, lm_head=8388608, transformer_matrices=3145776, scalars=34, total=36700242
+    ),
+    12: dict(
+        wte=25165824,
+        value_embeds=150994944,
+        lm_head=25165824,
+        transformer_matrices=84935088,
+        scalars=50,
+        total=286261730,
+    ),
+    20: dict(
+        wte=41943040,
+        value_embeds=419430400,
+        lm_head=41943040,
+        transformer_matrices=393217200,
+        scalars=66,
+        total=896533746,
+    ),
+    26: dict(
+        wte=54525952,
+        value_embeds=708837376,
+        lm_head=54525952,
+        transformer_matrices=863897580,
+        scalars=78,
+        total=1681786938,
+    ),
 }
 FLOPS = {4: 80216496, 12: 759696048, 20: 2886212784, 26: 5991051288}
 
@@ -592,8 +635,12 @@ def test_derive_training_matches_nanochat(depth, flags, batch, iterations, wd, l
 
 
 def test_derive_training_small_vocab_ratio_20():
-    counts = dict(wte=3145728, value_embeds=9437184, lm_head=3145728, transformer_matrices=10616940, scalars=38, total=26345618)
-    ref = dict(wte=6291456, value_embeds=37748736, lm_head=6291456, transformer_matrices=84935088, scalars=50, total=135266786)
+    counts = dict(
+        wte=3145728, value_embeds=9437184, lm_head=3145728, transformer_matrices=10616940, scalars=38, total=26345618
+    )
+    ref = dict(
+        wte=6291456, value_embeds=37748736, lm_head=6291456, transformer_matrices=84935088, scalars=50, total=135266786
+    )
     plan = derive_training(6, counts, 89654040, ref, target_param_data_ratio=20)
     assert (plan.total_batch_size, plan.num_iterations) == (262144, 1050)
     assert plan.weight_decay == pytest.approx(1.3123861018991105, rel=1e-12)
@@ -634,8 +681,14 @@ def test_the_orthogonalisation_dtype_follows_the_models(monkeypatch):
 
     seen = []
     original = optim.muon_adamw
-    monkeypatch.setattr(optim, "muon_adamw", lambda groups, schedule, polar_dtype, axes: (
-        seen.append(jnp.dtype(polar_dtype).name), original(groups, schedule, polar_dtype, axes))[1])
+    monkeypatch.setattr(
+        optim,
+        "muon_adamw",
+        lambda groups, schedule, polar_dtype, axes: (
+            seen.append(jnp.dtype(polar_dtype).name),
+            original(groups, schedule, polar_dtype, axes),
+        )[1],
+    )
     config = GPTConfig(sequence_len=16, vocab_size=64, n_layer=1, n_head=1, n_kv_head=1, n_embd=64)
     for dtype in (jnp.float32, jnp.bfloat16):
         model = nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0), dtype=dtype))

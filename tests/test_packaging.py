@@ -44,8 +44,18 @@ def test_pixi_is_conventional():
 
 
 # pixi's manifest keys (pixi.sh, "Multi environment" and "System requirements"): a feature holds these tables.
-FEATURE_KEYS = {"dependencies", "pypi-dependencies", "system-requirements", "platforms", "channels", "tasks",
-                "activation", "target", "channel-priority", "pypi-options"}
+FEATURE_KEYS = {
+    "dependencies",
+    "pypi-dependencies",
+    "system-requirements",
+    "platforms",
+    "channels",
+    "tasks",
+    "activation",
+    "target",
+    "channel-priority",
+    "pypi-options",
+}
 
 
 def test_pixi_tasks_run_with_huge_pages():
@@ -68,7 +78,9 @@ def test_pixi_environments_cover_cpu_cuda_tpu():
         assert set(feature) <= FEATURE_KEYS, f"feature {name}: unknown keys {set(feature) - FEATURE_KEYS}"
         assert set(feature.get("platforms", p["workspace"]["platforms"])) <= set(p["workspace"]["platforms"])
         wanted = feature["pypi-dependencies"]["flaxchat"]["extras"]
-        assert "dev" in wanted and set(wanted) <= set(extras), f"feature {name}: extras {wanted} vs pyproject {set(extras)}"
+        assert "dev" in wanted and set(wanted) <= set(extras), (
+            f"feature {name}: extras {wanted} vs pyproject {set(extras)}"
+        )
         cuda = [e for e in wanted if re.fullmatch(r"cuda\d+", e)]
         if cuda:  # pixi must know which CUDA the driver offers; the extra pulls jax[cudaNN] for the same major
             assert feature["system-requirements"]["cuda"] == cuda[0].removeprefix("cuda"), name
@@ -95,8 +107,9 @@ def task_commands():
 @pytest.mark.parametrize("name,cmd", task_commands())
 def test_every_pixi_task_runs_with_help(name, cmd):
     argv = shlex.split(cmd)
-    assert argv[0] == "python" or argv[0] == "bash" and argv[1].startswith("runs/"), \
+    assert argv[0] == "python" or argv[0] == "bash" and argv[1].startswith("runs/"), (
         f"pixi task {name} should start with python (or run a recipe in runs/ with bash)"
+    )
     if argv[0] == "python":
         argv[0] = sys.executable
     if name == "test":  # running the suite inside the suite would recurse; check pytest itself answers
@@ -124,15 +137,27 @@ def test_package_data_ships_every_data_file():
                 continue
             rel = path.relative_to(ROOT)
             package = ".".join(rel.parent.parts)
-            assert any(fnmatch.fnmatch(rel.name, g) for g in package_data.get(package, [])), \
+            assert any(fnmatch.fnmatch(rel.name, g) for g in package_data.get(package, [])), (
                 f"{rel} is not in pyproject's [tool.setuptools.package-data] for {package}"
+            )
             assert importlib.resources.files(package).joinpath(rel.name).is_file()
 
 
 def test_pyproject_declares_the_stack():
     deps = " ".join(pyproject()["project"]["dependencies"])
-    for pkg in ["jax", "flax", "optax", "orbax-checkpoint", "grain", "tiktoken", "rustbpe", "datasets",
-                "fastapi", "uvicorn", "pyarrow"]:
+    for pkg in [
+        "jax",
+        "flax",
+        "optax",
+        "orbax-checkpoint",
+        "grain",
+        "tiktoken",
+        "rustbpe",
+        "datasets",
+        "fastapi",
+        "uvicorn",
+        "pyarrow",
+    ]:
         assert re.search(rf"(^|\s|\"){re.escape(pkg)}>=", deps), pkg
 
 

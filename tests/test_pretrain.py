@@ -12,9 +12,28 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # depth 2, width 64 (2 heads of 32), seq 64, 8 fake devices x 2 rows = 16 x 64 tokens per micro-step
-TINY = ["--depth", "2", "--aspect-ratio", "32", "--head-dim", "32", "--max-seq-len", "64",
-        "--device-batch-size", "2", "--total-batch-size", "2048", "--warmup-steps", "2",
-        "--eval-tokens", "2048", "--sample-every", "-1", "--core-metric-every", "-1"]
+TINY = [
+    "--depth",
+    "2",
+    "--aspect-ratio",
+    "32",
+    "--head-dim",
+    "32",
+    "--max-seq-len",
+    "64",
+    "--device-batch-size",
+    "2",
+    "--total-batch-size",
+    "2048",
+    "--warmup-steps",
+    "2",
+    "--eval-tokens",
+    "2048",
+    "--sample-every",
+    "-1",
+    "--core-metric-every",
+    "-1",
+]
 
 
 def metrics(base, tag):
@@ -40,8 +59,13 @@ def test_pretrain_smoke_loss_goes_down(tiny_base_dir, capsys):
     assert sorted(ls) == list(range(1, 11))
     # steps run one ahead of their logging; an evaluation still comes after the steps before it
     order = [(r["step"], "val_bpb" in r) for r in rows if "loss" in r or "val_bpb" in r]
-    assert order == ([(0, True)] + [(i, False) for i in range(1, 6)] + [(5, True)]
-                     + [(i, False) for i in range(6, 11)] + [(10, True)]), order
+    assert order == (
+        [(0, True)]
+        + [(i, False) for i in range(1, 6)]
+        + [(5, True)]
+        + [(i, False) for i in range(6, 11)]
+        + [(10, True)]
+    ), order
     assert ls[10] < ls[1] - 0.3, ls
     bpbs = [r["val_bpb"] for r in rows if "val_bpb" in r]
     assert len(bpbs) == 3 and bpbs[-1] < bpbs[0]
@@ -56,16 +80,21 @@ def test_pretrain_smoke_loss_goes_down(tiny_base_dir, capsys):
 @pytest.mark.slow
 def test_resume_after_hard_kill_is_bit_identical(tiny_base_dir):
     """N straight steps == N/2 steps, SIGKILL, resume, N/2 steps: identical losses and parameters."""
-    from flaxchat.train.checkpoint import load_model
     from flaxchat.export.nanochat import to_nanochat_state_dict
+    from flaxchat.train.checkpoint import load_model
     from scripts.pretrain import main
 
     args = TINY + ["--num-iterations", "6", "--eval-every", "-1", "--save-every", "3"]
     main(args + ["--model-tag", "straight"])
 
     env = {**os.environ, "PYTHONPATH": ROOT}
-    proc = subprocess.Popen([sys.executable, "-m", "scripts.pretrain", *args, "--model-tag", "killed"],
-                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "scripts.pretrain", *args, "--model-tag", "killed"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     committed = tiny_base_dir / "base_checkpoints" / "killed" / "3" / "commit_success.txt"
     deadline = time.time() + 240
     while not committed.exists() and proc.poll() is None and time.time() < deadline:
@@ -107,8 +136,14 @@ def test_resume_on_other_device_counts_continues(tiny_base_dir, xla_flags):
     shutil.copytree(runs / "straight", runs / "elastic", ignore=shutil.ignore_patterns("4", "6"))
 
     env = {**os.environ, "PYTHONPATH": ROOT, "XLA_FLAGS": xla_flags(4)}
-    proc = subprocess.Popen([sys.executable, "-m", "scripts.pretrain", *args, "--model-tag", "elastic", "--resume"],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "scripts.pretrain", *args, "--model-tag", "elastic", "--resume"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     committed = runs / "elastic" / "4" / "commit_success.txt"
     deadline = time.time() + 240
     while not committed.exists() and proc.poll() is None and time.time() < deadline:
@@ -174,8 +209,21 @@ def test_profile_steps_writes_a_trace_and_where_its_time_went(tiny_base_dir, cap
     monkeypatch.setenv("XLA_FLAGS", os.environ["XLA_FLAGS"])  # --profile-steps adds a GPU flag (restored after)
 
     # with a step in flight (the loop then finishes it before and after each profiled step)
-    main(TINY + ["--num-iterations", "4", "--eval-every", "-1", "--profile-steps", "1:3", "--model-tag", "prof",
-                 "--in-flight", "on"])
+    main(
+        TINY
+        + [
+            "--num-iterations",
+            "4",
+            "--eval-every",
+            "-1",
+            "--profile-steps",
+            "1:3",
+            "--model-tag",
+            "prof",
+            "--in-flight",
+            "on",
+        ]
+    )
     profile = tiny_base_dir / "base_checkpoints" / "prof" / "profile"
     traces = list(profile.rglob("perfetto_trace.json.gz"))
     assert len(traces) == 1 and traces[0].stat().st_size > 0

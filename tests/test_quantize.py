@@ -9,14 +9,14 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from flaxchat import sharding
+from flaxchat.data.tokenizer import Tokenizer
 from flaxchat.generate import speculative
 from flaxchat.generate.engine import Engine, generate
 from flaxchat.generate.programs import compiler_options, controls, in_compute_dtype, pad_prompts, programs
-from flaxchat import sharding
 from flaxchat.model.config import GPTConfig
 from flaxchat.model.gpt import GPT, Linear
 from flaxchat.model.quantize import MODES, Int8Linear, quantize_for_generation, weight_bytes
-from flaxchat.data.tokenizer import Tokenizer
 
 CONFIG = GPTConfig(sequence_len=128, vocab_size=512, n_layer=2, n_head=2, n_kv_head=2, n_embd=64)
 
@@ -108,8 +108,7 @@ def test_int8_sharded_generation_equals_unsharded():
 
 def test_engine_generates_with_the_int8_model():
     tok = Tokenizer.train_from_iterator(iter(["The cat sat on the mat. 2+2 is 4.\n" * 20]), 300)
-    config = GPTConfig(sequence_len=64, vocab_size=tok.get_vocab_size(), n_layer=2, n_head=2, n_kv_head=2,
-                       n_embd=64)
+    config = GPTConfig(sequence_len=64, vocab_size=tok.get_vocab_size(), n_layer=2, n_head=2, n_kv_head=2, n_embd=64)
     model = quantize_for_generation(make_model(config), "int8")
     engine = Engine(model, tok)
     prompt = tok.encode("The cat", prepend=tok.get_bos_token_id())
@@ -130,7 +129,7 @@ def test_bad_mode_is_a_clear_error():
 def float_copies_of_int8_matrices(hlo: str, params) -> list[str]:
     """Instructions of a compiled program's entry computation (outside its loops) that make a float array the shape
     of one of params' int8 matrices."""
-    entry = hlo[hlo.index("\nENTRY"):]
+    entry = hlo[hlo.index("\nENTRY") :]
     entry = entry[: entry.index("\n}")]
     shapes = {f"f32[{a},{b}]" for a, b in (x.shape for x in jax.tree.leaves(params) if x.dtype == jnp.int8)}
     assert shapes
@@ -149,8 +148,22 @@ def test_int8_decode_loop_reads_int8_weights(users_codegen):
     assert programs(make_model())[0].options == compiler_options(nnx.state(make_model())) == ()
     padded, lengths = pad_prompts([[1, 2, 3, 4]], 64, 8)
     slots = progs.start(params, padded, lengths, copies=1, rows=1, capacity=64)
-    hlo = progs.decode.lower(params, slots, controls(1, remaining=8), np.int32(8), rows=1, span=64, chunk=8,
-                             stop_tokens=(), tool_end=-1, tiers=()).compile(compiler_options=users_codegen).as_text()
+    hlo = (
+        progs.decode.lower(
+            params,
+            slots,
+            controls(1, remaining=8),
+            np.int32(8),
+            rows=1,
+            span=64,
+            chunk=8,
+            stop_tokens=(),
+            tool_end=-1,
+            tiers=(),
+        )
+        .compile(compiler_options=users_codegen)
+        .as_text()
+    )
     assert not float_copies_of_int8_matrices(hlo, params)
     forward = nnx.jit(lambda m, idx: m(idx))  # one program: the sequence right-padded to 16 (causal, so harmless)
     seq = [1, 2, 3, 4]

@@ -56,7 +56,7 @@ def test_rollout_batches_train_only_sampled_tokens():
     # prompt of 3 (mask 0), then sampled (1), forced tool output (0), sampled (1)
     seqs = [[1, 2, 3, 10, 11, 12, 13], [1, 2, 3, 20]]
     masks = [[0, 0, 0, 1, 0, 0, 1], [0, 0, 0, 1]]
-    (inputs, targets, adv), = rollout_batches(seqs, masks, [0.5, -0.5], pad_token=99, device_batch_size=2, bucket=4)
+    ((inputs, targets, adv),) = rollout_batches(seqs, masks, [0.5, -0.5], pad_token=99, device_batch_size=2, bucket=4)
     assert inputs.shape == targets.shape == (2, 8) and adv.tolist() == [0.5, -0.5]
     assert targets[0].tolist() == [-1, -1, 10, -1, -1, 13, -1, -1]
     assert targets[1].tolist() == [-1, -1, 20, -1, -1, -1, -1, -1]
@@ -134,8 +134,10 @@ def test_rl_step_skips_zero_advantage_batches_with_the_same_update(monkeypatch):
 
     # the reference: every micro-batch padded to the longest rollout of all, every pass computed, as nanochat does
     width = max(b[0].shape[1] for b in batches)
-    wide = [tuple(np.pad(x, [(0, 0), (0, width - x.shape[1])], constant_values=c) for x, c in ((i, 0), (t, -1)))
-            for i, t, _ in batches]
+    wide = [
+        tuple(np.pad(x, [(0, 0), (0, width - x.shape[1])], constant_values=c) for x, c in ((i, 0), (t, -1)))
+        for i, t, _ in batches
+    ]
     assert batches[0][0].shape[1] < width  # the first micro-batch is narrower than the longest
     model = make()
     before = [np.asarray(p) for p in jax.tree.leaves(nnx.state(model, nnx.Param))]
@@ -168,10 +170,10 @@ def test_rl_step_skips_zero_advantage_batches_with_the_same_update(monkeypatch):
 
 
 def save_tiny_sft(base_dir, tag="d2"):
-    from flaxchat.train.checkpoint import Checkpointer, checkpoint_dir
+    from flaxchat.data.tokenizer import get_tokenizer
     from flaxchat.model.config import GPTConfig
     from flaxchat.model.gpt import GPT
-    from flaxchat.data.tokenizer import get_tokenizer
+    from flaxchat.train.checkpoint import Checkpointer, checkpoint_dir
 
     # context 128: a generated question (~70 tokens with the tests' 512-token vocabulary) plus an answer must fit
     model = GPT(GPTConfig.from_depth(2, 32, 32, 128, "L", get_tokenizer().get_vocab_size()), rngs=nnx.Rngs(0))
@@ -183,10 +185,10 @@ def save_tiny_sft(base_dir, tag="d2"):
 def test_rollouts_of_several_questions_share_a_batch(tiny_base_dir):
     """sample_groups and the pass@k eval put several questions in one Engine batch (at most `rows` rollouts,
     at least one question), and each question's samples are those a call of its own draws."""
-    from flaxchat.model.config import GPTConfig
-    from flaxchat.generate.engine import Engine
-    from flaxchat.model.gpt import GPT
     from flaxchat.data.tokenizer import get_tokenizer
+    from flaxchat.generate.engine import Engine
+    from flaxchat.model.config import GPTConfig
+    from flaxchat.model.gpt import GPT
     from scripts.rl import evaluate_pass_at_k, sample_groups
 
     tokenizer = get_tokenizer()
@@ -210,7 +212,9 @@ def test_rollouts_of_several_questions_share_a_batch(tiny_base_dir):
     calls.clear()
     wide = evaluate_pass_at_k(engine, tokenizer, task, 5, 2, 6, 1.0, 50, seed=3, rows=64)
     assert calls == [5]
-    assert evaluate_pass_at_k(engine, tokenizer, task, 5, 2, 6, 1.0, 50, seed=3, rows=2) == wide and calls[1:] == [1] * 5
+    assert (
+        evaluate_pass_at_k(engine, tokenizer, task, 5, 2, 6, 1.0, 50, seed=3, rows=2) == wide and calls[1:] == [1] * 5
+    )
 
 
 @pytest.mark.slow
@@ -219,9 +223,36 @@ def test_tiny_rl_run_writes_metrics_and_checkpoints(tiny_base_dir):
     from scripts.rl import main
 
     save_tiny_sft(tiny_base_dir)
-    out = main(["--task", "arithmetic", "--train-size", "16", "--eval-size", "4", "--num-steps", "2",
-                "--examples-per-step", "2", "--num-samples", "8", "--device-batch-size", "8", "--max-new-tokens", "6",
-                "--eval-every", "2", "--eval-examples", "2", "--eval-samples", "2", "--save-every", "1", "--eval-greedy", "1"])
+    out = main(
+        [
+            "--task",
+            "arithmetic",
+            "--train-size",
+            "16",
+            "--eval-size",
+            "4",
+            "--num-steps",
+            "2",
+            "--examples-per-step",
+            "2",
+            "--num-samples",
+            "8",
+            "--device-batch-size",
+            "8",
+            "--max-new-tokens",
+            "6",
+            "--eval-every",
+            "2",
+            "--eval-examples",
+            "2",
+            "--eval-samples",
+            "2",
+            "--save-every",
+            "1",
+            "--eval-greedy",
+            "1",
+        ]
+    )
     rows = [json.loads(line) for line in open(tiny_base_dir / "chatrl_checkpoints" / "d2" / "metrics.jsonl")]
     train_rows = [r for r in rows if "reward" in r]
     assert [r["step"] for r in train_rows] == [1, 2] and all(0 <= r["reward"] <= 1 for r in train_rows)
@@ -238,9 +269,11 @@ def test_bad_flags_are_one_line_errors(tiny_base_dir, capsys):
 
     with pytest.raises(SystemExit, match="no sft checkpoints"):
         main(["--task", "arithmetic"])
-    for argv, message in [(["--num-samples", "12", "--device-batch-size", "8"], "multiple of --device-batch-size"),
-                          (["--num-samples", "1", "--device-batch-size", "1"], "at least 2"),
-                          (["--sample-rows", "-1"], "--sample-rows must be 0 (auto) or positive")]:
+    for argv, message in [
+        (["--num-samples", "12", "--device-batch-size", "8"], "multiple of --device-batch-size"),
+        (["--num-samples", "1", "--device-batch-size", "1"], "at least 2"),
+        (["--sample-rows", "-1"], "--sample-rows must be 0 (auto) or positive"),
+    ]:
         with pytest.raises(SystemExit):
             main(argv)
         assert message in capsys.readouterr().err

@@ -30,8 +30,15 @@ def tok():
 
 
 def tiny_config(tok, seq_len=64):
-    return GPTConfig(sequence_len=seq_len, vocab_size=tok.get_vocab_size(), n_layer=2, n_head=2, n_kv_head=2,
-                     n_embd=64, window_pattern="SL")
+    return GPTConfig(
+        sequence_len=seq_len,
+        vocab_size=tok.get_vocab_size(),
+        n_layer=2,
+        n_head=2,
+        n_kv_head=2,
+        n_embd=64,
+        window_pattern="SL",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +47,9 @@ def model(tok):
     model = GPT(tiny_config(tok), rngs=nnx.Rngs(0))
     leaves, treedef = jax.tree.flatten(nnx.state(model, nnx.Param))
     keys = jax.random.split(jax.random.key(1), len(leaves))
-    nnx.update(model, jax.tree.unflatten(treedef, [x + 0.3 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)]))
+    nnx.update(
+        model, jax.tree.unflatten(treedef, [x + 0.3 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)])
+    )
     return model
 
 
@@ -119,8 +128,11 @@ SAMPLE = jax.jit(sample_rows)
 def draw(logits, n, temperature, top_k, seed=0):
     """n draws from one row of logits (V,): the row repeated n times, one key each."""
     keys = jax.random.split(jax.random.key(seed), n)
-    return np.asarray(SAMPLE(jnp.tile(logits, (n, 1)), keys, jnp.full((n,), temperature, jnp.float32),
-                             jnp.full((n,), top_k, jnp.int32)))
+    return np.asarray(
+        SAMPLE(
+            jnp.tile(logits, (n, 1)), keys, jnp.full((n,), temperature, jnp.float32), jnp.full((n,), top_k, jnp.int32)
+        )
+    )
 
 
 def test_sample_rows_per_row_settings():
@@ -188,8 +200,10 @@ def test_reply_decodes_split_characters_and_runs_the_tool(tok):
 
 def test_continuous_batching_equals_greedy_one_at_a_time(scheduler, model, tok):
     bos = tok.get_bos_token_id()
-    prompts = [[bos] + tok.encode(t) for t in ("The cat", "3*7 is", "Héllo wörld, naïve café. The cat sat on", "12",
-                                               "mat.", "is 17 and")]
+    prompts = [
+        [bos] + tok.encode(t)
+        for t in ("The cat", "3*7 is", "Héllo wörld, naïve café. The cat sat on", "12", "mat.", "is 17 and")
+    ]
     stops = scheduler.stop_tokens
     # more requests than slots: later ones wait, then reuse freed slots; lengths differ, so slots finish apart
     jobs = [submit(scheduler, p, 6 + 2 * i, temperature=0.0) for i, p in enumerate(prompts)]
@@ -279,7 +293,7 @@ def test_seeded_reply_does_not_depend_on_neighbours(scheduler, tok):
     prompt = [tok.get_bos_token_id()] + tok.encode("The cat sat")
     alone, q = submit(scheduler, prompt, 12, temperature=1.0, top_k=20, seed=7)
     collect(q)
-    crowd = [submit(scheduler, prompt[:2 + i], 12, temperature=1.0, top_k=0, seed=100 + i) for i in range(3)]
+    crowd = [submit(scheduler, prompt[: 2 + i], 12, temperature=1.0, top_k=0, seed=100 + i) for i in range(3)]
     again, q2 = submit(scheduler, prompt, 12, temperature=1.0, top_k=20, seed=7)
     collect(q2)
     for _, q in crowd:
@@ -350,10 +364,17 @@ def test_tool_call_end_to_end_on_a_scripted_model(tok):
     tail = [sp("<|output_end|>"), *after, sp("<|assistant_end|>")]
     assert len(set(chain + tail[:-1])) == len(chain) + len(tail) - 1  # a bigram script needs distinct sources
     transitions = dict(zip(chain, chain[1:])) | dict(zip(tail, tail[1:]))
-    s = Scheduler(scripted_model(tok, transitions), tok, slots=4, chunk=4).start()  # shapes of `scheduler`: no recompiles
+    s = Scheduler(
+        scripted_model(tok, transitions), tok, slots=4, chunk=4
+    ).start()  # shapes of `scheduler`: no recompiles
     try:
-        prompt = [tok.get_bos_token_id(), sp("<|user_start|>"), *tok.encode("what is 3*7?"), sp("<|user_end|>"),
-                  sp("<|assistant_start|>")]
+        prompt = [
+            tok.get_bos_token_id(),
+            sp("<|user_start|>"),
+            *tok.encode("what is 3*7?"),
+            sp("<|user_end|>"),
+            sp("<|assistant_start|>"),
+        ]
         jobs = [submit(s, prompt, 40, temperature=t, seed=3) for t in (0.0, 1.0)]
         for req, q in jobs:
             events = collect(q)
@@ -364,8 +385,11 @@ def test_tool_call_end_to_end_on_a_scripted_model(tok):
             assert events[-1]["finish_reason"] == "stop"
             forced = 2 + len(tok.encode("21"))
             assert req.completion_tokens == len(chain) - 1 + forced + len(after) + 1
-            assert req.parts == [{"type": "python", "text": "3*7"}, {"type": "python_output", "text": "21"},
-                                 {"type": "text", "text": " is the answer"}]
+            assert req.parts == [
+                {"type": "python", "text": "3*7"},
+                {"type": "python_output", "text": "21"},
+                {"type": "text", "text": " is the answer"},
+            ]
         # a tool output waiting to be forced moves with its row: three replies end (by length) at the call's
         # end, the one left in slot 3 moves to slot 0 and its output is forced there
         s2 = Scheduler(s.model, tok, slots=4, chunk=4)
@@ -374,8 +398,13 @@ def test_tool_call_end_to_end_on_a_scripted_model(tok):
         s2.start()
         try:
             events = collect(q)
-            assert [e["finish_reason"] for _, qs in shorts for e in collect(qs) if e["type"] == "done"] == ["length"] * 3
-            assert [(e["kind"], e["text"]) for e in events if e["type"] == "tool"] == [("call", "3*7"), ("output", "21")]
+            assert [e["finish_reason"] for _, qs in shorts for e in collect(qs) if e["type"] == "done"] == [
+                "length"
+            ] * 3
+            assert [(e["kind"], e["text"]) for e in events if e["type"] == "tool"] == [
+                ("call", "3*7"),
+                ("output", "21"),
+            ]
             assert "".join(e["text"] for e in events if e["type"] == "token") == " is the answer"
             assert s2.stats()["moved"] == 1
         finally:
@@ -414,8 +443,10 @@ def test_threads_may_submit_concurrently(scheduler, tok):
 def test_speculative_scheduler_greedy_tools_and_cancel(model, tok):
     """--draft-model in chat_web: one conversation at a time, greedy replies equal the model's own (the draft
     is another random model, so it is often rejected), the tool runs, a cancel frees the conversation."""
-    draft = GPT(GPTConfig(sequence_len=64, vocab_size=tok.get_vocab_size(), n_layer=1, n_head=1, n_kv_head=1,
-                          n_embd=32), rngs=nnx.Rngs(5))
+    draft = GPT(
+        GPTConfig(sequence_len=64, vocab_size=tok.get_vocab_size(), n_layer=1, n_head=1, n_kv_head=1, n_embd=32),
+        rngs=nnx.Rngs(5),
+    )
     s = SpeculativeScheduler(model, tok, draft, draft_steps=3, chunk=4)
     assert s.warmup(buckets=False) > 0
     s.start()
@@ -444,8 +475,9 @@ def test_speculative_scheduler_greedy_tools_and_cancel(model, tok):
     scripted = scripted_model(tok, dict(zip(chain, chain[1:])) | dict(zip(tail, tail[1:])))
     s = SpeculativeScheduler(scripted, tok, scripted, draft_steps=2, chunk=4).start()
     try:
-        req, q = submit(s, [bos, sp("<|user_start|>"), sp("<|user_end|>"), sp("<|assistant_start|>")], 30,
-                        temperature=0.0)
+        req, q = submit(
+            s, [bos, sp("<|user_start|>"), sp("<|user_end|>"), sp("<|assistant_start|>")], 30, temperature=0.0
+        )
         events = collect(q)
         assert [(e["kind"], e["text"]) for e in events if e["type"] == "tool"] == [("call", "3*7"), ("output", "21")]
         assert events[-1]["finish_reason"] == "stop" and req.tokens[-1] == sp("<|assistant_end|>")

@@ -155,11 +155,13 @@ def test_multi_turn_history_and_reset(url):
 
 def test_stop_ends_the_reply_and_keeps_it(url, scheduler, monkeypatch):
     slow_decoding(monkeypatch, scheduler)  # the stop must arrive while the reply is still running
+
     async def go():
         async with chat(url) as ws:
             # seeded: this reply runs all 100 tokens when nobody stops it (a random seed may sample a stop token)
-            await ws.send(json.dumps({"type": "message", "content": "Tell me everything", "max_tokens": 100,
-                                      "seed": 3}))
+            await ws.send(
+                json.dumps({"type": "message", "content": "Tell me everything", "max_tokens": 100, "seed": 3})
+            )
             first = await recv(ws)
             await ws.send(json.dumps({"type": "stop"}))
             events = [first]
@@ -176,11 +178,13 @@ def test_stop_ends_the_reply_and_keeps_it(url, scheduler, monkeypatch):
 
 def test_one_reply_at_a_time(url, scheduler, monkeypatch):
     slow_decoding(monkeypatch, scheduler)  # the stop must arrive while the first reply is still running
+
     async def go():
         async with chat(url) as ws:
             # seeded as in test_stop_ends_the_reply_and_keeps_it: this reply runs all 100 tokens unless stopped
-            await ws.send(json.dumps({"type": "message", "content": "Tell me everything", "max_tokens": 100,
-                                      "seed": 3}))
+            await ws.send(
+                json.dumps({"type": "message", "content": "Tell me everything", "max_tokens": 100, "seed": 3})
+            )
             await ws.send(json.dumps({"type": "message", "content": "another"}))
             events = []
             while not any(e["type"] == "error" for e in events):
@@ -245,9 +249,14 @@ def test_bad_messages_get_clear_errors_and_the_socket_stays_open(url):
 def fuzz_frames(rng: random.Random, n: int) -> list:
     """n malformed frames: broken JSON, wrong shapes and types, unknown fields and types, oversize, binary."""
     good = {"type": "message", "content": "hello", "max_tokens": 4}
-    wrong_values = {"content": [None, 5, [], {}, "", True], "temperature": ["x", -1, 3, "1", [1]],
-                    "top_k": [-1, 1.5, "5", 10**6, False], "max_tokens": [0, -5, 10**30, "8", 2.5, 1000],
-                    "seed": [-1, 2**70, "s", 1.0], "type": [None, 1, "MESSAGE", "", ["message"]]}
+    wrong_values = {
+        "content": [None, 5, [], {}, "", True],
+        "temperature": ["x", -1, 3, "1", [1]],
+        "top_k": [-1, 1.5, "5", 10**6, False],
+        "max_tokens": [0, -5, 10**30, "8", 2.5, 1000],
+        "seed": [-1, 2**70, "s", 1.0],
+        "type": [None, 1, "MESSAGE", "", ["message"]],
+    }
     frames = []
     while len(frames) < n:
         kind = rng.randrange(9)
@@ -334,8 +343,11 @@ def test_many_clients_random_disconnects_and_slot_reuse(url, scheduler, monkeypa
         ws = await websockets.connect(ws_url(url))
         await recv(ws)
         max_tokens = 20 + i
-        await ws.send(json.dumps({"type": "message", "content": f"client {i}", "max_tokens": max_tokens,
-                                  "temperature": 1.0, "seed": i}))
+        await ws.send(
+            json.dumps(
+                {"type": "message", "content": f"client {i}", "max_tokens": max_tokens, "temperature": 1.0, "seed": i}
+            )
+        )
         event = await recv(ws)
         if plan == "vanish":  # drop the TCP connection without a closing handshake
             ws.transport.abort()
@@ -384,8 +396,11 @@ def test_connection_limit(strict_url):
                 event = json.loads(await third.recv())
                 with pytest.raises(websockets.ConnectionClosed) as closed:
                     await third.recv()
-            status = await asyncio.to_thread(lambda: httpx.post(strict_url + "/v1/chat/completions",
-                                                                json={"messages": [{"role": "user", "content": "hi"}]}))
+            status = await asyncio.to_thread(
+                lambda: httpx.post(
+                    strict_url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]}
+                )
+            )
             return event, closed.value.rcvd.code, status
 
     event, code, response = run(go())
@@ -409,6 +424,7 @@ def test_rate_limit(strict_url):
 def test_loopback_clients_are_not_rate_limited_by_default(scheduler, tok):
     app = create_app(scheduler, tok, ServeConfig(**LIMITS), own_scheduler=False)
     with BackgroundServer(app) as url:
+
         async def go():
             async with httpx.AsyncClient(timeout=60) as client:
                 body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -448,7 +464,7 @@ def completion(url, **body):
 def sse_events(text: str) -> list:
     lines = [line for line in text.split("\n\n") if line.strip()]
     assert all(line.startswith("data: ") for line in lines)
-    return [line[len("data: "):] for line in lines]
+    return [line[len("data: ") :] for line in lines]
 
 
 def test_openai_non_stream_and_stream_agree(url):
@@ -476,41 +492,52 @@ def test_openai_non_stream_and_stream_agree(url):
 
 
 def test_openai_multi_turn_with_system_and_parts(url):
-    messages = [{"role": "system", "content": "Be brief."},
-                {"role": "user", "content": [{"type": "text", "text": "hi"}]},
-                {"role": "assistant", "content": [{"type": "python", "text": "1+1"},
-                                                  {"type": "python_output", "text": "2"}]},
-                {"role": "user", "content": "and 2+2?"}]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+        {"role": "assistant", "content": [{"type": "python", "text": "1+1"}, {"type": "python_output", "text": "2"}]},
+        {"role": "user", "content": "and 2+2?"},
+    ]
     r = completion(url, messages=messages, max_completion_tokens=3, seed=5, top_k=10)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3
 
 
-@pytest.mark.parametrize("body, status, code", [
-    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400, "invalid_message"),
-    ({"messages": [{"role": "user", "content": "hi"}], "temperature": "warm"}, 400, "invalid_message"),
-    ({"messages": [{"role": "user", "content": "hi"}], "temperature": 2.5}, 400, "invalid_message"),
-    ({"messages": [{"role": "user", "content": "hi"}], "n": 0}, 400, "invalid_message"),
-    ({"messages": [{"role": "user", "content": "hi"}], "n": 9}, 400, "invalid_message"),
-    ({"messages": [{"role": "user", "content": "hi"}], "n": "2"}, 400, "invalid_message"),
-    ({"messages": [{"role": "user", "content": "hi"}], "top_p": 0}, 400, "invalid_message"),
-    ({"messages": [{"role": "user", "content": "hi"}], "top_p": 1.5}, 400, "invalid_message"),
-    ({"messages": [{"role": "user", "content": "hi"}], "stop": ["a", "b", "c", "d", "e"]}, 400, "invalid_message"),
-    ({"messages": [{"role": "user", "content": "hi"}], "stop": 3}, 400, "invalid_message"),
-    ({"messages": [{"role": "user", "content": "hi"}], "stop": [""]}, 400, "invalid_message"),
-    ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, 400, "invalid_message"),
-    ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}, 400,
-     "invalid_message"),
-    ({"messages": [{"role": "user", "content": "hi"}], "seed": -1}, 400, "invalid_message"),
-    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 101}, 400, "invalid_message"),
-    ({"messages": []}, 400, "invalid_message"),
-    ({"messages": [{"role": "tool", "content": "hi"}]}, 400, "invalid_message"),
-    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}, 400, "invalid_message"),
-    ({"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]}, 400, "invalid_message"),
-    ({"messages": [{"role": "user", "content": "the cat sat on the mat " * 60}]}, 400, "prompt_too_long"),
-    ({"messages": [{"role": "user", "content": "x" * MAX_BYTES}]}, 413, "message_too_large"),
-    ("{broken", 400, "bad_json"),
-    ([1, 2], 400, "invalid_message"),
-])
+@pytest.mark.parametrize(
+    "body, status, code",
+    [
+        ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400, "invalid_message"),
+        ({"messages": [{"role": "user", "content": "hi"}], "temperature": "warm"}, 400, "invalid_message"),
+        ({"messages": [{"role": "user", "content": "hi"}], "temperature": 2.5}, 400, "invalid_message"),
+        ({"messages": [{"role": "user", "content": "hi"}], "n": 0}, 400, "invalid_message"),
+        ({"messages": [{"role": "user", "content": "hi"}], "n": 9}, 400, "invalid_message"),
+        ({"messages": [{"role": "user", "content": "hi"}], "n": "2"}, 400, "invalid_message"),
+        ({"messages": [{"role": "user", "content": "hi"}], "top_p": 0}, 400, "invalid_message"),
+        ({"messages": [{"role": "user", "content": "hi"}], "top_p": 1.5}, 400, "invalid_message"),
+        ({"messages": [{"role": "user", "content": "hi"}], "stop": ["a", "b", "c", "d", "e"]}, 400, "invalid_message"),
+        ({"messages": [{"role": "user", "content": "hi"}], "stop": 3}, 400, "invalid_message"),
+        ({"messages": [{"role": "user", "content": "hi"}], "stop": [""]}, 400, "invalid_message"),
+        ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, 400, "invalid_message"),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}},
+            400,
+            "invalid_message",
+        ),
+        ({"messages": [{"role": "user", "content": "hi"}], "seed": -1}, 400, "invalid_message"),
+        ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 101}, 400, "invalid_message"),
+        ({"messages": []}, 400, "invalid_message"),
+        ({"messages": [{"role": "tool", "content": "hi"}]}, 400, "invalid_message"),
+        (
+            {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
+            400,
+            "invalid_message",
+        ),
+        ({"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]}, 400, "invalid_message"),
+        ({"messages": [{"role": "user", "content": "the cat sat on the mat " * 60}]}, 400, "prompt_too_long"),
+        ({"messages": [{"role": "user", "content": "x" * MAX_BYTES}]}, 413, "message_too_large"),
+        ("{broken", 400, "bad_json"),
+        ([1, 2], 400, "invalid_message"),
+    ],
+)
 def test_openai_errors(url, body, status, code):
     content = body if isinstance(body, str) else json.dumps(body)
     r = httpx.post(url + "/v1/chat/completions", content=content, headers={"Content-Type": "application/json"})
@@ -520,10 +547,24 @@ def test_openai_errors(url, body, status, code):
 
 
 def test_openai_accepts_and_ignores_fields_it_does_not_use(url):
-    r = completion(url, max_tokens=3, presence_penalty=0.5, frequency_penalty=0.1, logit_bias={"5": 2}, user="u1",
-                   logprobs=False, top_logprobs=0, response_format={"type": "text"}, parallel_tool_calls=False,
-                   service_tier="auto", store=False, metadata={"k": "v"}, modalities=["text"], tools=[],
-                   messages=[{"role": "user", "content": "hi", "tool_calls": None, "refusal": None}])
+    r = completion(
+        url,
+        max_tokens=3,
+        presence_penalty=0.5,
+        frequency_penalty=0.1,
+        logit_bias={"5": 2},
+        user="u1",
+        logprobs=False,
+        top_logprobs=0,
+        response_format={"type": "text"},
+        parallel_tool_calls=False,
+        service_tier="auto",
+        store=False,
+        metadata={"k": "v"},
+        modalities=["text"],
+        tools=[],
+        messages=[{"role": "user", "content": "hi", "tool_calls": None, "refusal": None}],
+    )
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["role"] == "assistant"
 
@@ -611,13 +652,29 @@ def test_legacy_completions_score_prompts_like_the_model(url, scheduler, tok):
     plain = client.completions.create(model="m", prompt=text, max_tokens=5, temperature=0.0)
     assert r.choices[0].text == text + plain.choices[0].text and plain.choices[0].finish_reason in ("length", "stop")
     # streaming (the official client's iterator): the same text as the plain reply, then usage
-    chunks = list(client.completions.create(model="m", prompt=text, max_tokens=5, temperature=0.0, stream=True,
-                                            echo=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model="m",
+            prompt=text,
+            max_tokens=5,
+            temperature=0.0,
+            stream=True,
+            echo=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == text + plain.choices[0].text
     assert chunks[-2].choices[0].finish_reason == plain.choices[0].finish_reason
     assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens and not chunks[-1].choices
-    for bad in (dict(logprobs=6), dict(logprobs=1, max_tokens=3), dict(prompt=[]), dict(prompt=[10**9]),
-                dict(stream=True), dict(stream=True, max_tokens=2, prompt=[ids, ids]), dict(max_tokens=-1)):
+    for bad in (
+        dict(logprobs=6),
+        dict(logprobs=1, max_tokens=3),
+        dict(prompt=[]),
+        dict(prompt=[10**9]),
+        dict(stream=True),
+        dict(stream=True, max_tokens=2, prompt=[ids, ids]),
+        dict(max_tokens=-1),
+    ):
         body = {"prompt": text, "max_tokens": 0, "echo": True, **bad}
         resp = httpx.post(url + "/v1/completions", json=body)
         assert resp.status_code == 400 and resp.json()["error"]["type"] == "invalid_request_error", (bad, resp.text)
@@ -638,9 +695,12 @@ def test_stream_disconnect_frees_the_slot(url, scheduler, monkeypatch):
     # 100 tokens take 2 s: time to hear of the disconnect under load
     slow_decoding(monkeypatch, scheduler, seconds=0.08)
     before = health(url).get("finished_cancelled", 0)
-    with httpx.stream("POST", url + "/v1/chat/completions", timeout=60,
-                      json={"messages": [{"role": "user", "content": "go"}], "stream": True, "max_tokens": 100,
-                            "temperature": 0.0}) as r:  # greedy: a sampled reply may end at the end token first
+    with httpx.stream(
+        "POST",
+        url + "/v1/chat/completions",
+        timeout=60,
+        json={"messages": [{"role": "user", "content": "go"}], "stream": True, "max_tokens": 100, "temperature": 0.0},
+    ) as r:  # greedy: a sampled reply may end at the end token first
         lines = r.iter_lines()
         next(line for line in lines if '"content": "' in line and '"content": ""' not in line)
     h = wait_idle(url)
@@ -678,8 +738,9 @@ def test_chat_web_serves_with_a_draft_model(tiny_base_dir, tok, monkeypatch):
     ckpt.save(1, GPT(config, rngs=nnx.Rngs(0)))
     ckpt.close()
     printed = []  # main's own lines (uvicorn's log handlers would outlive a capture fixture's streams)
-    monkeypatch.setattr(chat_web, "print", lambda *a, file=None, **kw: printed.append((file, " ".join(map(str, a)))),
-                        raising=False)
+    monkeypatch.setattr(
+        chat_web, "print", lambda *a, file=None, **kw: printed.append((file, " ".join(map(str, a)))), raising=False
+    )
     monkeypatch.setattr(chat_web, "load_test_in_subprocess", chat_web.run_load_test)  # clients in this process
     monkeypatch.setattr(chat_web, "enable_compilation_cache", lambda path: None)  # process-wide otherwise
     flags = ["-i", "sft", "-g", "d1", "--draft-model", "d1", "--draft-steps", "2", "--no-warmup"]

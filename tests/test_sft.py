@@ -13,20 +13,41 @@ from flax import nnx
 from flaxchat.data.chat_data import SFTLoader, conversation_targets
 from scripts.sft import lr_multiplier, muon_momentum
 
-SFT_TINY = ["--mixture", "offline", "--mc-epochs", "0", "--identity-size", "150", "--arithmetic-size", "250",
-            "--story-size", "0", "--spelling-size", "50", "--val-size", "16", "--device-batch-size", "2",
-            "--total-batch-size", "2048", "--eval-tokens", "2048", "--chatcore-every", "-1"]
+SFT_TINY = [
+    "--mixture",
+    "offline",
+    "--mc-epochs",
+    "0",
+    "--identity-size",
+    "150",
+    "--arithmetic-size",
+    "250",
+    "--story-size",
+    "0",
+    "--spelling-size",
+    "50",
+    "--val-size",
+    "16",
+    "--device-batch-size",
+    "2",
+    "--total-batch-size",
+    "2048",
+    "--eval-tokens",
+    "2048",
+    "--chatcore-every",
+    "-1",
+]
 
 
 @pytest.fixture(scope="module")
 def tiny_base_ckpt(tiny_corpus, tmp_path_factory):
     """A depth-2, width-64 base checkpoint (model + optimizer + pretraining's meta) after one training step, so
     the optimizer moments are non-zero. Built once; tests copy it in with `install_base`."""
-    from flaxchat.train.checkpoint import Checkpointer, checkpoint_dir
+    from flaxchat.data.tokenizer import Tokenizer
     from flaxchat.model.config import GPTConfig
     from flaxchat.model.gpt import GPT
+    from flaxchat.train.checkpoint import Checkpointer, checkpoint_dir
     from flaxchat.train.optim import Schedule, build_optimizer
-    from flaxchat.data.tokenizer import Tokenizer
     from flaxchat.train.step import train_step
 
     root = tmp_path_factory.mktemp("sft_base")
@@ -36,8 +57,13 @@ def tiny_base_ckpt(tiny_corpus, tmp_path_factory):
     x = jnp.asarray(np.random.default_rng(0).integers(0, vocab, (2, 64)), jnp.int32)
     train_step(model, optimizer, (x,), (x,))
     ckpt = Checkpointer(checkpoint_dir("base", "d2", str(root)), async_save=False)
-    meta = {"user_config": {"embedding_lr": 0.3, "unembedding_lr": 0.008, "matrix_lr": 0.02},
-            "max_seq_len": 64, "device_batch_size": 2, "total_batch_size": 2048, "val_bpb": None}
+    meta = {
+        "user_config": {"embedding_lr": 0.3, "unembedding_lr": 0.008, "matrix_lr": 0.02},
+        "max_seq_len": 64,
+        "device_batch_size": 2,
+        "total_batch_size": 2048,
+        "val_bpb": None,
+    }
     ckpt.save(1, model, optimizer, meta=meta)
     ckpt.close()
     return root, jax.tree.map(np.asarray, nnx.state(optimizer)["opt_state"]["inner_state"])
@@ -50,8 +76,9 @@ def install_base(tiny_base_ckpt, base_dir):
 def write_words(base_dir):
     """A tiny word list where SpellingBee looks for the offline pack."""
     os.makedirs(base_dir / "eval_data", exist_ok=True)
-    (base_dir / "eval_data" / "words.txt").write_text("\n".join(["apple", "banana", "cherry", "strawberry",
-                                                                 "river", "garden", "window", "letter"]))
+    (base_dir / "eval_data" / "words.txt").write_text(
+        "\n".join(["apple", "banana", "cherry", "strawberry", "river", "garden", "window", "letter"])
+    )
 
 
 # -----------------------------------------------------------------------------
@@ -59,9 +86,9 @@ def write_words(base_dir):
 
 
 def test_targets_count_only_assistant_tokens(tiny_base_dir):
+    from flaxchat.data.tokenizer import get_tokenizer
     from flaxchat.model.config import GPTConfig
     from flaxchat.model.gpt import GPT
-    from flaxchat.data.tokenizer import get_tokenizer
     from tasks.synthetic_chat import arithmetic_problem
 
     tok = get_tokenizer()
@@ -90,7 +117,7 @@ def split_row(row, mask, bos):
     pad = 0
     while pad < len(row) and row[len(row) - 1 - pad] == bos:
         pad += 1
-    assert all(m == 0 for m in mask[len(row) - pad:])  # padding is never supervised
+    assert all(m == 0 for m in mask[len(row) - pad :])  # padding is never supervised
     content = row[: len(row) - pad]
     starts = [i for i, t in enumerate(content) if t == bos] + [len(content)]
     assert not content or starts[0] == 0  # every row begins with a conversation's BOS
@@ -101,8 +128,15 @@ def test_rows_hold_whole_conversations_padded_not_cropped(tiny_base_dir):
     from flaxchat.data.tokenizer import get_tokenizer
 
     tok = get_tokenizer()
-    data = [{"messages": [{"role": "user", "content": f"Say {i}" + " please" * (i % 7)},
-                          {"role": "assistant", "content": "ok " * (1 + i % 11)}]} for i in range(60)]
+    data = [
+        {
+            "messages": [
+                {"role": "user", "content": f"Say {i}" + " please" * (i % 7)},
+                {"role": "assistant", "content": "ok " * (1 + i % 11)},
+            ]
+        }
+        for i in range(60)
+    ]
     # a conversation longer than a row (T + 1 = 49 tokens) is cut to fit an empty row; all others stay whole
     originals = {tuple(tok.render_conversation(c, max_tokens=49)[0]) for c in data}
     assert max(len(tok.render_conversation(c)[0]) for c in data) > 49
@@ -122,8 +156,10 @@ def test_batches_are_static_and_one_epoch_long(tiny_base_dir):
     from flaxchat.data.tokenizer import get_tokenizer
 
     tok = get_tokenizer()
-    data = [{"messages": [{"role": "user", "content": f"Hello {i}"}, {"role": "assistant", "content": "Hi " * (i % 9 + 1)}]}
-            for i in range(50)]
+    data = [
+        {"messages": [{"role": "user", "content": f"Hello {i}"}, {"role": "assistant", "content": "Hi " * (i % 9 + 1)}]}
+        for i in range(50)
+    ]
     loader = SFTLoader(data, tok, batch_size=3, seq_len=48, buffer_size=8)
     progress = []
     while not loader.last_step:
@@ -181,8 +217,21 @@ def test_tiny_sft_run_lowers_val_loss(tiny_base_dir, tiny_base_ckpt):
     install_base(tiny_base_ckpt, tiny_base_dir)
     write_words(tiny_base_dir)
     # one step in flight (the GPU/TPU default): the evaluations and the save wait for it
-    result = main(SFT_TINY + ["--num-iterations", "8", "--eval-every", "4", "--reply-check", "2", "--embedding-lr", "0.1",
-                              "--in-flight", "on"])
+    result = main(
+        SFT_TINY
+        + [
+            "--num-iterations",
+            "8",
+            "--eval-every",
+            "4",
+            "--reply-check",
+            "2",
+            "--embedding-lr",
+            "0.1",
+            "--in-flight",
+            "on",
+        ]
+    )
     out = tiny_base_dir / "chatsft_checkpoints" / "d2"
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     bpbs = [r["val_bpb"] for r in rows if "val_bpb" in r]
@@ -190,10 +239,15 @@ def test_tiny_sft_run_lowers_val_loss(tiny_base_dir, tiny_base_ckpt):
     assert [r["step"] for r in rows if "loss" in r] == list(range(1, 9))
     # steps run one ahead of their logging; each evaluation still comes after the steps before it
     assert [(r["step"], "val_bpb" in r) for r in rows if "loss" in r or "val_bpb" in r] == (
-        [(0, True)] + [(i, False) for i in range(1, 5)] + [(4, True)] + [(i, False) for i in range(5, 9)] + [(8, True)])
+        [(0, True)] + [(i, False) for i in range(1, 5)] + [(4, True)] + [(i, False) for i in range(5, 9)] + [(8, True)]
+    )
     assert 0.0 <= result["reply_end_rate"] <= 1.0 and (out / "8").is_dir() and (out / "training.png").exists()
     model, _, meta = load_model("sft", "d2")
-    assert meta["step"] == 8 and meta["mixture"] == "offline" and meta["base"] == {"phase": "base", "model_tag": "d2", "step": 1}
+    assert (
+        meta["step"] == 8
+        and meta["mixture"] == "offline"
+        and meta["base"] == {"phase": "base", "model_tag": "d2", "step": 1}
+    )
     assert meta["user_config"]["embedding_lr"] == 0.1 and meta["max_seq_len"] == 64  # flag wins, rest inherited
 
 
@@ -203,9 +257,11 @@ def test_bad_input_is_a_one_line_error(tiny_base_dir, tiny_base_ckpt, capsys):
     with pytest.raises(SystemExit, match="no base checkpoints"):
         main(SFT_TINY)
     install_base(tiny_base_ckpt, tiny_base_dir)
-    for argv, message in [(["--warmup-ratio", "0.6", "--warmdown-ratio", "0.6"], "at most 1"),
-                          (["--total-batch-size", "1000"], "not a multiple"),
-                          (["--max-seq-len", "128"], "exceeds the model's context")]:
+    for argv, message in [
+        (["--warmup-ratio", "0.6", "--warmdown-ratio", "0.6"], "at most 1"),
+        (["--total-batch-size", "1000"], "not a multiple"),
+        (["--max-seq-len", "128"], "exceeds the model's context"),
+    ]:
         with pytest.raises(SystemExit):
             main(SFT_TINY + argv)
         assert message in capsys.readouterr().err
@@ -214,9 +270,9 @@ def test_bad_input_is_a_one_line_error(tiny_base_dir, tiny_base_ckpt, capsys):
 
 
 def test_a_new_run_replaces_an_earlier_runs_checkpoints(tmp_path):
-    from flaxchat.train.checkpoint import Checkpointer
     from flaxchat.model.config import GPTConfig
     from flaxchat.model.gpt import GPT
+    from flaxchat.train.checkpoint import Checkpointer
 
     model = GPT(GPTConfig.from_depth(2, 32, 32, 64, "L", 64), rngs=nnx.Rngs(0))
     ckpt = Checkpointer(str(tmp_path / "run"), keep=3, keep_best=0, async_save=False)

@@ -11,15 +11,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from flaxchat import sharding
-
-from flaxchat.train import optim
 from flaxchat.model.config import GPTConfig
-from flaxchat.model.loss import loss_sum, token_losses
 from flaxchat.model.gpt import GPT
+from flaxchat.model.loss import loss_sum, token_losses
 from flaxchat.perf.hlo import program_stats
+from flaxchat.train import optim
 from flaxchat.train.optim import Schedule, build_optimizer
 from flaxchat.train.step import compile_train_step, train_step
 
@@ -40,8 +40,10 @@ def compiled_step(mesh_shape, grad_accum, capfd=None):
 
 def gradient_reductions(stats):
     """All-reduces / reduce-scatters carrying float tensors of parameter size (not counts or finiteness flags)."""
-    big = lambda shape: any(np.prod([int(d) for d in dims.split(",") if d]) >= CONFIG.n_embd ** 2 // 4
-                            for t, dims in __import__("re").findall(r"\b(f32|bf16)\[([0-9,]*)\]", shape))
+    big = lambda shape: any(
+        np.prod([int(d) for d in dims.split(",") if d]) >= CONFIG.n_embd**2 // 4
+        for t, dims in __import__("re").findall(r"\b(f32|bf16)\[([0-9,]*)\]", shape)
+    )
     return [(k, s, n, op) for k, s, n, op in stats["ops"] if k in ("all-reduce", "reduce-scatter") and big(s)]
 
 
@@ -60,20 +62,30 @@ def test_fsdp_step_moves_weights_not_activations(capfd):
     assert "Involuntary full rematerialization" not in log
     model = nnx.eval_shape(lambda: GPT(CONFIG, rngs=nnx.Rngs(0)))
     param_shapes = {tuple(p.shape) for p in jax.tree.leaves(nnx.state(model, nnx.Param))}
-    gathered = {tuple(int(d) for d in s[s.index("[") + 1:s.index("]")].split(",") if d)
-                for k, s, _, _ in stats["ops"] if k == "all-gather"}
+    gathered = {
+        tuple(int(d) for d in s[s.index("[") + 1 : s.index("]")].split(",") if d)
+        for k, s, _, _ in stats["ops"]
+        if k == "all-gather"
+    }
     # every gather is a weight (or a stack of Muon updates, a leading stack axis), never a (rows, width) activation
-    assert all(g in param_shapes or g[1:] in param_shapes or g[1:] in {(s[0], 1) for s in param_shapes}
-               or g[1:] in {(1, s[1]) for s in param_shapes if len(s) == 2} for g in gathered), gathered
+    assert all(
+        g in param_shapes
+        or g[1:] in param_shapes
+        or g[1:] in {(s[0], 1) for s in param_shapes}
+        or g[1:] in {(1, s[1]) for s in param_shapes if len(s) == 2}
+        for g in gathered
+    ), gathered
     assert len(gradient_reductions(stats)) == 1
     # Muon's all-to-alls move its stacks of directions to their split along the stack and the updates back (plus
     # NorMuon's one-column buffers): the parameters stay where they live (the weight decay's sign test reads them
     # leaf by leaf), so the traffic is two trips of the padded direction stacks, not three
     axes = optim.param_axes(model)
     with jax.set_mesh(sharding.make_mesh(*MESHES["fsdp"])):  # matrices that travel alike share a stack
-        groups = collections.Counter((shape, tuple(sharding.stack_layouts(axes[path])))
-                                     for path, shape in optim_matrices(model)
-                                     if np.prod(shape) >= optim.SHARE_OUT_MIN_SIZE)
+        groups = collections.Counter(
+            (shape, tuple(sharding.stack_layouts(axes[path])))
+            for path, shape in optim_matrices(model)
+            if np.prod(shape) >= optim.SHARE_OUT_MIN_SIZE
+        )
     stacks = sum(-(-n // 8) * 8 * 4 * np.prod(shape) for (shape, _), n in groups.items())
     trip = 7 / 8 * stacks / 8  # an all-to-all of one device's eighth of the stacks, ring model
     assert 2 * trip <= stats["by_kind"]["all-to-all"]["bytes"] <= 2.01 * trip, (stats["by_kind"], trip)
@@ -103,8 +115,9 @@ def test_loss_flops_per_device_are_an_eighth(mesh_shape):
     def flops(mesh, rows):
         arg = lambda shape, dtype, spec: jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
         with jax.set_mesh(mesh):
-            compiled = f.lower(arg((N, C), jnp.float32, rows), arg((V, C), jnp.float32, P()),
-                               arg((N,), jnp.int32, rows)).compile()
+            compiled = f.lower(
+                arg((N, C), jnp.float32, rows), arg((V, C), jnp.float32, P()), arg((N,), jnp.int32, rows)
+            ).compile()
         return program_stats(compiled.as_text())
 
     one = flops(sharding.make_mesh(devices=jax.devices()[:1]), P())
@@ -119,7 +132,9 @@ def test_sharded_loss_equals_unsharded():
     x = jnp.asarray(rng.normal(size=(512, 64)), jnp.float32)
     w = jnp.asarray(rng.normal(size=(1000, 64)) * 0.1, jnp.float32)
     t = jnp.asarray(rng.integers(-1, 1000, 512), jnp.int32)
-    f = jax.jit(lambda x, w, t: (jax.value_and_grad(loss_sum, argnums=(0, 1))(x, w, t, 1000), token_losses(x, w, t, 1000)))
+    f = jax.jit(
+        lambda x, w, t: (jax.value_and_grad(loss_sum, argnums=(0, 1))(x, w, t, 1000), token_losses(x, w, t, 1000))
+    )
     (ref, (dx_ref, dw_ref)), per_ref = f(x, w, t)
     mesh = sharding.make_mesh(2, 2, 2)
     rows = NamedSharding(mesh, P(("data", "fsdp")))
@@ -182,8 +197,12 @@ def test_six_steps_match_one_device_for_dp_fsdp_and_dp_x_tp():
 def test_stack_layouts_move_one_mesh_axis_at_a_time():
     with jax.set_mesh(sharding.make_mesh(2, 2, 2)):
         chain = sharding.stack_layouts(("heads", "embed"))  # a matrix split (tensor, fsdp)
-        assert chain == [P(None, "tensor", "fsdp"), P(("data",), "tensor", "fsdp"),
-                         P(("data", "tensor"), None, "fsdp"), P(("data", "tensor", "fsdp"), None, None)]
+        assert chain == [
+            P(None, "tensor", "fsdp"),
+            P(("data",), "tensor", "fsdp"),
+            P(("data", "tensor"), None, "fsdp"),
+            P(("data", "tensor", "fsdp"), None, None),
+        ]
         assert sharding.stack_size() == 8
     with jax.set_mesh(sharding.make_mesh(8, 1, 1)):
         assert sharding.stack_layouts(("heads", "embed")) == [P(None, None, None), P(("data",), None, None)]
@@ -196,8 +215,12 @@ def test_program_stats_counts_loop_iterations_and_bytes():
     def body(c, x):
         return c + jax.lax.psum(x @ x.T, "data"), None
 
-    f = jax.shard_map(lambda xs: jax.lax.scan(body, jnp.zeros((16, 16)), xs)[0], in_specs=P(None, "data"),
-                      out_specs=P(), axis_names={"data"})
+    f = jax.shard_map(
+        lambda xs: jax.lax.scan(body, jnp.zeros((16, 16)), xs)[0],
+        in_specs=P(None, "data"),
+        out_specs=P(),
+        axis_names={"data"},
+    )
     xs = jax.ShapeDtypeStruct((5, 128, 32), jnp.float32, sharding=NamedSharding(mesh, P(None, "data")))
     with jax.set_mesh(mesh):
         stats = program_stats(jax.jit(f).lower(xs).compile().as_text())

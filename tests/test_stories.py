@@ -60,8 +60,14 @@ def test_stories_never_drift(split, seed):
 def test_same_stories_in_a_fresh_process_with_another_hash_seed():
     code = "from flaxchat.data.stories import generate_stories; print(repr(generate_stories(5, seed=3)))"
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env,
-                         cwd=pathlib.Path(__file__).parent.parent)
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=env,
+        cwd=pathlib.Path(__file__).parent.parent,
+    )
     assert out.stdout.strip() == repr(S.generate_stories(5, seed=3))
 
 
@@ -79,7 +85,7 @@ def test_split_indices_are_disjoint_and_cover_the_stream():
     train = [S.split_index("train", k) for k in range(n)]
     val = [S.split_index("val", k) for k in range(n // S.VAL_EVERY)]
     assert not set(train) & set(val)
-    assert sorted(train + val)[: n] == list(range(n))
+    assert sorted(train + val)[:n] == list(range(n))
     assert all(S.is_val_index(i) for i in val) and not any(S.is_val_index(i) for i in train)
 
 
@@ -88,6 +94,7 @@ def test_train_and_val_share_no_story(train_stories, val_stories):
     # By construction: the (hero name, opening) pair of the first sentence decides the split.
     assert all(S.split_of(t) == "train" for t in train_stories)
     assert all(S.split_of(t) == "val" for t in val_stories)
+
     # ...and yet val is drawn like train: the same names and openings appear in both.
     def hero(story):
         return next(m["name"] for p in S.INTRO_PATTERNS if (m := p.match(story)))
@@ -200,8 +207,14 @@ def test_corpus_has_variety():
 
 def test_corpus_stats_counts():
     stats = S.corpus_stats(['Lily ran. "Hi!" said Tom.', "Lily ran. Tom sat down."])
-    assert stats == {"documents": 2, "words": 10, "distinct_words": 7, "distinct_sentences": 4,
-                     "mean_words": 5.0, "bytes": 48}
+    assert stats == {
+        "documents": 2,
+        "words": 10,
+        "distinct_words": 7,
+        "distinct_sentences": 4,
+        "mean_words": 5.0,
+        "bytes": 48,
+    }
 
 
 def test_verb_helpers():

@@ -4,21 +4,32 @@ import re
 
 import pytest
 
-from flaxchat.generate.sandbox import use_calculator
 from flaxchat.data.stories import split_of
+from flaxchat.generate.sandbox import use_calculator
 from tasks.common import TaskMixture
 from tasks.gsm8k import extract_answer
-from tasks.synthetic_chat import (ArithmeticProblems, IdentityChat, StoryRequests, arithmetic_problem, split_of_text,
-                                  story_facts)
+from tasks.synthetic_chat import (
+    ArithmeticProblems,
+    IdentityChat,
+    StoryRequests,
+    arithmetic_problem,
+    split_of_text,
+    story_facts,
+)
 
 
 def user_texts(task):
     return ["\n".join(m["content"] for m in c["messages"] if m["role"] == "user") for c in task]
 
 
-@pytest.mark.parametrize("make", [lambda split, seed: IdentityChat(120, split, seed),
-                                  lambda split, seed: ArithmeticProblems(300, split, seed),
-                                  lambda split, seed: StoryRequests(40, split, seed)])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda split, seed: IdentityChat(120, split, seed),
+        lambda split, seed: ArithmeticProblems(300, split, seed),
+        lambda split, seed: StoryRequests(40, split, seed),
+    ],
+)
 def test_deterministic_per_seed_with_disjoint_splits(make):
     train, again, other_seed, val = make("train", 0), make("train", 0), make("train", 1), make("val", 0)
     assert [train[i] for i in range(len(train))] == [again[i] for i in range(len(again))]
@@ -40,8 +51,11 @@ def test_deterministic_per_seed_with_disjoint_splits(make):
 def test_identity_says_flaxchat_trained_with_jax():
     replies = [c["messages"][-1]["content"] for c in IdentityChat(300)]
     assert sum("flaxchat" in r for r in replies) > 150 and sum("JAX" in r for r in replies) > 100
-    name_answers = [c["messages"][-1]["content"] for c in IdentityChat(300)
-                    if re.search(r"who are you|what is your name", c["messages"][-2]["content"], re.I)]
+    name_answers = [
+        c["messages"][-1]["content"]
+        for c in IdentityChat(300)
+        if re.search(r"who are you|what is your name", c["messages"][-2]["content"], re.I)
+    ]
     assert name_answers and all("flaxchat" in a and "JAX" in a for a in name_answers)
 
 

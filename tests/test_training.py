@@ -2,18 +2,19 @@ import contextlib
 import time
 
 import jax
-import pytest
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from flaxchat.model.config import GPTConfig
-from flaxchat.model.gpt import GPT
-from flaxchat.train.optim import Schedule, build_optimizer, optimizer_stats
 from flaxchat import sharding
 from flaxchat.model import cpu
+from flaxchat.model.config import GPTConfig
+from flaxchat.model.gpt import GPT
 from flaxchat.perf.hlo import jaxpr_equations
+from flaxchat.train.optim import Schedule, build_optimizer, optimizer_stats
 from flaxchat.train.step import FlatStep, InFlight, accumulate_grads, in_flight_depth, train_step
 
 
@@ -29,8 +30,13 @@ def test_in_flight_loop_logs_what_steps_run_one_at_a_time_log(depth):
     those of steps run and read one at a time; at depth 0 submit hands back the step itself, at depth 1 the step
     before it."""
     rng = np.random.default_rng(0)
-    batches = [((jnp.asarray(rng.integers(0, 128, (2, 32), dtype=np.int32)),),
-                (jnp.asarray(rng.integers(0, 128, (2, 32), dtype=np.int32)),)) for _ in range(6)]
+    batches = [
+        (
+            (jnp.asarray(rng.integers(0, 128, (2, 32), dtype=np.int32)),),
+            (jnp.asarray(rng.integers(0, 128, (2, 32), dtype=np.int32)),),
+        )
+        for _ in range(6)
+    ]
 
     model, optimizer = _model_and_optimizer()
     expected = []
@@ -127,8 +133,9 @@ def test_sub_batches_keep_a_cpu_devices_rows_within_the_token_budget():
     assert cpu.sub_batches(32, 512, "cpu", splits_model=True) == 1
     # the training loops' micro-batch line says so
     one = sharding.make_mesh(devices=jax.devices()[:1])
-    assert cpu.sub_batch_note(16, 256, one) == (" | on this CPU each device's 16 rows run as 2 sub-batches of 8 "
-                                                     "(model.cpu.CPU_SUB_BATCH_TOKENS)")
+    assert cpu.sub_batch_note(16, 256, one) == (
+        " | on this CPU each device's 16 rows run as 2 sub-batches of 8 (model.cpu.CPU_SUB_BATCH_TOKENS)"
+    )
     assert cpu.sub_batch_note(8, 256, one) == ""
     assert cpu.sub_batch_note(16, 256, sharding.make_mesh(1, 8, 1)) == ""  # FSDP: whole
     assert cpu.sub_batch_note(16, 256, sharding.make_mesh(8, 1, 1)) != ""  # data parallel: 16 rows a device
@@ -162,8 +169,9 @@ def _scan_lengths(jaxpr) -> list[int]:
     return [eqn.params["length"] for eqn, _ in jaxpr_equations(jaxpr) if eqn.primitive.name == "scan"]
 
 
-@pytest.mark.parametrize("mesh_shape", [None, pytest.param((8, 1, 1), marks=pytest.mark.eight_devices)],
-                         ids=["one_device", "data_parallel"])
+@pytest.mark.parametrize(
+    "mesh_shape", [None, pytest.param((8, 1, 1), marks=pytest.mark.eight_devices)], ids=["one_device", "data_parallel"]
+)
 def test_sub_batched_micro_steps_sum_to_the_whole_micro_batch(monkeypatch, mesh_shape):
     """Run in sub-batches (a budget of one row's tokens: each micro-batch's rows one at a time on each device), the
     step's loss and gradients equal one pass over each whole micro-batch: each turn divides by its micro-batch's
@@ -191,10 +199,10 @@ def test_model_splitting_meshes_run_micro_batches_whole(monkeypatch):
     """Under FSDP the weights are gathered in every turn of the micro-step loop: no sub-batches there."""
     monkeypatch.setattr(cpu, "CPU_SUB_BATCH_TOKENS", 32)
     mesh = sharding.make_mesh(1, 8, 1)
-    model = sharding.create_sharded(lambda: GPT(GPTConfig.from_depth(2, max_seq_len=32, vocab_size=128),
-                                                rngs=nnx.Rngs(0), dtype=jnp.float32), mesh)
+    model = sharding.create_sharded(
+        lambda: GPT(GPTConfig.from_depth(2, max_seq_len=32, vocab_size=128), rngs=nnx.Rngs(0), dtype=jnp.float32), mesh
+    )
     xs, ys = (jax.device_put(a, NamedSharding(mesh, P(None, "fsdp"))) for a in _micro_batches(2, 32, 32, 128))
     with jax.set_mesh(mesh):
         jaxpr = jax.make_jaxpr(lambda x, y: accumulate_grads(model, x, y))(xs, ys).jaxpr
     assert 2 in _scan_lengths(jaxpr) and not {8, 64} & set(_scan_lengths(jaxpr))
-

@@ -45,8 +45,18 @@ class SFTLoader:
     carry the position (the buffered conversations by index) across a resume.
     """
 
-    def __init__(self, dataset, tokenizer, batch_size: int, seq_len: int, *, num_batches: int = -1,
-                 buffer_size: int = BUFFER_SIZE, reader: tuple[int, int] = (0, 1), place=None):
+    def __init__(
+        self,
+        dataset,
+        tokenizer,
+        batch_size: int,
+        seq_len: int,
+        *,
+        num_batches: int = -1,
+        buffer_size: int = BUFFER_SIZE,
+        reader: tuple[int, int] = (0, 1),
+        place=None,
+    ):
         if batch_size < 1 or seq_len < 2:
             raise ValueError(f"need batch_size >= 1 and seq_len >= 2, got {batch_size} and {seq_len}")
         if len(dataset) == 0:
@@ -137,8 +147,9 @@ def make_sft_loader(dataset, tokenizer, batch_size: int, seq_len: int, mesh=None
     if mesh is None:
         if jax.process_count() > 1:
             raise ValueError("multi-host SFT needs a mesh: pass mesh= so each process builds its own rows")
-        return SFTLoader(dataset, tokenizer, batch_size, seq_len, place=lambda x, y: (jnp.asarray(x), jnp.asarray(y)),
-                         **kwargs)
+        return SFTLoader(
+            dataset, tokenizer, batch_size, seq_len, place=lambda x, y: (jnp.asarray(x), jnp.asarray(y)), **kwargs
+        )
     rows_split = mesh.shape.get("data", 1) * mesh.shape.get("fsdp", 1)
     if batch_size % rows_split:
         raise ValueError(f"batch size {batch_size} must be a multiple of the mesh's data x fsdp size {rows_split}")
@@ -147,7 +158,9 @@ def make_sft_loader(dataset, tokenizer, batch_size: int, seq_len: int, mesh=None
 
     def place(inputs, targets):
         shape = (batch_size, seq_len)
-        return (jax.make_array_from_process_local_data(sharding, inputs, shape),
-                jax.make_array_from_process_local_data(sharding, targets, shape))
+        return (
+            jax.make_array_from_process_local_data(sharding, inputs, shape),
+            jax.make_array_from_process_local_data(sharding, targets, shape),
+        )
 
     return SFTLoader(dataset, tokenizer, local_batch, seq_len, reader=(index, count), place=place, **kwargs)

@@ -64,7 +64,9 @@ class BestFitPacker:
 
     def __init__(self, batch_size: int, seq_len: int, buffer_size: int = BUFFER_SIZE):
         if min(batch_size, seq_len, buffer_size) < 1:
-            raise ValueError(f"batch_size, seq_len and buffer_size must be >= 1, got {batch_size}, {seq_len}, {buffer_size}")
+            raise ValueError(
+                f"batch_size, seq_len and buffer_size must be >= 1, got {batch_size}, {seq_len}, {buffer_size}"
+            )
         self.batch_size, self.row_capacity, self.buffer_size = batch_size, seq_len + 1, buffer_size
         self.clear()
 
@@ -113,7 +115,7 @@ class BestFitPacker:
                 i = int(fits.argmax())  # argmax picks the first maximum, like nanochat's strict '>' scan
                 if fits[i] > 0:
                     doc = self._take(i)
-                    rows[r, pos:pos + len(doc)] = doc
+                    rows[r, pos : pos + len(doc)] = doc
                     pos += len(doc)
                 else:  # nothing fits whole: crop the shortest document to fill the row exactly
                     i = int(np.where(self._lens > 0, self._lens, np.iinfo(np.int64).max).argmin())
@@ -122,8 +124,13 @@ class BestFitPacker:
         return rows
 
 
-def pack_documents(docs: Iterable[Sequence[int]], batch_size: int, seq_len: int, buffer_size: int = BUFFER_SIZE,
-                   refill_size: int = TOKENIZER_BATCH_SIZE) -> Iterator[np.ndarray]:
+def pack_documents(
+    docs: Iterable[Sequence[int]],
+    batch_size: int,
+    seq_len: int,
+    buffer_size: int = BUFFER_SIZE,
+    refill_size: int = TOKENIZER_BATCH_SIZE,
+) -> Iterator[np.ndarray]:
     """Pack a stream of tokenized documents (each starting with BOS) into (B, T+1) int32 row batches.
 
     The numpy-level packer: refills take `refill_size` documents at a time, and the stream
@@ -167,8 +174,14 @@ class BestFitPackIterDataset(grain.IterDataset):
     by stream index and `fetch_docs` re-reads and re-tokenizes exactly those on restore.
     """
 
-    def __init__(self, parent: grain.IterDataset, fetch_docs: Callable[[list[int]], list[np.ndarray]],
-                 batch_size: int, seq_len: int, buffer_size: int = BUFFER_SIZE):
+    def __init__(
+        self,
+        parent: grain.IterDataset,
+        fetch_docs: Callable[[list[int]], list[np.ndarray]],
+        batch_size: int,
+        seq_len: int,
+        buffer_size: int = BUFFER_SIZE,
+    ):
         super().__init__(parent)
         self._fetch_docs = fetch_docs
         self._args = (batch_size, seq_len, buffer_size)
@@ -177,7 +190,9 @@ class BestFitPackIterDataset(grain.IterDataset):
         return _BestFitPackIterator(self._parent.__iter__(), self._fetch_docs, *self._args)
 
     def __str__(self) -> str:
-        return f"BestFitPackIterDataset(batch_size={self._args[0]}, seq_len={self._args[1]}, buffer_size={self._args[2]})"
+        return (
+            f"BestFitPackIterDataset(batch_size={self._args[0]}, seq_len={self._args[1]}, buffer_size={self._args[2]})"
+        )
 
 
 class _BestFitPackIterator(grain.DatasetIterator):
@@ -220,8 +235,13 @@ class ReaderStream:
     nanochat: a row group of 300 documents gives batches of 128, 128 and 44.
     """
 
-    def __init__(self, docs: ParquetDocuments, tokenizer_batch_size: int = TOKENIZER_BATCH_SIZE,
-                 prefix: Sequence[Sequence[int]] = (), first_epoch: int = 1):
+    def __init__(
+        self,
+        docs: ParquetDocuments,
+        tokenizer_batch_size: int = TOKENIZER_BATCH_SIZE,
+        prefix: Sequence[Sequence[int]] = (),
+        first_epoch: int = 1,
+    ):
         tb = tokenizer_batch_size
         self.docs, self.first_epoch = docs, int(first_epoch)
         self.prefix = [tuple(int(x) for x in r) for r in prefix if r[1] > r[0]]
@@ -229,10 +249,16 @@ class ReaderStream:
         self._prefix_starts = np.array([lo for lo, _, _ in self.prefix], np.int64)
         self.prefix_len, self.epoch_len = int(self._prefix_offsets[-1]), len(docs)
         # tokenizer batches as (stream position, global start, count): the prefix's, then one epoch's
-        self._prefix_chunks = [(int(off) + k, lo + k, min(tb, hi - lo - k))
-                               for (lo, hi, _), off in zip(self.prefix, self._prefix_offsets) for k in range(0, hi - lo, tb)]
-        self._epoch_chunks = [(int(off) + k, lo + k, min(tb, hi - lo - k))
-                              for (lo, hi), off in zip(docs.units, docs._offsets) for k in range(0, hi - lo, tb)]
+        self._prefix_chunks = [
+            (int(off) + k, lo + k, min(tb, hi - lo - k))
+            for (lo, hi, _), off in zip(self.prefix, self._prefix_offsets)
+            for k in range(0, hi - lo, tb)
+        ]
+        self._epoch_chunks = [
+            (int(off) + k, lo + k, min(tb, hi - lo - k))
+            for (lo, hi), off in zip(docs.units, docs._offsets)
+            for k in range(0, hi - lo, tb)
+        ]
 
     def __len__(self) -> int:
         return sys.maxsize  # epochs run on forever, like nanochat's loader
@@ -356,7 +382,10 @@ def tokenize_fn(tokenizer, num_threads: int = 1) -> Callable[[list[str]], list[n
     bos = tokenizer.get_bos_token_id()
 
     def tokenize(texts: list[str]) -> list[np.ndarray]:
-        out = [np.asarray(ids, dtype=np.int32) for ids in tokenizer.encode(list(texts), prepend=bos, num_threads=num_threads)]
+        out = [
+            np.asarray(ids, dtype=np.int32)
+            for ids in tokenizer.encode(list(texts), prepend=bos, num_threads=num_threads)
+        ]
         if out and (len(out[0]) == 0 or out[0][0] != bos):
             raise ValueError("tokenizer.encode(texts, prepend=bos) must return ids that start with BOS")
         return out
@@ -368,13 +397,24 @@ def _split_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.ascontiguousarray(rows[:, :-1]), np.ascontiguousarray(rows[:, 1:])
 
 
-def build_pipeline(tokenizer, batch_size: int, seq_len: int, stream: ReaderStream, *, buffer_size: int = BUFFER_SIZE,
-                   tokenizer_threads: int = 1, read_threads: int = 2, prefetch: int = 2) -> grain.IterDataset:
+def build_pipeline(
+    tokenizer,
+    batch_size: int,
+    seq_len: int,
+    stream: ReaderStream,
+    *,
+    buffer_size: int = BUFFER_SIZE,
+    tokenizer_threads: int = 1,
+    read_threads: int = 2,
+    prefetch: int = 2,
+) -> grain.IterDataset:
     """The Grain pipeline of one reader: its stream -> (inputs, targets) numpy int32 (batch_size, seq_len)."""
     tokenize = tokenize_fn(tokenizer, tokenizer_threads)
-    chunks = (grain.MapDataset.source(stream)
-              .map(lambda chunk: (chunk[0], tokenize(chunk[1])))
-              .to_iter_dataset(grain.ReadOptions(num_threads=read_threads, prefetch_buffer_size=max(2, 2 * read_threads))))
+    chunks = (
+        grain.MapDataset.source(stream)
+        .map(lambda chunk: (chunk[0], tokenize(chunk[1])))
+        .to_iter_dataset(grain.ReadOptions(num_threads=read_threads, prefetch_buffer_size=max(2, 2 * read_threads)))
+    )
 
     def fetch_docs(positions: list[int]) -> list[np.ndarray]:
         return tokenize(stream.docs.read(stream.global_index(positions))) if positions else []
@@ -392,9 +432,14 @@ class DataLoader:
     another reader layout go through `numpy_loader(states=...)`, which carries the position over.
     """
 
-    def __init__(self, pipeline: grain.IterDataset, stream: ReaderStream, meta: dict[str, Any],
-                 place: Callable[[np.ndarray, np.ndarray], tuple[Any, Any]] | None = None,
-                 state: dict[str, Any] | None = None):
+    def __init__(
+        self,
+        pipeline: grain.IterDataset,
+        stream: ReaderStream,
+        meta: dict[str, Any],
+        place: Callable[[np.ndarray, np.ndarray], tuple[Any, Any]] | None = None,
+        state: dict[str, Any] | None = None,
+    ):
         self._it = iter(pipeline)
         self._stream, self._meta, self._place = stream, meta, place
         self._documents = int(state.get("documents", 0)) if state else 0
@@ -410,18 +455,32 @@ class DataLoader:
 
     def get_state(self) -> dict[str, Any]:
         pipeline = self._it.get_state()
-        return {"format": STATE_FORMAT, **self._meta, "num_docs": self._stream.epoch_len,
-                "epoch": self._stream.epoch_at(pipeline["next_doc"]), "prefix": self._stream.prefix,
-                "first_epoch": self._stream.first_epoch, "documents": self._documents, "pipeline": pipeline}
+        return {
+            "format": STATE_FORMAT,
+            **self._meta,
+            "num_docs": self._stream.epoch_len,
+            "epoch": self._stream.epoch_at(pipeline["next_doc"]),
+            "prefix": self._stream.prefix,
+            "first_epoch": self._stream.first_epoch,
+            "documents": self._documents,
+            "pipeline": pipeline,
+        }
 
     def set_state(self, state: dict[str, Any]) -> None:
-        expected = {"format": STATE_FORMAT, **self._meta, "num_docs": self._stream.epoch_len,
-                    "prefix": [list(r) for r in self._stream.prefix], "first_epoch": self._stream.first_epoch}
+        expected = {
+            "format": STATE_FORMAT,
+            **self._meta,
+            "num_docs": self._stream.epoch_len,
+            "prefix": [list(r) for r in self._stream.prefix],
+            "first_epoch": self._stream.first_epoch,
+        }
         got = {**state, "prefix": [list(r) for r in state.get("prefix", ())]}
         diff = [k for k, v in expected.items() if got.get(k) != v and k not in ("batch_size", "seq_len", "buffer_size")]
         if diff:
-            raise ValueError("data loader state does not match this loader: saved "
-                             f"{ {k: got.get(k) for k in diff} }, loader has { {k: expected[k] for k in diff} }")
+            raise ValueError(
+                "data loader state does not match this loader: saved "
+                f"{ {k: got.get(k) for k in diff} }, loader has { {k: expected[k] for k in diff} }"
+            )
         self._documents = int(state.get("documents", 0))
         self._it.set_state(state["pipeline"])
 
@@ -455,12 +514,16 @@ def resume_state(states: dict | Sequence[dict], docs: ParquetDocuments, meta: di
         raise ValueError("no saved data loader state to resume from")
     for st in states:
         if st.get("format") != STATE_FORMAT:
-            raise ValueError(f"data loader state format {st.get('format')} is not {STATE_FORMAT} (saved by another "
-                             "flaxchat version); its data position cannot be carried over")
+            raise ValueError(
+                f"data loader state format {st.get('format')} is not {STATE_FORMAT} (saved by another "
+                "flaxchat version); its data position cannot be carried over"
+            )
         diff = {k: (st.get(k), meta[k]) for k in ("split", "data") if st.get(k) != meta[k]}
         if diff:
-            raise ValueError("data loader state does not match this loader: "
-                             + ", ".join(f"{k} saved {a!r}, loader has {b!r}" for k, (a, b) in diff.items()))
+            raise ValueError(
+                "data loader state does not match this loader: "
+                + ", ".join(f"{k} saved {a!r}, loader has {b!r}" for k, (a, b) in diff.items())
+            )
     readers = {tuple(st["shard"]): st for st in states}  # replicas saved the same state
     counts = {count for _, count in readers}
     if len(counts) != 1 or len(readers) != counts.copy().pop():
@@ -471,10 +534,20 @@ def resume_state(states: dict | Sequence[dict], docs: ParquetDocuments, meta: di
     return {**meta, **carry_over(list(readers.values()), docs)}
 
 
-def numpy_loader(tokenizer, batch_size: int, seq_len: int, split: str = "train", shard: tuple[int, int] = (0, 1),
-                 state: dict | Sequence[dict] | None = None, data_dir: str | None = None, *, place=None,
-                 buffer_size: int = BUFFER_SIZE, tokenizer_batch_size: int = TOKENIZER_BATCH_SIZE,
-                 **pipeline_kwargs) -> DataLoader:
+def numpy_loader(
+    tokenizer,
+    batch_size: int,
+    seq_len: int,
+    split: str = "train",
+    shard: tuple[int, int] = (0, 1),
+    state: dict | Sequence[dict] | None = None,
+    data_dir: str | None = None,
+    *,
+    place=None,
+    buffer_size: int = BUFFER_SIZE,
+    tokenizer_batch_size: int = TOKENIZER_BATCH_SIZE,
+    **pipeline_kwargs,
+) -> DataLoader:
     """The loader of one reader: `batch_size` local rows from shard `(index, count)` of the documents.
 
     `state` resumes it: this reader's saved state, or every process's states from a checkpoint (then a
@@ -483,11 +556,20 @@ def numpy_loader(tokenizer, batch_size: int, seq_len: int, split: str = "train",
     """
     files = split_files(list_parquet_files(data_dir), split, data_dir)
     docs = ParquetDocuments(files, shard)
-    meta = {"split": split, "data": docs.fingerprint, "shard": list(shard), "batch_size": batch_size, "seq_len": seq_len,
-            "tokenizer_batch_size": tokenizer_batch_size, "buffer_size": buffer_size}
+    meta = {
+        "split": split,
+        "data": docs.fingerprint,
+        "shard": list(shard),
+        "batch_size": batch_size,
+        "seq_len": seq_len,
+        "tokenizer_batch_size": tokenizer_batch_size,
+        "buffer_size": buffer_size,
+    }
     if state is not None:
         state = resume_state(state, docs, meta)
-    stream = ReaderStream(docs, tokenizer_batch_size, (state or {}).get("prefix", ()), (state or {}).get("first_epoch", 1))
+    stream = ReaderStream(
+        docs, tokenizer_batch_size, (state or {}).get("prefix", ()), (state or {}).get("first_epoch", 1)
+    )
     pipeline = build_pipeline(tokenizer, batch_size, seq_len, stream, buffer_size=buffer_size, **pipeline_kwargs)
     return DataLoader(pipeline, stream, meta, place=place, state=state)
 
@@ -506,8 +588,10 @@ def reader_for_rows(rows_of_process: dict[int, Iterable[int]], process_index: in
     seen: set[int] = set()
     for g in groups:
         if seen & set(g):
-            raise ValueError("batch rows are split across processes in overlapping groups; use a mesh whose "
-                             "batch axes give each process whole rows")
+            raise ValueError(
+                "batch rows are split across processes in overlapping groups; use a mesh whose "
+                "batch axes give each process whole rows"
+            )
         seen |= set(g)
     mine = tuple(sorted(set(rows_of_process[process_index])))
     if mine != tuple(range(mine[0], mine[0] + len(mine))):
@@ -524,10 +608,21 @@ def reader_shard(sharding: jax.sharding.Sharding, batch_size: int, seq_len: int)
     return reader_for_rows(rows, jax.process_index())
 
 
-def make_loader(tokenizer, batch_size: int, seq_len: int, split: str = "train", mesh: jax.sharding.Mesh | None = None,
-                state: dict | Sequence[dict] | None = None, data_dir: str | None = None, *,
-                buffer_size: int = BUFFER_SIZE, tokenizer_batch_size: int = TOKENIZER_BATCH_SIZE,
-                tokenizer_threads: int = 1, read_threads: int = 2, prefetch: int = 2) -> DataLoader:
+def make_loader(
+    tokenizer,
+    batch_size: int,
+    seq_len: int,
+    split: str = "train",
+    mesh: jax.sharding.Mesh | None = None,
+    state: dict | Sequence[dict] | None = None,
+    data_dir: str | None = None,
+    *,
+    buffer_size: int = BUFFER_SIZE,
+    tokenizer_batch_size: int = TOKENIZER_BATCH_SIZE,
+    tokenizer_threads: int = 1,
+    read_threads: int = 2,
+    prefetch: int = 2,
+) -> DataLoader:
     """Iterator of global (inputs, targets) int32 jax arrays of shape (batch_size, seq_len).
 
     batch_size is the global batch. With a mesh, batches are sharded with `batch_sharding(mesh)` and
@@ -550,12 +645,26 @@ def make_loader(tokenizer, batch_size: int, seq_len: int, split: str = "train", 
         if sharding is None:
             return jnp.asarray(inputs), jnp.asarray(targets)
         shape = (batch_size, seq_len)
-        return (jax.make_array_from_process_local_data(sharding, inputs, shape),
-                jax.make_array_from_process_local_data(sharding, targets, shape))
+        return (
+            jax.make_array_from_process_local_data(sharding, inputs, shape),
+            jax.make_array_from_process_local_data(sharding, targets, shape),
+        )
 
-    return numpy_loader(tokenizer, local_batch, seq_len, split, shard, state, data_dir, place=place,
-                        buffer_size=buffer_size, tokenizer_batch_size=tokenizer_batch_size,
-                        tokenizer_threads=tokenizer_threads, read_threads=read_threads, prefetch=prefetch)
+    return numpy_loader(
+        tokenizer,
+        local_batch,
+        seq_len,
+        split,
+        shard,
+        state,
+        data_dir,
+        place=place,
+        buffer_size=buffer_size,
+        tokenizer_batch_size=tokenizer_batch_size,
+        tokenizer_threads=tokenizer_threads,
+        read_threads=read_threads,
+        prefetch=prefetch,
+    )
 
 
 def make_val_loader(tokenizer, batch_size: int, seq_len: int, mesh=None, data_dir=None, **kwargs) -> DataLoader:

@@ -31,7 +31,9 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+
 from flaxchat.common import get_base_dir, progress_bar
+from flaxchat.data.stories import generate_stories, iter_stories
 
 # -----------------------------------------------------------------------------
 # Conventions shared with nanochat's data (karpathy/climbmix-400b-shuffle on the HF hub)
@@ -74,7 +76,9 @@ def split_files(files: Sequence[str], split: str, data_dir: str | None = None) -
     if not files:
         raise FileNotFoundError(f"no parquet shards in {where}; {GET_DATA_HINT}")
     if len(files) < 2:
-        raise FileNotFoundError(f"only one parquet shard in {where} (the last shard is val, so train is empty); {GET_DATA_HINT}")
+        raise FileNotFoundError(
+            f"only one parquet shard in {where} (the last shard is val, so train is empty); {GET_DATA_HINT}"
+        )
     return list(files[:-1]) if split == "train" else list(files[-1:])
 
 
@@ -149,14 +153,21 @@ class ParquetDocuments:
         if count <= max((len(g) for g in per_file.values()), default=0):
             return [u for fi in sorted(per_file) for u in per_file[fi][index::count]]
         if self.total < count:
-            raise ValueError(f"{count} readers need at least {count} documents but {', '.join(self._files)} hold {self.total}")
+            raise ValueError(
+                f"{count} readers need at least {count} documents but {', '.join(self._files)} hold {self.total}"
+            )
         return [(d, d + 1) for d in range(index, self.total, count)]
 
     @property
     def fingerprint(self) -> str:
         """Names the data: file names and row-group sizes (a saved position is only valid for the same data)."""
-        spec = [[os.path.basename(f), [self._metas[fi].row_group(rg).num_rows for rg in range(self._metas[fi].num_row_groups)]]
-                for fi, f in enumerate(self._files)]
+        spec = [
+            [
+                os.path.basename(f),
+                [self._metas[fi].row_group(rg).num_rows for rg in range(self._metas[fi].num_row_groups)],
+            ]
+            for fi, f in enumerate(self._files)
+        ]
         return hashlib.sha1(json.dumps(spec).encode()).hexdigest()[:16]
 
     def __len__(self) -> int:
@@ -170,7 +181,9 @@ class ParquetDocuments:
             pf = pq.ParquetFile(self._files[fi], metadata=self._metas[fi])
             return pf.read_row_group(rg, columns=["text"]).column("text").to_pylist()
         except (pa.ArrowException, OSError) as e:
-            raise ValueError(f"{self._files[fi]}: cannot read row group {rg} ({e}); delete the file and recreate it") from e
+            raise ValueError(
+                f"{self._files[fi]}: cannot read row group {rg} ({e}); delete the file and recreate it"
+            ) from e
 
     def _row_group(self, fi: int, rg: int) -> list[str]:
         # Grain reads with several threads; one lock keeps the small LRU cache consistent.
@@ -278,10 +291,16 @@ def text_documents(path: str, max_doc_chars: int = 4000) -> list[str]:
     if os.path.isfile(path):
         files = [path]
     elif os.path.isdir(path):
-        files = sorted(os.path.join(root, n) for root, _, names in os.walk(path)
-                       for n in names if n.lower().endswith(TEXT_EXTENSIONS))
+        files = sorted(
+            os.path.join(root, n)
+            for root, _, names in os.walk(path)
+            for n in names
+            if n.lower().endswith(TEXT_EXTENSIONS)
+        )
     else:
-        raise FileNotFoundError(f"{path} does not exist; pass a text file or a folder of {'/'.join(TEXT_EXTENSIONS)} files")
+        raise FileNotFoundError(
+            f"{path} does not exist; pass a text file or a folder of {'/'.join(TEXT_EXTENSIONS)} files"
+        )
     docs = [d for f in files for d in _text_file_documents(f, max_doc_chars)]
     if not docs:
         raise ValueError(f"{path} holds no text documents (looked for {'/'.join(TEXT_EXTENSIONS)} files)")
@@ -311,8 +330,10 @@ def load_tinystories(split: str):
     try:
         return datasets.load_dataset(TINYSTORIES_REPO, split=hf_split)
     except Exception as e:  # the hub raises many error types when offline; all mean the same to the user
-        raise RuntimeError(f"could not load {TINYSTORIES_REPO} from the Hugging Face hub ({type(e).__name__}); "
-                           "offline, use `python -m scripts.data --source synthetic-stories` instead") from e
+        raise RuntimeError(
+            f"could not load {TINYSTORIES_REPO} from the Hugging Face hub ({type(e).__name__}); "
+            "offline, use `python -m scripts.data --source synthetic-stories` instead"
+        ) from e
 
 
 def tinystories_documents(split: str, ds=None) -> Iterator[str]:
@@ -323,8 +344,6 @@ def tinystories_documents(split: str, ds=None) -> Iterator[str]:
 
 def synthetic_documents(split: str, seed: int = 0, start: int = 0, shard: tuple[int, int] = (0, 1)) -> Iterator[str]:
     """Built-in stories; reader (index, count) takes stream positions index, index+count, ... from `start`."""
-    from flaxchat.data.stories import generate_stories, iter_stories  # lazy: only this source needs the generator
-
     index, count = _check_shard(shard)
     if count == 1:
         yield from iter_stories(split=split, seed=seed, start=start)
@@ -334,9 +353,17 @@ def synthetic_documents(split: str, seed: int = 0, start: int = 0, shard: tuple[
         yield generate_stories(1, split=split, seed=seed, start=index + k * count)[0]
 
 
-def iter_documents(source: str = "parquet", split: str = "train", shard: tuple[int, int] = (0, 1),
-                   start: int | None = None, data_dir: str | None = None, *, path: str | None = None,
-                   seed: int = 0, val_fraction: float = 0.05) -> Iterator[str]:
+def iter_documents(
+    source: str = "parquet",
+    split: str = "train",
+    shard: tuple[int, int] = (0, 1),
+    start: int | None = None,
+    data_dir: str | None = None,
+    *,
+    path: str | None = None,
+    seed: int = 0,
+    val_fraction: float = 0.05,
+) -> Iterator[str]:
     """Documents (strings) of `split` for reader `shard=(index, count)`, skipping its first `start`.
 
     source: "parquet" (shards in data_dir, one pass), "synthetic-stories" (infinite), "tinystories"
@@ -365,7 +392,6 @@ def iter_documents(source: str = "parquet", split: str = "train", shard: tuple[i
     return itertools.islice(docs, index + start * count, None, count)
 
 
-
 def resolve_source(source: str | None) -> tuple[str, dict]:
     """(iter_documents source name, its kwargs) for what a script's --source names.
 
@@ -382,8 +408,9 @@ def resolve_source(source: str | None) -> tuple[str, dict]:
     if os.sep in source or source.startswith("."):
         raise FileNotFoundError(f"--source {source} does not exist")
     if source in ("text", "parquet-download"):
-        raise ValueError(f"--source {source} is not a readable source here; pass the path of your text or shards "
-                         "instead")
+        raise ValueError(
+            f"--source {source} is not a readable source here; pass the path of your text or shards instead"
+        )
     return source, {}
 
 
@@ -398,9 +425,15 @@ def iter_source_documents(source: str | None, split: str = "train") -> Iterator[
 # Writing shards
 
 
-def write_shards(docs: Iterable[str], out_dir: str, docs_per_shard: int, first_index: int = 0,
-                 total: int | None = None, desc: str = "writing shards",
-                 row_group_size: int = ROW_GROUP_SIZE) -> list[str]:
+def write_shards(
+    docs: Iterable[str],
+    out_dir: str,
+    docs_per_shard: int,
+    first_index: int = 0,
+    total: int | None = None,
+    desc: str = "writing shards",
+    row_group_size: int = ROW_GROUP_SIZE,
+) -> list[str]:
     """Write documents to consecutive shards of `docs_per_shard` docs each (atomically: .tmp then rename)."""
     if docs_per_shard < 1:
         raise ValueError(f"docs_per_shard must be >= 1, got {docs_per_shard}")
@@ -442,8 +475,9 @@ def prepare_out_dir(out_dir: str, source: str, overwrite: bool = False, **detail
     if existing and not resumable:
         if not overwrite:
             was = previous["source"] if previous else "an unknown source"
-            raise FileExistsError(f"{out_dir} already holds {len(existing)} shards from {was}; "
-                                  "pass --overwrite to replace them")
+            raise FileExistsError(
+                f"{out_dir} already holds {len(existing)} shards from {was}; pass --overwrite to replace them"
+            )
         for n in existing:
             os.remove(os.path.join(out_dir, n))
     with open(marker, "w") as f:
@@ -504,9 +538,17 @@ def download_file(url: str, path: str, max_attempts: int = 5, timeout: float = 3
     raise RuntimeError(f"failed to download {url} after {max_attempts} attempts: {error}")
 
 
-def download(num_shards: int, data_dir: str | None = None, base_url: str = BASE_URL, max_shard: int = MAX_SHARD,
-             num_workers: int = 4, max_attempts: int = 5, timeout: float = 30.0, backoff: float = 2.0,
-             overwrite: bool = False) -> list[str]:
+def download(
+    num_shards: int,
+    data_dir: str | None = None,
+    base_url: str = BASE_URL,
+    max_shard: int = MAX_SHARD,
+    num_workers: int = 4,
+    max_attempts: int = 5,
+    timeout: float = 30.0,
+    backoff: float = 2.0,
+    overwrite: bool = False,
+) -> list[str]:
     """Download train shards 0..num_shards-1 and the val shard `max_shard` (always last), in parallel.
 
     Plain HTTP GETs on `{base_url}/shard_XXXXX.parquet` (nanochat's layout) rather than
@@ -519,9 +561,17 @@ def download(num_shards: int, data_dir: str | None = None, base_url: str = BASE_
     ids = list(range(min(num_shards, max_shard))) + [max_shard]
     paths, failures = [], []
     with ThreadPoolExecutor(max_workers=num_workers) as pool:
-        futures = {pool.submit(download_file, f"{base_url}/{index_to_filename(i)}",
-                               os.path.join(data_dir, index_to_filename(i)), max_attempts, timeout, backoff): i
-                   for i in ids}
+        futures = {
+            pool.submit(
+                download_file,
+                f"{base_url}/{index_to_filename(i)}",
+                os.path.join(data_dir, index_to_filename(i)),
+                max_attempts,
+                timeout,
+                backoff,
+            ): i
+            for i in ids
+        }
         for fut in progress_bar(as_completed(futures), total=len(ids), desc="downloading shards", unit="shard"):
             try:
                 paths.append(fut.result())

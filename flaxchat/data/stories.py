@@ -58,8 +58,10 @@ def load_words() -> SimpleNamespace:
     words = read_data("story_words.json")
     for name in ("pet_kinds", "family", "toys", "animals", "lost_babies"):
         words[name] = records(words[name])
-    words["places"] = [SimpleNamespace(at=f"{p.prep} {p.name}", to=f"to {p.name}", **vars(p))
-                       for p in records(words["places"], days=words["days"], weather=words["weather"], finds=[])]
+    words["places"] = [
+        SimpleNamespace(at=f"{p.prep} {p.name}", to=f"to {p.name}", **vars(p))
+        for p in records(words["places"], days=words["days"], weather=words["weather"], finds=[])
+    ]
     words["feelings"] = SimpleNamespace(**words["feelings"])
     return SimpleNamespace(**words)
 
@@ -116,7 +118,7 @@ def ing(phrase: str) -> str:
 
 
 def article(phrase: str) -> str:
-    """"a" or "an" for a phrase, by the sound of its first word."""
+    """ "a" or "an" for a phrase, by the sound of its first word."""
     first = phrase.split()[0].lower()
     vowel_sound = first[0] in "aeiou" and not first.startswith(("uni", "use", "one"))
     return "an" if vowel_sound else "a"
@@ -129,8 +131,15 @@ def article(phrase: str) -> str:
 # story, while every name and every opening still appears in both splits.
 
 INTROS = PLOT_TEXT["intros"]
-_INTRO_FIELDS = {"{h.name}": r"(?P<name>[A-Z][a-z]+)", "{h.kind}": "(?:girl|boy)", "{h.He}": "(?:He|She)",
-                 "{trait}": "[a-z]+", "{a_trait}": "an? [a-z]+", "{town}": "[a-z]+", "{age}": "[a-z]+"}
+_INTRO_FIELDS = {
+    "{h.name}": r"(?P<name>[A-Z][a-z]+)",
+    "{h.kind}": "(?:girl|boy)",
+    "{h.He}": "(?:He|She)",
+    "{trait}": "[a-z]+",
+    "{a_trait}": "an? [a-z]+",
+    "{town}": "[a-z]+",
+    "{age}": "[a-z]+",
+}
 
 
 def intro_pattern(template: str) -> re.Pattern:
@@ -150,9 +159,16 @@ def is_val_pair(name: str, intro: int) -> bool:
     return zlib.crc32(f"{name}/{intro}".encode()) % 6 == 0
 
 
-HERO_PAIRS = {(val, girl): tuple((name, k) for name in (WORDS.girl_names if girl else WORDS.boy_names)
-                                 for k in range(len(INTROS)) if is_val_pair(name, k) == val)
-              for val in (False, True) for girl in (False, True)}
+HERO_PAIRS = {
+    (val, girl): tuple(
+        (name, k)
+        for name in (WORDS.girl_names if girl else WORDS.boy_names)
+        for k in range(len(INTROS))
+        if is_val_pair(name, k) == val
+    )
+    for val in (False, True)
+    for girl in (False, True)
+}
 
 # --- characters and things ----------------------------------------------------------------------
 
@@ -160,7 +176,7 @@ HERO_PAIRS = {(val, girl): tuple((name, k) for name in (WORDS.girl_names if girl
 def _capitalize(sentence: str) -> str:
     """Capitalize the first letter, looking past an opening quote."""
     i = 1 if sentence.startswith('"') else 0
-    return sentence[:i] + sentence[i].upper() + sentence[i + 1:]
+    return sentence[:i] + sentence[i].upper() + sentence[i + 1 :]
 
 
 class Person:
@@ -169,7 +185,8 @@ class Person:
     def __init__(self, name: str, girl: bool, kind: str | None = None, **extra):
         self.name, self.girl, self.kind = name, girl, kind or ("girl" if girl else "boy")
         self.he, self.him, self.his, self.himself = (
-            ("she", "her", "her", "herself") if girl else ("he", "him", "his", "himself"))
+            ("she", "her", "her", "herself") if girl else ("he", "him", "his", "himself")
+        )
         self.He, self.His = self.he.capitalize(), self.his.capitalize()
         self.__dict__.update(extra)
 
@@ -198,10 +215,17 @@ class Story:
         self._names: set[str] = set()
         trait = rng.choice(WORDS.traits)
         feel = WORDS.feelings
-        self.cast: dict = {"trait": trait, "a_trait": f"{article(trait)} {trait}", "town": rng.choice(WORDS.towns),
-                           "age": rng.choice(WORDS.ages), "sad": rng.choice(feel.sad), "happy": rng.choice(feel.happy),
-                           "sorry": rng.choice(feel.sorry), "color": rng.choice(WORDS.colors),
-                           "about": PLOT_TEXT["about"]}  # one more detail about the hero; it never matters later
+        self.cast: dict = {
+            "trait": trait,
+            "a_trait": f"{article(trait)} {trait}",
+            "town": rng.choice(WORDS.towns),
+            "age": rng.choice(WORDS.ages),
+            "sad": rng.choice(feel.sad),
+            "happy": rng.choice(feel.happy),
+            "sorry": rng.choice(feel.sorry),
+            "color": rng.choice(WORDS.colors),
+            "about": PLOT_TEXT["about"],
+        }  # one more detail about the hero; it never matters later
         self.cast["like"], self.cast["like2"] = rng.sample(WORDS.indoor_acts, 2)
 
     def pick(self, options):
@@ -296,8 +320,14 @@ class Story:
 
     def pet(self) -> Person:
         kind = self.pick(WORDS.pet_kinds)
-        return Person(self.pick(WORDS.pet_names), self.chance(0.5), kind.kind, sound=kind.sound,
-                      sound_verb=kind.sound_verb, a_kind=f"{article(kind.kind)} {kind.kind}")
+        return Person(
+            self.pick(WORDS.pet_names),
+            self.chance(0.5),
+            kind.kind,
+            sound=kind.sound,
+            sound_verb=kind.sound_verb,
+            a_kind=f"{article(kind.kind)} {kind.kind}",
+        )
 
     def activity(self, acts, key: str = "act") -> str:
         act = self.pick(acts)
@@ -324,8 +354,15 @@ def lost_toy(s: Story) -> None:
     kind = s.pick(WORDS.toys)
     spot1, spot2, spot3 = s.rng.sample(place.spots, 3)  # looked here, then here, found there
     helper = s.pick(("friend", "pet", "grownup"))  # who finds the toy
-    s.set(toy=Thing(kind.noun, s.pick(kind.colors)), f=s.child(), pet=s.pet(), spot1=spot1, spot2=spot2, spot3=spot3,
-          helper=helper)
+    s.set(
+        toy=Thing(kind.noun, s.pick(kind.colors)),
+        f=s.child(),
+        pet=s.pet(),
+        spot1=spot1,
+        spot2=spot2,
+        spot3=spot3,
+        helper=helper,
+    )
     s.tell(PLOT_TEXT["lost_toy"].beats)
 
 
@@ -334,8 +371,12 @@ def new_friend(s: Story) -> None:
     s.cast_basics(place)
     f = s.child()
     # a pronoun for the new friend is only clear when it cannot mean the hero
-    s.set(f=f, lonely=s.pick(WORDS.feelings.lonely), softly=s.pick(WORDS.feelings.softly),
-          f_pronoun_clear=f.girl != s.cast["h"].girl)
+    s.set(
+        f=f,
+        lonely=s.pick(WORDS.feelings.lonely),
+        softly=s.pick(WORDS.feelings.softly),
+        f_pronoun_clear=f.girl != s.cast["h"].girl,
+    )
     s.activity([a for a in place.acts if a != s.cast["act"]], key="act2")
     s.tell(PLOT_TEXT["new_friend"].beats)
 
@@ -355,8 +396,13 @@ def brave(s: Story) -> None:
     text = PLOT_TEXT["brave"]
     s.cast_basics()
     fear = s.pick(text.fears)
-    s.set(fear=fear, day=s.pick(getattr(fear, "days", WORDS.days)), petname=s.pick(WORDS.pet_names),
-          scared=s.pick(WORDS.feelings.scared), proud=s.pick(WORDS.feelings.proud))
+    s.set(
+        fear=fear,
+        day=s.pick(getattr(fear, "days", WORDS.days)),
+        petname=s.pick(WORDS.pet_names),
+        scared=s.pick(WORDS.feelings.scared),
+        proud=s.pick(WORDS.feelings.proud),
+    )
     s.set(want=s.fill(fear.want))  # "ride {h.his} bike": a template inside a template
     s.tell(text.beats)
 
@@ -365,8 +411,11 @@ def kitten_rescue(s: Story) -> None:
     text = PLOT_TEXT["kitten_rescue"]
     place = s.pick([PLACE[k] for k in text.places])
     s.cast_basics(place)
-    s.set(kitten=Thing("kitten", s.pick(text.kitten_looks)), kname=s.pick(WORDS.pet_names),
-          scared=s.pick(WORDS.feelings.scared))
+    s.set(
+        kitten=Thing("kitten", s.pick(text.kitten_looks)),
+        kname=s.pick(WORDS.pet_names),
+        scared=s.pick(WORDS.feelings.scared),
+    )
     girl = s.chance(0.5)
     s.set(owner=Person("", girl, "lady" if girl else "old man", a_kind="a lady" if girl else "an old man"))
     s.tell(text.beats)
@@ -376,13 +425,22 @@ def lost_baby(s: Story) -> None:
     baby = s.pick(WORDS.lost_babies)
     place = PLACE[s.pick(baby.homes)]
     s.cast_basics(place)
-    s.set(baby=baby.baby, mother=baby.mother, baby_sound=baby.baby_sound, mother_sound=baby.mother_sound,
-          worried=s.pick(WORDS.feelings.worried), spots=s.rng.sample(place.spots, 3), f=s.child())
+    s.set(
+        baby=baby.baby,
+        mother=baby.mother,
+        baby_sound=baby.baby_sound,
+        mother_sound=baby.mother_sound,
+        worried=s.pick(WORDS.feelings.worried),
+        spots=s.rng.sample(place.spots, 3),
+        f=s.child(),
+    )
     s.set(spot1=s.cast["spots"][0], spot2=s.cast["spots"][1], spot3=s.cast["spots"][2])
     h, f, p = s.cast["h"], s.cast["f"], s.cast["p"]
     with_friend = s.chance(0.5)
-    s.set(helper_name=f.name if with_friend else f"{h.his} {p.kind}",
-          helper_intro=f"{h.his} friend {f.name}" if with_friend else f"{h.his} {p.kind}")
+    s.set(
+        helper_name=f.name if with_friend else f"{h.his} {p.kind}",
+        helper_intro=f"{h.his} friend {f.name}" if with_friend else f"{h.his} {p.kind}",
+    )
     s.tell(PLOT_TEXT["lost_baby"].beats)
 
 
@@ -392,9 +450,20 @@ def animal_friend(s: Story) -> None:
     s.cast_basics(place)
     # "some seeds" are "them", "a nut" and "some grass" are "it".
     food_it = "them" if animal.food.startswith("some ") and animal.food.endswith("s") else "it"
-    s.set(animal=Thing(animal.noun, s.pick(animal.looks), food=animal.food, food_it=food_it, move=animal.move,
-                       sound=animal.sound, sound_verb=animal.sound_verb),
-          spot=s.pick(place.spots), snack=s.pick(WORDS.snacks), petname=s.pick(WORDS.pet_names))
+    s.set(
+        animal=Thing(
+            animal.noun,
+            s.pick(animal.looks),
+            food=animal.food,
+            food_it=food_it,
+            move=animal.move,
+            sound=animal.sound,
+            sound_verb=animal.sound_verb,
+        ),
+        spot=s.pick(place.spots),
+        snack=s.pick(WORDS.snacks),
+        petname=s.pick(WORDS.pet_names),
+    )
     s.tell(PLOT_TEXT["animal_friend"].beats)
 
 
@@ -403,12 +472,24 @@ def adventure(s: Story) -> None:
     s.cast_basics(place)
     animal = s.pick([a for a in WORDS.animals if place.key in a.homes])
     with_pet = s.chance(0.4)
-    s.set(f=s.child(), pet=s.pet(), find=s.pick(place.finds), spot=s.pick(place.spots), snack=s.pick(WORDS.snacks),
-          animal=Thing(animal.noun, s.pick(animal.looks), sound=animal.sound, sound_verb=animal.sound_verb,
-                       move=animal.move), worried=s.pick(WORDS.feelings.worried))
+    s.set(
+        f=s.child(),
+        pet=s.pet(),
+        find=s.pick(place.finds),
+        spot=s.pick(place.spots),
+        snack=s.pick(WORDS.snacks),
+        animal=Thing(
+            animal.noun, s.pick(animal.looks), sound=animal.sound, sound_verb=animal.sound_verb, move=animal.move
+        ),
+        worried=s.pick(WORDS.feelings.worried),
+    )
     h, f, pet, find = s.cast["h"], s.cast["f"], s.cast["pet"], s.cast["find"]
-    s.set(with_pet=with_pet, pal=pet.name if with_pet else f.name,
-          pal_intro=pet.name if with_pet else f"{h.his} friend {f.name}", the_find="the " + find.split(" ", 1)[1])
+    s.set(
+        with_pet=with_pet,
+        pal=pet.name if with_pet else f.name,
+        pal_intro=pet.name if with_pet else f"{h.his} friend {f.name}",
+        the_find="the " + find.split(" ", 1)[1],
+    )
     s.tell(PLOT_TEXT["adventure"].beats)
 
 
@@ -443,13 +524,32 @@ def helping(s: Story) -> None:
     chosen = s.pick(text.helps)
     girl, sib = s.chance(0.5), s.child()
     neighbor = Person(("Mrs. " if girl else "Mr. ") + s.pick(WORDS.surnames), girl, "lady" if girl else "man")
-    s.set(help=chosen, n=neighbor, f=s.child(), sib=Person(sib.name, sib.girl, "sister" if sib.girl else "brother"),
-          petname=s.pick(WORDS.pet_names), day=s.pick(WORDS.home_days), proud=s.pick(WORDS.feelings.proud))
+    s.set(
+        help=chosen,
+        n=neighbor,
+        f=s.child(),
+        sib=Person(sib.name, sib.girl, "sister" if sib.girl else "brother"),
+        petname=s.pick(WORDS.pet_names),
+        day=s.pick(WORDS.home_days),
+        proud=s.pick(WORDS.feelings.proud),
+    )
     s.tell(text.beats)
 
 
-PLOTS = (lost_toy, new_friend, sharing, brave, kitten_rescue, lost_baby, animal_friend, adventure, rainy_day, lesson,
-         gift, helping)
+PLOTS = (
+    lost_toy,
+    new_friend,
+    sharing,
+    brave,
+    kitten_rescue,
+    lost_baby,
+    animal_friend,
+    adventure,
+    rainy_day,
+    lesson,
+    gift,
+    helping,
+)
 
 # --- public API ---------------------------------------------------------------------------------
 
@@ -491,8 +591,9 @@ def generate_story(index: int, seed: int = 0) -> str:
         text = story.text()
         if MIN_WORDS <= len(text.split()) <= MAX_WORDS:
             return text
-    raise RuntimeError(f"story {index} (seed {seed}) missed {MIN_WORDS}-{MAX_WORDS} words ten times; a plot is "
-                       "badly sized")
+    raise RuntimeError(
+        f"story {index} (seed {seed}) missed {MIN_WORDS}-{MAX_WORDS} words ten times; a plot is badly sized"
+    )
 
 
 def iter_stories(split: str = "train", seed: int = 0, start: int = 0) -> Iterator[str]:
@@ -522,5 +623,11 @@ def corpus_stats(stories: list[str]) -> dict:
         n_bytes += len(story.encode())
         vocab.update(_WORD.findall(story.lower()))
         sentences.update(m.strip() for m in _SENTENCE.findall(story))
-    return {"documents": len(stories), "words": words, "distinct_words": len(vocab),
-            "distinct_sentences": len(sentences), "mean_words": words / max(len(stories), 1), "bytes": n_bytes}
+    return {
+        "documents": len(stories),
+        "words": words,
+        "distinct_words": len(vocab),
+        "distinct_sentences": len(sentences),
+        "mean_words": words / max(len(stories), 1),
+        "bytes": n_bytes,
+    }

@@ -63,7 +63,9 @@ def _content_hash(pattern: str, mergeable_ranks: dict[bytes, int], special_token
     return h.hexdigest()
 
 
-def _build_encoding(pattern: str, mergeable_ranks: dict[bytes, int], special_tokens: dict[str, int]) -> tiktoken.Encoding:
+def _build_encoding(
+    pattern: str, mergeable_ranks: dict[bytes, int], special_tokens: dict[str, int]
+) -> tiktoken.Encoding:
     return tiktoken.Encoding(
         name="flaxchat", pat_str=pattern, mergeable_ranks=mergeable_ranks, special_tokens=special_tokens
     )
@@ -84,7 +86,9 @@ class Tokenizer:
         """Learn BPE merges over an iterator of strings; vocab_size counts the 9 special tokens."""
         n_merged = vocab_size - len(SPECIAL_TOKENS)
         if n_merged < 256:
-            raise ValueError(f"vocab_size must be at least {256 + len(SPECIAL_TOKENS)} (256 bytes + specials), got {vocab_size}")
+            raise ValueError(
+                f"vocab_size must be at least {256 + len(SPECIAL_TOKENS)} (256 bytes + specials), got {vocab_size}"
+            )
         trainer = rustbpe.Tokenizer()
         trainer.train_from_iterator(text_iterator, n_merged, pattern=SPLIT_PATTERN)
         ranks = {bytes(token): rank for token, rank in trainer.get_mergeable_ranks()}
@@ -97,7 +101,9 @@ class Tokenizer:
         """Read `tokenizer.json` from a directory written by `save`, checking its content hash."""
         path = os.path.join(tokenizer_dir, TOKENIZER_FILE)
         if not os.path.isfile(path):
-            raise FileNotFoundError(f"no {TOKENIZER_FILE} in {tokenizer_dir}; train one with `python -m scripts.tok_train`")
+            raise FileNotFoundError(
+                f"no {TOKENIZER_FILE} in {tokenizer_dir}; train one with `python -m scripts.tok_train`"
+            )
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
         if data.get("format") != FORMAT_NAME or data.get("version") != FORMAT_VERSION:
@@ -115,7 +121,9 @@ class Tokenizer:
         """Import nanochat's `tokenizer.pkl` (a pickled tiktoken Encoding) without executing pickle code."""
         path = os.path.join(tokenizer_dir, "tokenizer.pkl")
         if not os.path.isfile(path):
-            raise FileNotFoundError(f"no tokenizer.pkl in {tokenizer_dir} (nanochat writes it with `python -m scripts.tok_train`)")
+            raise FileNotFoundError(
+                f"no tokenizer.pkl in {tokenizer_dir} (nanochat writes it with `python -m scripts.tok_train`)"
+            )
         with open(path, "rb") as f:
             state = _EncodingOnlyUnpickler(f).load()
         if not isinstance(state, _PickledEncoding) or not isinstance(state.state, dict):
@@ -245,7 +253,9 @@ class Tokenizer:
         for i, message in enumerate(messages):
             expected = "user" if i % 2 == 0 else "assistant"
             if message["role"] != expected:
-                raise ValueError(f"message {i} is from {message['role']!r} but should be from {expected!r} (turns alternate)")
+                raise ValueError(
+                    f"message {i} is from {message['role']!r} but should be from {expected!r} (turns alternate)"
+                )
             content = message["content"]
             if expected == "user":
                 if not isinstance(content, str):

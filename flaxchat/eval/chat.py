@@ -23,7 +23,13 @@ import numpy as np
 from flax import nnx
 
 from flaxchat.common import is_main_process, print0, progress_bar, to_host
+from flaxchat.eval.core import plan_batches
 from flaxchat.model.cpu import in_sub_batches
+from tasks.arc import ARC
+from tasks.gsm8k import GSM8K
+from tasks.humaneval import HumanEval
+from tasks.mmlu import MMLU
+from tasks.spellingbee import SpellingBee
 
 # Random-guess accuracy of each task: 1 of 4 letters, or ~0 for open-ended answers (nanochat's values).
 BASELINES = {"ARC-Easy": 0.25, "ARC-Challenge": 0.25, "MMLU": 0.25, "GSM8K": 0.0, "HumanEval": 0.0, "SpellingBee": 0.0}
@@ -34,12 +40,6 @@ CHATCORE_TASKS = ("ARC-Easy", "ARC-Challenge", "MMLU", "GSM8K", "HumanEval")
 
 def make_task(name: str, source: str = "auto"):
     """The evaluation split of a chat task by its nanochat name."""
-    from tasks.arc import ARC
-    from tasks.gsm8k import GSM8K
-    from tasks.humaneval import HumanEval
-    from tasks.mmlu import MMLU
-    from tasks.spellingbee import SpellingBee
-
     factories: dict[str, Callable] = {
         "ARC-Easy": lambda: ARC(subset="ARC-Easy", split="test", source=source),
         "ARC-Challenge": lambda: ARC(subset="ARC-Challenge", split="test", source=source),
@@ -81,17 +81,18 @@ def letter_token_ids(tokenizer, letters) -> list[int]:
     for letter in letters:
         encoded = tokenizer.encode(letter)
         if len(encoded) != 1:
-            raise ValueError(f"answer letter {letter!r} is {len(encoded)} tokens in this tokenizer; "
-                             "categorical evaluation needs single-token letters")
+            raise ValueError(
+                f"answer letter {letter!r} is {len(encoded)} tokens in this tokenizer; "
+                "categorical evaluation needs single-token letters"
+            )
         ids.append(encoded[0])
     return ids
 
 
-def run_categorical_eval(task, tokenizer, model, batch_size: int = 8, max_problems: int | None = None,
-                         desc: str = "categorical") -> float:
+def run_categorical_eval(
+    task, tokenizer, model, batch_size: int = 8, max_problems: int | None = None, desc: str = "categorical"
+) -> float:
     """Accuracy of argmax over the choice letters' logits at the answer position, batched by prompt length."""
-    from flaxchat.eval.core import plan_batches
-
     n = len(task) if max_problems is None else min(len(task), max_problems)
     if n == 0:
         raise ValueError(f"{desc}: no problems to evaluate")
@@ -127,17 +128,27 @@ def sample_problems(engine, tokenizer, conversations, num_samples: int, rows: in
     conversation). seeds: one int for every conversation, or one per conversation."""
     per_batch = max(1, rows // num_samples)
     for first in range(0, len(conversations), per_batch):
-        batch = conversations[first:first + per_batch]
+        batch = conversations[first : first + per_batch]
         prompts = [tokenizer.render_for_completion(c) for c in batch]
-        some = seeds if isinstance(seeds, numbers.Integral) else list(seeds[first:first + per_batch])
+        some = seeds if isinstance(seeds, numbers.Integral) else list(seeds[first : first + per_batch])
         out = engine.generate_batches(prompts, num_samples=num_samples, seeds=some, **sampling)
         for conversation, prompt, (sequences, masks) in zip(batch, prompts, out):
             yield conversation, prompt, sequences, masks
 
 
-def run_generative_eval(task, tokenizer, engine, num_samples: int = 1, max_new_tokens: int = 512,
-                        temperature: float = 0.0, top_k: int | None = 50, max_problems: int | None = None,
-                        seed: int = 42, desc: str = "generative", rows: int = 8) -> float:
+def run_generative_eval(
+    task,
+    tokenizer,
+    engine,
+    num_samples: int = 1,
+    max_new_tokens: int = 512,
+    temperature: float = 0.0,
+    top_k: int | None = 50,
+    max_problems: int | None = None,
+    seed: int = 42,
+    desc: str = "generative",
+    rows: int = 8,
+) -> float:
     """pass@num_samples: a problem counts if any of its sampled completions is correct. Problems are sampled
     several at once (at most `rows` completions a batch, at least one problem), each as a call of its own would
     sample it (nanochat: one seed for every problem)."""
@@ -147,9 +158,17 @@ def run_generative_eval(task, tokenizer, engine, num_samples: int = 1, max_new_t
     passed = 0
     with progress_bar(total=n, desc=desc, leave=False, disable=not is_main_process()) as bar:
         for conversation, prompt, results, _ in sample_problems(
-                engine, tokenizer, [task[i] for i in range(n)], num_samples, rows, seed,
-                max_tokens=max_new_tokens, temperature=temperature, top_k=top_k):
-            completions = [tokenizer.decode(tokens[len(prompt):]) for tokens in results]
+            engine,
+            tokenizer,
+            [task[i] for i in range(n)],
+            num_samples,
+            rows,
+            seed,
+            max_tokens=max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+        ):
+            completions = [tokenizer.decode(tokens[len(prompt) :]) for tokens in results]
             passed += int(any(task.evaluate(conversation, c) for c in completions))
             bar.update(1)
             bar.set_postfix_str(f"{passed}/{bar.n}", refresh=False)
@@ -160,9 +179,21 @@ def run_generative_eval(task, tokenizer, engine, num_samples: int = 1, max_new_t
 # One task, many tasks
 
 
-def run_chat_eval(name: str, model, tokenizer, engine=None, batch_size: int = 8, num_samples: int = 1,
-                  max_new_tokens: int = 512, temperature: float = 0.0, top_k: int | None = 50,
-                  max_problems: int | None = None, seed: int = 42, source: str = "auto", task=None) -> dict:
+def run_chat_eval(
+    name: str,
+    model,
+    tokenizer,
+    engine=None,
+    batch_size: int = 8,
+    num_samples: int = 1,
+    max_new_tokens: int = 512,
+    temperature: float = 0.0,
+    top_k: int | None = 50,
+    max_problems: int | None = None,
+    seed: int = 42,
+    source: str = "auto",
+    task=None,
+) -> dict:
     """Evaluate one chat task (`task`, or make_task(name)): {"accuracy", "centered", "baseline", "examples",
     "seconds", "eval_type"}."""
     t0 = time.perf_counter()
@@ -173,11 +204,28 @@ def run_chat_eval(name: str, model, tokenizer, engine=None, batch_size: int = 8,
     elif task.eval_type == "generative":
         if engine is None:
             raise ValueError(f"{name} is generative and needs an Engine (flaxchat.generate.engine.Engine)")
-        acc = run_generative_eval(task, tokenizer, engine, num_samples, max_new_tokens, temperature, top_k,
-                                  max_problems, seed, desc=name, rows=batch_size)
+        acc = run_generative_eval(
+            task,
+            tokenizer,
+            engine,
+            num_samples,
+            max_new_tokens,
+            temperature,
+            top_k,
+            max_problems,
+            seed,
+            desc=name,
+            rows=batch_size,
+        )
     else:
         raise ValueError(f"{name}: unsupported eval type {task.eval_type!r}")
-    result = {"accuracy": acc, "centered": centered(acc, BASELINES[name]), "baseline": BASELINES[name],
-              "examples": n, "seconds": time.perf_counter() - t0, "eval_type": task.eval_type}
+    result = {
+        "accuracy": acc,
+        "centered": centered(acc, BASELINES[name]),
+        "baseline": BASELINES[name],
+        "examples": n,
+        "seconds": time.perf_counter() - t0,
+        "eval_type": task.eval_type,
+    }
     print0(f"{name:14s} accuracy {acc:.4f} (baseline {BASELINES[name]:.2f}) | {n} problems | {result['seconds']:.1f}s")
     return result

@@ -40,8 +40,8 @@ from flax import nnx
 
 from flaxchat.common import get_base_dir, is_main_process, print0, progress_bar, to_host
 from flaxchat.eval.bpb import token_losses
-from flaxchat.sharding import batch_sharding
 from flaxchat.model.cpu import in_sub_batches
+from flaxchat.sharding import batch_sharding
 from tasks.core_bundle import CORE_TASKS, LM, MC, SCHEMA, build_offline_bundle
 
 EVAL_BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"
@@ -98,8 +98,10 @@ def fewshot_examples(data: list[dict], idx: int, num_fewshot: int) -> list[dict]
     if num_fewshot <= 0:
         return []
     if num_fewshot >= len(data):
-        raise ValueError(f"{num_fewshot}-shot prompts need more than {num_fewshot} examples, the task has {len(data)} "
-                         "(raise --max-per-task)")
+        raise ValueError(
+            f"{num_fewshot}-shot prompts need more than {num_fewshot} examples, the task has {len(data)} "
+            "(raise --max-per-task)"
+        )
     picks = random.Random(1234 + idx).sample(range(len(data) - 1), num_fewshot)
     return [data[j if j < idx else j + 1] for j in picks]
 
@@ -120,8 +122,10 @@ def prepare_example(idx: int, tokenizer, data: list[dict], meta: dict, max_seq_l
     elif task_type == LM:
         without, with_ = tokenizer(render_prompts_lm(item, delim, fewshot), prepend=bos)
         if not (len(without) < len(with_) and with_[: len(without)] == without):
-            raise ValueError(f"example {idx}: the prompt without its continuation does not tokenize to a prefix "
-                             "of the prompt with it")
+            raise ValueError(
+                f"example {idx}: the prompt without its continuation does not tokenize to a prefix "
+                "of the prompt with it"
+            )
         tokens, starts, ends = [with_], [len(without)], [len(with_)]
     else:
         raise ValueError(f"unsupported CORE task type {task_type!r} (multiple_choice, schema, language_modeling)")
@@ -197,12 +201,13 @@ def plan_batches(lengths: list[int], batch_size: int, config, logits: bool, row_
         row_bytes = 4 * T * (config.n_head * T + (config.padded_vocab_size if logits else 0))
         per_batch = max(1, min(batch_size, budget // row_bytes))
         per_batch = -(-per_batch // row_multiple) * row_multiple
-        plan += [(T, per_batch, members[i: i + per_batch]) for i in range(0, len(members), per_batch)]
+        plan += [(T, per_batch, members[i : i + per_batch]) for i in range(0, len(members), per_batch)]
     return plan
 
 
-def score_rows(model, rows: list[list[int]], starts, ends, lm: bool, batch_size: int, pad_id: int,
-               mesh=None, desc: str = "rows") -> np.ndarray:
+def score_rows(
+    model, rows: list[list[int]], starts, ends, lm: bool, batch_size: int, pad_id: int, mesh=None, desc: str = "rows"
+) -> np.ndarray:
     """Score token rows in padded, length-bucketed batches; results in the input order.
 
     Rows are right-padded with pad_id: the model is causal, so padding never changes a real position's output.
@@ -221,8 +226,11 @@ def score_rows(model, rows: list[list[int]], starts, ends, lm: bool, batch_size:
         arrays = (idx, s, e)
         if mesh is not None:
             rows_sharding, vec_sharding = batch_sharding(mesh), batch_sharding(mesh, ndim=1)
-            arrays = (jax.device_put(idx, rows_sharding), jax.device_put(s, vec_sharding),
-                      jax.device_put(e, vec_sharding))
+            arrays = (
+                jax.device_put(idx, rows_sharding),
+                jax.device_put(s, vec_sharding),
+                jax.device_put(e, vec_sharding),
+            )
         result = to_host(fn(model, *arrays))
         out[members] = result[: len(members)]
     return out
@@ -234,8 +242,7 @@ def receptive_field(config) -> int:
     return sum(config.window_sizes()) + 1
 
 
-def task_rows(model_config, tokenizer, data: list[dict], meta: dict, max_seq_len: int | None = None,
-              crop: bool = True):
+def task_rows(model_config, tokenizer, data: list[dict], meta: dict, max_seq_len: int | None = None, crop: bool = True):
     """Every example's rows: (rows, starts, ends, owner example index).
 
     Prompts are fed whole, as nanochat does for its own models (max_seq_len=None), except that with crop,
@@ -255,14 +262,23 @@ def task_rows(model_config, tokenizer, data: list[dict], meta: dict, max_seq_len
     return rows, starts, ends, owner
 
 
-def evaluate_task(model, tokenizer, data: list[dict], meta: dict, batch_size: int = 16,
-                  max_seq_len: int | None = None, mesh=None, desc: str = "CORE") -> float:
+def evaluate_task(
+    model,
+    tokenizer,
+    data: list[dict],
+    meta: dict,
+    batch_size: int = 16,
+    max_seq_len: int | None = None,
+    mesh=None,
+    desc: str = "CORE",
+) -> float:
     """Accuracy of the model on one CORE task's examples (all of them, batched together)."""
     if not data:
         raise ValueError(f"{desc}: no examples to evaluate")
     rows, starts, ends, owner = task_rows(model.config, tokenizer, data, meta, max_seq_len)
-    scores = score_rows(model, rows, starts, ends, meta["task_type"] == LM, batch_size,
-                        tokenizer.get_bos_token_id(), mesh, desc)
+    scores = score_rows(
+        model, rows, starts, ends, meta["task_type"] == LM, batch_size, tokenizer.get_bos_token_id(), mesh, desc
+    )
     per_example: list[list] = [[] for _ in data]
     for i, score in zip(owner, scores):
         per_example[i].append(score)
@@ -307,8 +323,9 @@ def download_bundle(url: str = EVAL_BUNDLE_URL, base_dir: str | None = None, tim
         zip_path = os.path.join(tmp, "eval_bundle.zip")
         with urllib.request.urlopen(url, timeout=timeout) as response, open(zip_path, "wb") as f:
             total = int(response.headers.get("Content-Length") or 0) or None
-            with progress_bar(total=total, unit="B", unit_scale=True, desc="eval_bundle.zip",
-                              disable=not is_main_process()) as bar:
+            with progress_bar(
+                total=total, unit="B", unit_scale=True, desc="eval_bundle.zip", disable=not is_main_process()
+            ) as bar:
                 while chunk := response.read(1 << 20):
                     f.write(chunk)
                     bar.update(len(chunk))
@@ -345,8 +362,16 @@ def load_bundle(source: str = "auto", url: str = EVAL_BUNDLE_URL, base_dir: str 
     return read_bundle(path, "offline")
 
 
-def evaluate_core(model, tokenizer, bundle: Bundle | None = None, max_per_task: int = -1, batch_size: int = 16,
-                  max_seq_len: int | None = None, mesh=None, labels: list[str] | None = None) -> dict:
+def evaluate_core(
+    model,
+    tokenizer,
+    bundle: Bundle | None = None,
+    max_per_task: int = -1,
+    batch_size: int = 16,
+    max_seq_len: int | None = None,
+    mesh=None,
+    labels: list[str] | None = None,
+) -> dict:
     """Every task of the bundle (default: load_bundle()) or of `labels`: accuracy, centered accuracy, examples,
     seconds; and "core_metric", the mean centered accuracy over the official CORE tasks among them."""
     bundle = bundle or load_bundle()
@@ -354,22 +379,38 @@ def evaluate_core(model, tokenizer, bundle: Bundle | None = None, max_per_task: 
     results = {}
     for task in tasks:
         t0, label = time.perf_counter(), task["label"]
-        meta = {"task_type": task["icl_task_type"], "num_fewshot": int(task["num_fewshot"][0]),
-                "continuation_delimiter": task.get("continuation_delimiter", " ")}
+        meta = {
+            "task_type": task["icl_task_type"],
+            "num_fewshot": int(task["num_fewshot"][0]),
+            "continuation_delimiter": task.get("continuation_delimiter", " "),
+        }
         with open(os.path.join(bundle.path, "eval_data", task["dataset_uri"]), encoding="utf-8") as f:
             data = [json.loads(line) for line in f if line.strip()]
         random.Random(1337).shuffle(data)  # nanochat's fixed shuffle, so max_per_task takes the same subset
         data = data[:max_per_task] if max_per_task > 0 else data
         acc = evaluate_task(model, tokenizer, data, meta, batch_size, max_seq_len, mesh, desc=label)
-        results[label] = {"accuracy": acc, "centered": centered(acc, bundle.baselines[label]),
-                          "baseline": bundle.baselines[label], "examples": len(data),
-                          "seconds": time.perf_counter() - t0, **meta}
-        print0(f"{label:34s} {meta['num_fewshot']:2d}-shot {meta['task_type']:17s} accuracy {acc:.4f} | "
-               f"centered {results[label]['centered']:+.4f} | {results[label]['seconds']:.1f}s")
+        results[label] = {
+            "accuracy": acc,
+            "centered": centered(acc, bundle.baselines[label]),
+            "baseline": bundle.baselines[label],
+            "examples": len(data),
+            "seconds": time.perf_counter() - t0,
+            **meta,
+        }
+        print0(
+            f"{label:34s} {meta['num_fewshot']:2d}-shot {meta['task_type']:17s} accuracy {acc:.4f} | "
+            f"centered {results[label]['centered']:+.4f} | {results[label]['seconds']:.1f}s"
+        )
     official = [label for label in results if label in CORE_TASKS]
     core = float(np.mean([results[label]["centered"] for label in official])) if official else float("nan")
-    return {"results": results, "core_metric": core, "num_tasks": len(official), "total_tasks": len(CORE_TASKS),
-            "bundle": bundle.kind, "label": core_label(len(official))}
+    return {
+        "results": results,
+        "core_metric": core,
+        "num_tasks": len(official),
+        "total_tasks": len(CORE_TASKS),
+        "bundle": bundle.kind,
+        "label": core_label(len(official)),
+    }
 
 
 def core_label(num_tasks: int) -> str:

@@ -10,6 +10,9 @@ import matplotlib
 matplotlib.use("Agg")  # files only, never a window
 import matplotlib.pyplot as plt  # noqa: E402
 
+from flaxchat.common import get_base_dir, is_main_process, print0
+from flaxchat.train.checkpoint import git_commit
+
 
 def append_jsonl(path: str, row: dict) -> None:
     with open(path, "a", encoding="utf-8") as f:
@@ -23,15 +26,17 @@ def read_jsonl(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-TRAINING_PANELS = [(["loss"], "train loss"), (["val_bpb"], "val bits per byte"), (["lrm"], "learning-rate multiplier"),
-                   (["mfu"], "MFU (%)")]
+TRAINING_PANELS = [
+    (["loss"], "train loss"),
+    (["val_bpb"], "val bits per byte"),
+    (["lrm"], "learning-rate multiplier"),
+    (["mfu"], "MFU (%)"),
+]
 
 
 def metrics_logger(metrics_path: str, run: str, project: str, config: dict):
     """log(row): append the row to metrics_path on the main process, and to wandb when a run name is given
     ('dummy' = local only, nanochat's convention)."""
-    from flaxchat.common import is_main_process, print0
-
     wandb_run = None
     if run != "dummy" and is_main_process():
         try:
@@ -86,8 +91,20 @@ def plot_training(rows: list[dict], path: str, title: str = "") -> str | None:
 # -----------------------------------------------------------------------------
 # The report card: each stage writes its own section; `generate()` assembles report.md
 
-STAGE_ORDER = ["data", "tokenizer", "tokenizer-eval", "pretrain", "base-eval", "sft", "sft-eval", "rl", "rl-eval",
-               "chat-eval", "bench", "demo"]
+STAGE_ORDER = [
+    "data",
+    "tokenizer",
+    "tokenizer-eval",
+    "pretrain",
+    "base-eval",
+    "sft",
+    "sft-eval",
+    "rl",
+    "rl-eval",
+    "chat-eval",
+    "bench",
+    "demo",
+]
 
 
 def _system_info() -> list[str]:
@@ -95,8 +112,6 @@ def _system_info() -> list[str]:
     import subprocess
 
     import jax
-
-    from flaxchat.train.checkpoint import git_commit
 
     try:
         mem_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
@@ -129,15 +144,11 @@ class Report:
     """Markdown report under <base_dir>/report/: one file per stage, assembled into report.md."""
 
     def __init__(self, base_dir: str | None = None):
-        from flaxchat.common import get_base_dir
-
         self.dir = os.path.join(base_dir or get_base_dir(), "report")
 
     def log(self, stage: str, metrics: dict | None = None, text: str = "", charts: list[str] | None = None) -> str:
         """Write (replace) one stage's section: a metrics table, free text, and links to PNG charts."""
         import datetime
-
-        from flaxchat.common import is_main_process
 
         path = os.path.join(self.dir, f"{stage}.md")
         if not is_main_process():

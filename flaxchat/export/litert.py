@@ -54,8 +54,12 @@ def _step(graphdef, params, tokens, prev_token, pos, logits_at, k_cache, v_cache
     model = nnx.merge(graphdef, params)
     L = k_cache.shape[0]
     prev = rms_norm(model.transformer.wte(prev_token, model.dtype))  # (1, C)
-    cache = KVCache(k=tuple(k_cache[i][None] for i in range(L)), v=tuple(v_cache[i][None].swapaxes(2, 3) for i in range(L)),
-                    pos=pos, prev_embedding=prev)
+    cache = KVCache(
+        k=tuple(k_cache[i][None] for i in range(L)),
+        v=tuple(v_cache[i][None].swapaxes(2, 3) for i in range(L)),
+        pos=pos,
+        prev_embedding=prev,
+    )
     logits, cache = model.forward_cached(tokens, cache, logits_at=logits_at)
     return logits, jnp.stack([k[0] for k in cache.k]), jnp.stack([v[0].swapaxes(1, 2) for v in cache.v])
 
@@ -65,22 +69,44 @@ def litert_config(model, tokenizer, capacity: int, prefill_len: int, quantize: s
     c = model.config
     cache = [c.n_layer, c.n_kv_head, capacity, c.head_dim]
     io = lambda shape, dtype: {"shape": shape, "dtype": dtype}
-    outputs = {"logits": io([1, c.vocab_size], "float32"), "k_cache": io(cache, "float32"), "v_cache": io(cache, "float32")}
+    outputs = {
+        "logits": io([1, c.vocab_size], "float32"),
+        "k_cache": io(cache, "float32"),
+        "v_cache": io(cache, "float32"),
+    }
     step_inputs = lambda T: {"tokens": io([1, T], "int32"), "prev_token": io([1], "int32"), "pos": io([1], "int32")}
     specials = {name: tokenizer.encode_special(name) for name in sorted(tokenizer.get_special_tokens())}
     stops = [specials[s] for s in ("<|assistant_end|>", tokenizer.bos_token) if s in specials]
     return {
-        "format": FORMAT_NAME, "version": 1, "model_file": MODEL_FILE, "quantize": quantize,
-        "capacity": capacity, "prefill_len": prefill_len, "vocab_size": c.vocab_size,
-        "cache_shape": cache, "cache_dtype": "float32",
+        "format": FORMAT_NAME,
+        "version": 1,
+        "model_file": MODEL_FILE,
+        "quantize": quantize,
+        "capacity": capacity,
+        "prefill_len": prefill_len,
+        "vocab_size": c.vocab_size,
+        "cache_shape": cache,
+        "cache_dtype": "float32",
         "signatures": {
-            "prefill": {"inputs": {**step_inputs(prefill_len), "length": io([1], "int32"),
-                                   "k_cache": io(cache, "float32"), "v_cache": io(cache, "float32")}, "outputs": outputs},
-            "decode": {"inputs": {**step_inputs(1), "k_cache": io(cache, "float32"), "v_cache": io(cache, "float32")},
-                       "outputs": outputs},
+            "prefill": {
+                "inputs": {
+                    **step_inputs(prefill_len),
+                    "length": io([1], "int32"),
+                    "k_cache": io(cache, "float32"),
+                    "v_cache": io(cache, "float32"),
+                },
+                "outputs": outputs,
+            },
+            "decode": {
+                "inputs": {**step_inputs(1), "k_cache": io(cache, "float32"), "v_cache": io(cache, "float32")},
+                "outputs": outputs,
+            },
         },
-        "bos_token_id": tokenizer.get_bos_token_id(), "stop_token_ids": stops, "special_tokens": specials,
-        "tokenizer_dir": "tokenizer", "model_config": c.to_dict(),
+        "bos_token_id": tokenizer.get_bos_token_id(),
+        "stop_token_ids": stops,
+        "special_tokens": specials,
+        "tokenizer_dir": "tokenizer",
+        "model_config": c.to_dict(),
         **(extra or {}),
     }
 
@@ -91,8 +117,10 @@ def save_saved_model(model, path: str, capacity: int, prefill_len: int) -> None:
     from jax.experimental import jax2tf
 
     if jnp.dtype(model.dtype) != jnp.float32:
-        raise ValueError(f"LiteRT export wants a float32 model (load it with dtype=float32), got {jnp.dtype(model.dtype).name}; "
-                         "use --litert-quantize for smaller weights")
+        raise ValueError(
+            f"LiteRT export wants a float32 model (load it with dtype=float32), got {jnp.dtype(model.dtype).name}; "
+            "use --litert-quantize for smaller weights"
+        )
     c = model.config
     graphdef, params = nnx.split(model)
     leaves, treedef = jax.tree.flatten(params)
@@ -100,7 +128,9 @@ def save_saved_model(model, path: str, capacity: int, prefill_len: int) -> None:
     module.params = [tf.Variable(np.asarray(x), trainable=False, name=f"p{i}") for i, x in enumerate(leaves)]
 
     def run(leaves, tokens, prev_token, pos, logits_at, k_cache, v_cache):
-        return _step(graphdef, jax.tree.unflatten(treedef, leaves), tokens, prev_token, pos, logits_at, k_cache, v_cache)
+        return _step(
+            graphdef, jax.tree.unflatten(treedef, leaves), tokens, prev_token, pos, logits_at, k_cache, v_cache
+        )
 
     step = jax2tf.convert(run, with_gradient=False)
     cache = tf.TensorSpec([c.n_layer, c.n_kv_head, capacity, c.head_dim], tf.float32)
@@ -118,8 +148,9 @@ def save_saved_model(model, path: str, capacity: int, prefill_len: int) -> None:
         return named(step(module.params, tokens, prev_token, pos, tf.zeros([1], tf.int32), k_cache, v_cache))
 
     module.prefill, module.decode = prefill, decode
-    tf.saved_model.save(module, path, signatures={"prefill": prefill.get_concrete_function(),
-                                                  "decode": decode.get_concrete_function()})
+    tf.saved_model.save(
+        module, path, signatures={"prefill": prefill.get_concrete_function(), "decode": decode.get_concrete_function()}
+    )
 
 
 def converter_error_line(error) -> str:
@@ -168,8 +199,15 @@ def _stderr_into(path: str):
         os.close(saved)
 
 
-def export_litert(model, tokenizer, out_dir: str, quantize: str = "none", capacity: int | None = None,
-                  prefill_len: int = 64, extra: dict | None = None) -> str:
+def export_litert(
+    model,
+    tokenizer,
+    out_dir: str,
+    quantize: str = "none",
+    capacity: int | None = None,
+    prefill_len: int = 64,
+    extra: dict | None = None,
+) -> str:
     """Write model.tflite, tokenizer/ and litert_config.json into out_dir; returns the .tflite path."""
     capacity = capacity or model.config.sequence_len
     prefill_len = max(1, min(prefill_len, capacity))

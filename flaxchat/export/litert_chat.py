@@ -27,8 +27,9 @@ def load_tokenizer(model_dir: str) -> tiktoken.Encoding:
     with open(path, encoding="utf-8") as f:
         data = json.load(f)
     ranks = {base64.b64decode(token): rank for token, rank in data["mergeable_ranks"].items()}
-    return tiktoken.Encoding(name="flaxchat", pat_str=data["pattern"], mergeable_ranks=ranks,
-                             special_tokens=dict(data["special_tokens"]))
+    return tiktoken.Encoding(
+        name="flaxchat", pat_str=data["pattern"], mergeable_ranks=ranks, special_tokens=dict(data["special_tokens"])
+    )
 
 
 class LiteRTModel:
@@ -43,11 +44,14 @@ class LiteRTModel:
 
         path = os.path.join(model_dir, CONFIG_FILE)
         if not os.path.isfile(path):
-            raise FileNotFoundError(f"no {CONFIG_FILE} in {model_dir}; export with `python -m scripts.export --format litert`")
+            raise FileNotFoundError(
+                f"no {CONFIG_FILE} in {model_dir}; export with `python -m scripts.export --format litert`"
+            )
         with open(path) as f:
             self.config = json.load(f)
-        self.interpreter = Interpreter(model_path=os.path.join(model_dir, self.config["model_file"]),
-                                       num_threads=num_threads)
+        self.interpreter = Interpreter(
+            model_path=os.path.join(model_dir, self.config["model_file"]), num_threads=num_threads
+        )
         self._prefill = self.interpreter.get_signature_runner("prefill")
         self._decode = self.interpreter.get_signature_runner("decode")
         self.capacity, self.prefill_len = self.config["capacity"], self.config["prefill_len"]
@@ -71,8 +75,13 @@ class LiteRTModel:
         """Put one token in the cache; returns the next token's logits (V,)."""
         if self.pos >= self.capacity:
             raise ValueError(f"the KV cache is full ({self.capacity} tokens); start a new conversation")
-        out = self._decode(tokens=np.array([[token]], np.int32), prev_token=self._scalar(self.last_token),
-                           pos=self._scalar(self.pos), k_cache=self.k, v_cache=self.v)
+        out = self._decode(
+            tokens=np.array([[token]], np.int32),
+            prev_token=self._scalar(self.last_token),
+            pos=self._scalar(self.pos),
+            k_cache=self.k,
+            v_cache=self.v,
+        )
         return self._run(out, [token])
 
     def feed(self, ids: list[int]) -> np.ndarray:
@@ -80,16 +89,24 @@ class LiteRTModel:
         if not ids:
             raise ValueError("nothing to feed: a prompt needs at least one token")
         if self.pos + len(ids) > self.capacity:
-            raise ValueError(f"{self.pos + len(ids)} tokens do not fit the exported {self.capacity}-token KV cache; "
-                             "shorten the prompt or start a new conversation")
+            raise ValueError(
+                f"{self.pos + len(ids)} tokens do not fit the exported {self.capacity}-token KV cache; "
+                "shorten the prompt or start a new conversation"
+            )
         if len(ids) == 1:
             return self.step(ids[0])
         P = self.prefill_len
         for start in range(0, len(ids), P):
-            chunk = ids[start:start + P]
+            chunk = ids[start : start + P]
             tokens = np.array([chunk + [chunk[-1]] * (P - len(chunk))], np.int32)  # padding sits past pos, unseen
-            out = self._prefill(tokens=tokens, prev_token=self._scalar(self.last_token), pos=self._scalar(self.pos),
-                                length=self._scalar(len(chunk)), k_cache=self.k, v_cache=self.v)
+            out = self._prefill(
+                tokens=tokens,
+                prev_token=self._scalar(self.last_token),
+                pos=self._scalar(self.pos),
+                length=self._scalar(len(chunk)),
+                k_cache=self.k,
+                v_cache=self.v,
+            )
             logits = self._run(out, chunk)
         return logits
 
@@ -105,8 +122,15 @@ def sample(logits, rng, temperature: float = 0.0, top_k: int | None = None) -> i
     return int(rng.choice(z.size, p=p / p.sum()))
 
 
-def generate(model: LiteRTModel, prompt: list[int], max_tokens: int, temperature: float = 0.0,
-             top_k: int | None = None, seed: int = 0, stop_tokens=()):
+def generate(
+    model: LiteRTModel,
+    prompt: list[int],
+    max_tokens: int,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    seed: int = 0,
+    stop_tokens=(),
+):
     """Yield up to max_tokens new ids after `prompt` (continuing the model's cache); a stop token ends it (and
     is yielded). The last id yielded is not in the cache yet."""
     rng = np.random.default_rng(seed)

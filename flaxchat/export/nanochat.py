@@ -74,7 +74,11 @@ def _require_torch():
 
 
 def latest_step(checkpoint_dir: str) -> int:
-    steps = [int(m.group(1)) for f in glob.glob(os.path.join(checkpoint_dir, "model_*.pt")) if (m := re.search(r"model_(\d+)\.pt$", f))]
+    steps = [
+        int(m.group(1))
+        for f in glob.glob(os.path.join(checkpoint_dir, "model_*.pt"))
+        if (m := re.search(r"model_(\d+)\.pt$", f))
+    ]
     if not steps:
         raise FileNotFoundError(f"no nanochat model_<step>.pt checkpoint in {checkpoint_dir}")
     return max(steps)
@@ -162,5 +166,7 @@ def save_nanochat_tokenizer(tokenizer, out_dir: str) -> str:
     path = os.path.join(out_dir, "tokenizer.pkl")
     with open(path, "wb") as f:
         pickle.dump(tokenizer.enc, f)
-    torch.save(torch.tensor(np.asarray(tokenizer.token_bytes(), dtype=np.int32)), os.path.join(out_dir, "token_bytes.pt"))
+    torch.save(
+        torch.tensor(np.asarray(tokenizer.token_bytes(), dtype=np.int32)), os.path.join(out_dir, "token_bytes.pt")
+    )
     return path

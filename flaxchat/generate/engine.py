@@ -31,8 +31,9 @@ STREAM_CHUNK = 16  # most decode steps per jitted call while streaming: smooth t
 COMPACT_MIN_ROWS = 4  # generate_many packs its rows still going into no fewer slots: each width is a compile
 
 
-def generate(model, prompts, max_tokens, *, temperature=1.0, top_k=None, top_p=None, seed=0, stop_tokens=(),
-             capacity=None) -> list[list[int]]:
+def generate(
+    model, prompts, max_tokens, *, temperature=1.0, top_k=None, top_p=None, seed=0, stop_tokens=(), capacity=None
+) -> list[list[int]]:
     """Continue each prompt (a list of ids; lengths may differ) by up to max_tokens tokens, in one jitted loop.
 
     Row b samples as lane b of `seed`. A row ends after its first stop token, which is included. Returns the
@@ -44,12 +45,28 @@ def generate(model, prompts, max_tokens, *, temperature=1.0, top_k=None, top_p=N
     n, stop_tokens = len(prompts), tuple(int(t) for t in stop_tokens)
     progs, params = programs(model)
     slots = progs.start(params, tokens, lengths, copies=1, rows=n, capacity=capacity)
-    ctl = controls(n, remaining=max_tokens, seed=seed, lane=np.arange(n), temperature=temperature, top_k=top_k or 0,
-                   top_p=top_p or 1.0)
+    ctl = controls(
+        n,
+        remaining=max_tokens,
+        seed=seed,
+        lane=np.arange(n),
+        temperature=temperature,
+        top_k=top_k or 0,
+        top_p=top_p or 1.0,
+    )
     span = attention_span(int(lengths.max()) + max_tokens, capacity)
-    _, out, _, steps = progs.decode(params, slots, ctl, np.int32(max_tokens), rows=n, span=span,
-                                    chunk=decode_chunk(max_tokens), stop_tokens=stop_tokens, tool_end=-1,
-                                    tiers=(top_k,) if top_k else ())
+    _, out, _, steps = progs.decode(
+        params,
+        slots,
+        ctl,
+        np.int32(max_tokens),
+        rows=n,
+        span=span,
+        chunk=decode_chunk(max_tokens),
+        stop_tokens=stop_tokens,
+        tool_end=-1,
+        tiers=(top_k,) if top_k else (),
+    )
     out, steps = jax.device_get((out, steps))
     return [until_stop(row[: int(steps)].tolist(), stop_tokens) for row in out]
 
@@ -57,8 +74,18 @@ def generate(model, prompts, max_tokens, *, temperature=1.0, top_k=None, top_p=N
 class Engine:
     """nanochat's Engine on the jitted core: `generate` streams (token column, mask column) per step."""
 
-    def __init__(self, model, tokenizer, *, capacity=None, use_sandbox=False, stream_chunk=STREAM_CHUNK,
-                 draft_model=None, draft_steps=4, compact=False):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        *,
+        capacity=None,
+        use_sandbox=False,
+        stream_chunk=STREAM_CHUNK,
+        draft_model=None,
+        draft_steps=4,
+        compact=False,
+    ):
         self.model, self.draft_model, self.draft_steps = model, draft_model, draft_steps
         # compact=True: generate_many packs the rows still going into fewer slots once half of them have stopped.
         # It pays on a CPU, where a decode step's time grows with its rows, for long jobs (RL): each width is
@@ -105,12 +132,12 @@ class Engine:
             padded, lengths = pad_prompts([tokens], self.capacity, max(max_tokens, 1))
             yield from self._speculate(padded[0], lengths[0], max_tokens, temperature, top_k, top_p, seed)
             return
-        for column, mask_column, _ in self.generate_many([tokens], num_samples, max_tokens, temperature, top_k,
-                                                         [seed], top_p):
+        for column, mask_column, _ in self.generate_many(
+            [tokens], num_samples, max_tokens, temperature, top_k, [seed], top_p
+        ):
             yield column, mask_column
 
-    def generate_many(self, prompts, num_samples=1, max_tokens=None, temperature=1.0, top_k=None, seeds=42,
-                      top_p=None):
+    def generate_many(self, prompts, num_samples=1, max_tokens=None, temperature=1.0, top_k=None, seeds=42, top_p=None):
         """`generate` for several prompts in one batch (evaluation, RL rollouts): yield (token_column,
         mask_column, live) lists, where live[i] says row i had not stopped before this column (else its entry is
         meaningless). Rows p * num_samples + j are prompt p's samples, drawn as generate(prompts[p],
@@ -145,18 +172,35 @@ class Engine:
                 slots, held = compact(progs, slots, held, going)
             on = held >= 0
             slot_row = np.zeros(n, int)  # controls cover all n slots; those past len(held) are inactive
-            slot_row[:len(held)] = np.maximum(held, 0)
+            slot_row[: len(held)] = np.maximum(held, 0)
             active = np.zeros(n, bool)
-            active[:len(held)] = on & going[slot_row[:len(held)]]
+            active[: len(held)] = on & going[slot_row[: len(held)]]
             limit = min(emitted + chunk, int(budget.max())) - emitted
-            ctl = controls(n, active=active, remaining=np.where(active, np.maximum(budget[slot_row] - emitted, 0), 0),
-                           offset=emitted, seed=row_seeds[slot_row], lane=lanes[slot_row], temperature=temperature,
-                           top_k=top_k or 0, top_p=top_p or 1.0,
-                           pushes={int(np.flatnonzero(held == r)[0]): tokens for r, tokens in pushes.items()})
+            ctl = controls(
+                n,
+                active=active,
+                remaining=np.where(active, np.maximum(budget[slot_row] - emitted, 0), 0),
+                offset=emitted,
+                seed=row_seeds[slot_row],
+                lane=lanes[slot_row],
+                temperature=temperature,
+                top_k=top_k or 0,
+                top_p=top_p or 1.0,
+                pushes={int(np.flatnonzero(held == r)[0]): tokens for r, tokens in pushes.items()},
+            )
             span = attention_span(longest + emitted + limit, self.capacity)  # every position this call can write
             slots, out, forced, steps = progs.decode(
-                params, slots, ctl, np.int32(limit), rows=len(held), span=span, chunk=self.stream_chunk,
-                stop_tokens=self.stop_tokens, tool_end=self.python_end, tiers=(top_k,) if top_k else ())
+                params,
+                slots,
+                ctl,
+                np.int32(limit),
+                rows=len(held),
+                span=span,
+                chunk=self.stream_chunk,
+                stop_tokens=self.stop_tokens,
+                tool_end=self.python_end,
+                tiers=(top_k,) if top_k else (),
+            )
             out, forced, steps = jax.device_get((out, forced, steps))
             pushes = {}
             for t in range(int(steps)):
@@ -191,9 +235,16 @@ class Engine:
                 spec = progs.push(params, spec, push)
                 queue = [(t, 0) for t in push]
                 continue
-            spec, out, n = progs.run(params, spec, np.int32(min(chunk, max_tokens - emitted)), k=self.draft_steps,
-                                     rule=rule, stops=self.stop_tokens, tool_end=self.python_end,
-                                     chunk=self.stream_chunk)
+            spec, out, n = progs.run(
+                params,
+                spec,
+                np.int32(min(chunk, max_tokens - emitted)),
+                k=self.draft_steps,
+                rule=rule,
+                stops=self.stop_tokens,
+                tool_end=self.python_end,
+                chunk=self.stream_chunk,
+            )
             queue = [(t, 1) for t in np.asarray(out)[: int(n)].tolist()]  # none: the cache is full
             chunk = min(2 * chunk, self.stream_chunk)
 
@@ -205,8 +256,9 @@ class Engine:
             return collect(stream, [tokens], 1, self.stop_tokens)[0]
         return self.generate_batches([tokens], num_samples, seeds=kwargs.pop("seed", 42), **kwargs)[0]
 
-    def generate_batches(self, prompts, num_samples=1, max_tokens=None, temperature=1.0, top_k=None, seeds=42,
-                         top_p=None):
+    def generate_batches(
+        self, prompts, num_samples=1, max_tokens=None, temperature=1.0, top_k=None, seeds=42, top_p=None
+    ):
         """generate_batch for several prompts in one batch (generate_many): [(sequences, masks)] per prompt."""
         stream = self.generate_many(prompts, num_samples, max_tokens, temperature, top_k, seeds, top_p)
         return collect(stream, prompts, num_samples, self.stop_tokens)
@@ -251,7 +303,7 @@ def collect(stream, prompts, num_samples: int, stop_tokens) -> list[tuple[list[l
                 masks[i].append(mask)
         if all(completed):
             break
-    return [(results[p * num_samples:(p + 1) * num_samples], masks[p * num_samples:(p + 1) * num_samples])
-            for p in range(len(prompts))]
-
-
+    return [
+        (results[p * num_samples : (p + 1) * num_samples], masks[p * num_samples : (p + 1) * num_samples])
+        for p in range(len(prompts))
+    ]

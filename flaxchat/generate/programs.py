@@ -30,8 +30,8 @@ from flax import nnx
 
 from flaxchat.generate.reply import FORCED_CAPACITY
 from flaxchat.generate.sampling import sample_rows
-from flaxchat.model.attention import write_cache
 from flaxchat.model import cpu
+from flaxchat.model.attention import write_cache
 from flaxchat.model.gpt import KVCache, rms_norm
 
 MIN_BUCKET = 16  # smallest padded prompt length
@@ -60,8 +60,10 @@ def pad_prompts(prompts, capacity: int, max_new_tokens: int = 1) -> tuple[np.nda
         raise ValueError("every prompt needs at least one token (start it with <|bos|>)")
     longest = max(len(p) for p in prompts)
     if longest + max_new_tokens > capacity:
-        raise ValueError(f"a {longest}-token prompt leaves no room for {max_new_tokens} new tokens in a "
-                         f"{capacity}-token KV cache; shorten the prompt")
+        raise ValueError(
+            f"a {longest}-token prompt leaves no room for {max_new_tokens} new tokens in a "
+            f"{capacity}-token KV cache; shorten the prompt"
+        )
     width = bucket_length(longest, capacity)
     tokens = np.array([list(p) + [p[-1]] * (width - len(p)) for p in prompts], dtype=np.int32)
     return tokens, np.array([len(p) for p in prompts], dtype=np.int32)
@@ -73,8 +75,12 @@ def pad_prompts(prompts, capacity: int, max_new_tokens: int = 1) -> tuple[np.nda
 
 def take_rows(cache: KVCache, rows: int, span: int) -> KVCache:
     """The first `rows` slots and the first `span` positions of the cache (what a decode chunk touches)."""
-    return KVCache(k=tuple(c[:rows, :, :span] for c in cache.k), v=tuple(c[:rows, ..., :span] for c in cache.v),
-                   pos=cache.pos[:rows], prev_embedding=cache.prev_embedding[:rows])
+    return KVCache(
+        k=tuple(c[:rows, :, :span] for c in cache.k),
+        v=tuple(c[:rows, ..., :span] for c in cache.v),
+        pos=cache.pos[:rows],
+        prev_embedding=cache.prev_embedding[:rows],
+    )
 
 
 def extent(cache: KVCache) -> tuple[int, int]:
@@ -96,9 +102,12 @@ def put_rows(cache: KVCache, part: KVCache, start, width: int) -> KVCache:
         at = (jnp.arange(rows)[:, None],) + (slice(None),) * (axis - 1) + (cols,)
         return tuple(write_cache(c, n[at], start, axis) for c, n in zip(layers, new))
 
-    return KVCache(k=put_layers(cache.k, part.k, 2), v=put_layers(cache.v, part.v, 3),
-                   pos=cache.pos.at[:rows].set(part.pos),
-                   prev_embedding=cache.prev_embedding.at[:rows].set(part.prev_embedding))
+    return KVCache(
+        k=put_layers(cache.k, part.k, 2),
+        v=put_layers(cache.v, part.v, 3),
+        pos=cache.pos.at[:rows].set(part.pos),
+        prev_embedding=cache.prev_embedding.at[:rows].set(part.prev_embedding),
+    )
 
 
 def in_compute_dtype(params, dtype):
@@ -177,24 +186,49 @@ class Controls:
     push_len: jax.Array  # int32
 
 
-def controls(n: int, *, active=True, remaining=0, offset=0, seed=0, lane=0, temperature=1.0, top_k=0, top_p=1.0,
-             pushes: dict[int, list[int]] | None = None) -> Controls:
+def controls(
+    n: int,
+    *,
+    active=True,
+    remaining=0,
+    offset=0,
+    seed=0,
+    lane=0,
+    temperature=1.0,
+    top_k=0,
+    top_p=1.0,
+    pushes: dict[int, list[int]] | None = None,
+) -> Controls:
     """Controls for n rows from per-row sequences or one value for all; pushes: {row: tokens to force}."""
     row = lambda x, dtype: np.broadcast_to(np.asarray(x, dtype), (n,)).copy()
     queue, qlen = np.zeros((n, FORCED_CAPACITY), np.int32), np.zeros(n, np.int32)
     for i, tokens in (pushes or {}).items():
         queue[i, : len(tokens)], qlen[i] = tokens, len(tokens)
-    return Controls(active=row(active, bool), remaining=row(remaining, np.int32), offset=row(offset, np.int32),
-                    seed=row(np.asarray(seed, np.int64) % 2**31, np.int32), lane=row(lane, np.int32),
-                    temperature=row(temperature, np.float32), top_k=row(top_k, np.int32),
-                    top_p=row(top_p, np.float32), push=qlen > 0, push_queue=queue, push_len=qlen)
+    return Controls(
+        active=row(active, bool),
+        remaining=row(remaining, np.int32),
+        offset=row(offset, np.int32),
+        seed=row(np.asarray(seed, np.int64) % 2**31, np.int32),
+        lane=row(lane, np.int32),
+        temperature=row(temperature, np.float32),
+        top_k=row(top_k, np.int32),
+        top_p=row(top_p, np.float32),
+        push=qlen > 0,
+        push_queue=queue,
+        push_len=qlen,
+    )
 
 
 def empty_slots(model, rows: int, capacity: int) -> Slots:
     """Slots of `rows` rows over a `capacity`-position cache: nothing cached, no tokens to force."""
     zeros = lambda *shape: jnp.zeros(shape, jnp.int32)
-    return Slots(cache=model.init_cache(rows, capacity), logits=jnp.zeros((rows, model.config.vocab_size), jnp.float32),
-                 forced=zeros(rows, FORCED_CAPACITY), forced_len=zeros(rows), forced_pos=zeros(rows))
+    return Slots(
+        cache=model.init_cache(rows, capacity),
+        logits=jnp.zeros((rows, model.config.vocab_size), jnp.float32),
+        forced=zeros(rows, FORCED_CAPACITY),
+        forced_len=zeros(rows),
+        forced_pos=zeros(rows),
+    )
 
 
 def _prefill(graphdef, params, slots: Slots, start, tokens, lengths, *, copies: int = 1) -> Slots:
@@ -207,11 +241,19 @@ def _prefill(graphdef, params, slots: Slots, start, tokens, lengths, *, copies: 
     at = lambda x, new: jax.lax.dynamic_update_slice(x, many(new).astype(x.dtype), (start,) + (0,) * (x.ndim - 1))
     cache = slots.cache
     zero = jnp.zeros((B,), jnp.int32)
-    cache = KVCache(k=tuple(at(c, n) for c, n in zip(cache.k, part.k)),  # stale entries past T are never attended to
-                    v=tuple(at(c, n) for c, n in zip(cache.v, part.v)),
-                    pos=at(cache.pos, lengths), prev_embedding=at(cache.prev_embedding, part.prev_embedding))
-    return Slots(cache=cache, logits=at(slots.logits, logits), forced=slots.forced,
-                 forced_len=at(slots.forced_len, zero), forced_pos=at(slots.forced_pos, zero))
+    cache = KVCache(
+        k=tuple(at(c, n) for c, n in zip(cache.k, part.k)),  # stale entries past T are never attended to
+        v=tuple(at(c, n) for c, n in zip(cache.v, part.v)),
+        pos=at(cache.pos, lengths),
+        prev_embedding=at(cache.prev_embedding, part.prev_embedding),
+    )
+    return Slots(
+        cache=cache,
+        logits=at(slots.logits, logits),
+        forced=slots.forced,
+        forced_len=at(slots.forced_len, zero),
+        forced_pos=at(slots.forced_pos, zero),
+    )
 
 
 def _move(slots: Slots, src, dst) -> Slots:
@@ -224,8 +266,13 @@ def _extract(slots: Slots, *, rows: int, span: int) -> Slots:
     """The part of slots a run of decode chunks works on: the first `rows` rows, their first `span` cache
     positions. Decoding it directly (its rows and span are the whole of it) copies nothing in or out."""
     r = slice(0, rows)
-    return Slots(cache=take_rows(slots.cache, rows, span), logits=slots.logits[r], forced=slots.forced[r],
-                 forced_len=slots.forced_len[r], forced_pos=slots.forced_pos[r])
+    return Slots(
+        cache=take_rows(slots.cache, rows, span),
+        logits=slots.logits[r],
+        forced=slots.forced[r],
+        forced_len=slots.forced_len[r],
+        forced_pos=slots.forced_pos[r],
+    )
 
 
 def _flush(slots: Slots, part: Slots) -> Slots:
@@ -239,8 +286,21 @@ def _start(graphdef, params, tokens, lengths, *, copies: int, rows: int, capacit
     return _prefill(graphdef, params, slots, 0, tokens, lengths, copies=copies)
 
 
-def _decode(graphdef, params, slots: Slots, ctl: Controls, limit, *, rows, span, chunk, stop_tokens, tool_end, tiers,
-            replicated=None):
+def _decode(
+    graphdef,
+    params,
+    slots: Slots,
+    ctl: Controls,
+    limit,
+    *,
+    rows,
+    span,
+    chunk,
+    stop_tokens,
+    tool_end,
+    tiers,
+    replicated=None,
+):
     """Up to `limit` (<= chunk) decode steps over the first `rows` slots
     -> (slots, tokens (rows, chunk), forced (rows, chunk) bool, steps).
 
@@ -285,17 +345,39 @@ def _decode(graphdef, params, slots: Slots, ctl: Controls, limit, *, rows, span,
         new_cache = dataclasses.replace(new_cache, pos=jnp.where(live, new_cache.pos, cache.pos))
         ended = jnp.isin(token, stops) | (step + 1 >= remaining)
         paused = jnp.any(live & ~ended & (token == tool_end))
-        return (new_cache, new_logits[:, 0], f_pos + (is_forced & live), out.at[:, step].set(token),
-                was_forced.at[:, step].set(is_forced), step + 1, live & ~ended, paused, weights)
+        return (
+            new_cache,
+            new_logits[:, 0],
+            f_pos + (is_forced & live),
+            out.at[:, step].set(token),
+            was_forced.at[:, step].set(is_forced),
+            step + 1,
+            live & ~ended,
+            paused,
+            weights,
+        )
 
     live = ctl.active[r] & (remaining > 0)
-    init = (take_rows(slots.cache, rows, span), slots.logits[r], forced_pos[r], jnp.zeros((rows, chunk), jnp.int32),
-            jnp.zeros((rows, chunk), bool), jnp.int32(0), live, jnp.bool_(False), weights)
+    init = (
+        take_rows(slots.cache, rows, span),
+        slots.logits[r],
+        forced_pos[r],
+        jnp.zeros((rows, chunk), jnp.int32),
+        jnp.zeros((rows, chunk), bool),
+        jnp.int32(0),
+        live,
+        jnp.bool_(False),
+        weights,
+    )
     cache, logits, f_pos, out, was_forced, steps, _, _, _ = jax.lax.while_loop(cond, body, init)
     whole = (rows, span) == extent(slots.cache)
-    slots = Slots(cache=cache if whole else put_rows(slots.cache, cache, slots.cache.pos[r], chunk),
-                  logits=slots.logits.at[r].set(logits),
-                  forced=forced, forced_len=forced_len, forced_pos=forced_pos.at[r].set(f_pos))
+    slots = Slots(
+        cache=cache if whole else put_rows(slots.cache, cache, slots.cache.pos[r], chunk),
+        logits=slots.logits.at[r].set(logits),
+        forced=forced,
+        forced_len=forced_len,
+        forced_pos=forced_pos.at[r].set(f_pos),
+    )
     if replicated is not None:  # fetching an array split over another process's devices fails
         out, was_forced, steps = (jax.lax.with_sharding_constraint(x, replicated) for x in (out, was_forced, steps))
     return slots, out, was_forced, steps
@@ -318,13 +400,17 @@ class Programs:
         replicated = None if mesh is None else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
         jit = functools.partial(jax.jit, compiler_options=dict(options) or None)
         self.start = jit(functools.partial(_start, graphdef), static_argnames=("copies", "rows", "capacity"))
-        self.prefill = jit(functools.partial(_prefill, graphdef), donate_argnames=("slots",),
-                           static_argnames=("copies",))
+        self.prefill = jit(
+            functools.partial(_prefill, graphdef), donate_argnames=("slots",), static_argnames=("copies",)
+        )
         self.move = jax.jit(_move, donate_argnames=("slots",))
         self.extract = jax.jit(_extract, static_argnames=("rows", "span"))
         self.flush = jax.jit(_flush, donate_argnames=("slots",))
-        self.decode = jit(functools.partial(_decode, graphdef, replicated=replicated), donate_argnames=("slots",),
-                          static_argnames=("rows", "span", "chunk", "stop_tokens", "tool_end", "tiers"))
+        self.decode = jit(
+            functools.partial(_decode, graphdef, replicated=replicated),
+            donate_argnames=("slots",),
+            static_argnames=("rows", "span", "chunk", "stop_tokens", "tool_end", "tiers"),
+        )
 
 
 _PROGRAMS: list[Programs] = []  # most recent last; a graphdef is unhashable, so it is found by equality
@@ -357,4 +443,3 @@ def programs(model) -> tuple[Programs, nnx.State]:
 def decode_chunk(n: int) -> int:
     """Static chunk size (a power of two) that holds n decode steps."""
     return 1 << max(n - 1, 0).bit_length()
-

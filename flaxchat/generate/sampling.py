@@ -115,8 +115,11 @@ def kept_logits(logits, temperature, top_k, top_p=None, tiers=TOP_K_TIERS, barri
     scaled = jnp.where(logits >= thr[:, None], logits / t, -jnp.inf)
     if top_p is not None:
         nucleus = ~greedy & (top_p < 1.0)
-        pthr = jax.lax.cond(jnp.any(nucleus), lambda: jnp.where(nucleus, _nucleus_threshold(scaled, top_p), -jnp.inf),
-                            lambda: jnp.full((B,), -jnp.inf))
+        pthr = jax.lax.cond(
+            jnp.any(nucleus),
+            lambda: jnp.where(nucleus, _nucleus_threshold(scaled, top_p), -jnp.inf),
+            lambda: jnp.full((B,), -jnp.inf),
+        )
         scaled = jnp.where(scaled >= pthr[:, None], scaled, -jnp.inf)
     return scaled
 
@@ -143,8 +146,11 @@ def sample_rows(logits, keys, temperature, top_k, top_p=None, tiers=TOP_K_TIERS,
 def _rule(B, temperature, top_k, top_p):
     """One sampling rule (Python numbers) as per-row arrays for kept_logits/sample_rows, and its tiers."""
     rows = lambda value, dtype: jnp.full((B,), value, dtype)
-    return (rows(temperature, jnp.float32), rows(top_k or 0, jnp.int32),
-            None if top_p in (None, 1.0) else rows(top_p, jnp.float32)), ((top_k,) if top_k else ())
+    return (
+        rows(temperature, jnp.float32),
+        rows(top_k or 0, jnp.int32),
+        None if top_p in (None, 1.0) else rows(top_p, jnp.float32),
+    ), ((top_k,) if top_k else ())
 
 
 def sample_next_token(logits, key, temperature=1.0, top_k=None, top_p=None):

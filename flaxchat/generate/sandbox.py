@@ -51,7 +51,7 @@ class ExecutionResult:
 # Runs inside the child as `python -I -c PRELUDE program_path workdir mem cpu fsize`. The limits are set
 # here, as the child's first statements, rather than in Popen's preexec_fn: preexec_fn is documented
 # as unsafe when the parent has threads, and the Engine process always has JAX runtime threads.
-PRELUDE = r'''
+PRELUDE = r"""
 import sys, os, resource
 _program_path, _workdir = sys.argv[1], sys.argv[2]
 _mem, _cpu, _fsize = (int(v) for v in sys.argv[3:6])
@@ -105,7 +105,7 @@ def _no_fork_exec(*args, **kwargs):
 _posixsubprocess.fork_exec = _no_fork_exec
 del _f, _install_guard, _no_fork_exec, _program_path, _workdir, _mem, _cpu, _fsize
 exec(compile(_source, "<sandbox>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
-'''
+"""
 
 # Signals that mean "a limit stopped the program", with the one-line error we report.
 _SIGNAL_ERRORS = {
@@ -155,13 +155,39 @@ def execute_code(code: str, timeout: float = 5.0, memory_mb: int = 512, max_outp
         with open(program_path, "w", encoding="utf-8") as f:
             f.write(code)
         out_path, err_path = os.path.join(root, "stdout"), os.path.join(root, "stderr")
-        argv = [sys.executable, "-I", "-B", "-X", "utf8", "-c", PRELUDE, program_path, workdir,
-                str(memory_mb * 1024 * 1024), str(cpu_seconds), str(MAX_FILE_BYTES)]
-        env = {"PATH": "/usr/bin:/bin", "HOME": workdir, "LANG": "C.UTF-8",
-               "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+        argv = [
+            sys.executable,
+            "-I",
+            "-B",
+            "-X",
+            "utf8",
+            "-c",
+            PRELUDE,
+            program_path,
+            workdir,
+            str(memory_mb * 1024 * 1024),
+            str(cpu_seconds),
+            str(MAX_FILE_BYTES),
+        ]
+        env = {
+            "PATH": "/usr/bin:/bin",
+            "HOME": workdir,
+            "LANG": "C.UTF-8",
+            "OMP_NUM_THREADS": "1",
+            "OPENBLAS_NUM_THREADS": "1",
+            "MKL_NUM_THREADS": "1",
+        }
         with open(out_path, "wb") as out, open(err_path, "wb") as err:
-            proc = subprocess.Popen(argv, cwd=workdir, env=env, stdin=subprocess.DEVNULL, stdout=out,
-                                    stderr=err, start_new_session=True, close_fds=True)
+            proc = subprocess.Popen(
+                argv,
+                cwd=workdir,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=err,
+                start_new_session=True,
+                close_fds=True,
+            )
             timed_out = False
             try:
                 proc.wait(timeout=timeout)
@@ -255,16 +281,26 @@ def _eval_string(node):
     """A string literal, optionally through .lower()/.upper()/.strip(), as in "'Strawberry'.lower()"."""
     if isinstance(node, ast.Constant) and isinstance(node.value, str):
         return node.value
-    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _STR_METHODS
-            and not node.args and not node.keywords):
+    if (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr in _STR_METHODS
+        and not node.args
+        and not node.keywords
+    ):
         return getattr(_eval_string(node.func.value), node.func.attr)()
     raise ValueError("not a string expression")
 
 
 def _eval_count(node):
     """`<string>.count(<string>)`: how the assistant counts letters (SpellingBee)."""
-    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "count"
-            and len(node.args) == 1 and not node.keywords):
+    if (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "count"
+        and len(node.args) == 1
+        and not node.keywords
+    ):
         return _eval_string(node.func.value).count(_eval_string(node.args[0]))
     raise ValueError("not a count expression")
 

@@ -45,8 +45,16 @@ from flax import nnx
 
 from flaxchat.common import progress_bar
 from flaxchat.generate import speculative
-from flaxchat.generate.programs import (attention_span, bucket_length, compiler_options, controls, empty_slots, extent,
-                                       in_compute_dtype, programs_for)
+from flaxchat.generate.programs import (
+    attention_span,
+    bucket_length,
+    compiler_options,
+    controls,
+    empty_slots,
+    extent,
+    in_compute_dtype,
+    programs_for,
+)
 from flaxchat.generate.reply import Reply, stop_tokens
 from flaxchat.generate.sampling import MAX_TOP_K, TOP_K_TIERS
 from flaxchat.generate.sandbox import use_calculator
@@ -92,8 +100,11 @@ class Request:
 
     def usage(self) -> dict:
         prompt = len(self.prompt)
-        return {"prompt_tokens": prompt, "completion_tokens": self.completion_tokens,
-                "total_tokens": prompt + self.completion_tokens}
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": prompt + self.completion_tokens,
+        }
 
 
 _SCORERS: list = []
@@ -135,8 +146,9 @@ def available_memory() -> int | None:
         return None
 
 
-def auto_slots(model, capacity: int | None = None, memory: int | None = None, fraction: float = 0.25,
-               most: int = 32) -> tuple[int, str]:
+def auto_slots(
+    model, capacity: int | None = None, memory: int | None = None, fraction: float = 0.25, most: int = 32
+) -> tuple[int, str]:
     """Slots for a server: the largest power of two up to `most` whose KV cache stays under `fraction` of the
     available memory -> (slots, a sentence saying why). Per slot the cache holds K and V for every layer:
     2 * n_layer * capacity * n_kv_head * head_dim * dtype bytes."""
@@ -149,8 +161,10 @@ def auto_slots(model, capacity: int | None = None, memory: int | None = None, fr
     slots = 1
     while slots * 2 <= most and slots * 2 * per_slot <= fraction * memory:
         slots *= 2
-    return slots, (f"{slots} slots: {per_slot / 2**20:.1f} MiB of KV cache each, {slots * per_slot / 2**30:.2f} GiB "
-                   f"of {memory / 2**30:.1f} GiB available")
+    return slots, (
+        f"{slots} slots: {per_slot / 2**20:.1f} MiB of KV cache each, {slots * per_slot / 2**30:.2f} GiB "
+        f"of {memory / 2**30:.1f} GiB available"
+    )
 
 
 class QueueFull(Exception):
@@ -164,8 +178,17 @@ class Scheduler:
     (larger amortises Python overhead, smaller streams more smoothly and admits newcomers sooner).
     """
 
-    def __init__(self, model, tokenizer, *, slots: int = 8, chunk: int = 8, capacity: int | None = None,
-                 max_queue: int = 256, run_tool: Callable[[str], str | None] = use_calculator):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        *,
+        slots: int = 8,
+        chunk: int = 8,
+        capacity: int | None = None,
+        max_queue: int = 256,
+        run_tool: Callable[[str], str | None] = use_calculator,
+    ):
         if slots < 1 or chunk < 1:
             raise ValueError(f"slots and chunk must be >= 1, got slots={slots}, chunk={chunk}")
         self.model, self.tokenizer = model, tokenizer
@@ -204,8 +227,17 @@ class Scheduler:
             self._settle()
             self._part = self._programs.extract(self._state, rows=rows, span=span)
         self._part, out, _, steps = self._programs.decode(
-            self.params, self._part, controls, np.int32(limit), rows=rows, span=span, chunk=self.chunk,
-            stop_tokens=self.stop_tokens, tool_end=self.tool_end, tiers=TOP_K_TIERS)
+            self.params,
+            self._part,
+            controls,
+            np.int32(limit),
+            rows=rows,
+            span=span,
+            chunk=self.chunk,
+            stop_tokens=self.stop_tokens,
+            tool_end=self.tool_end,
+            tiers=TOP_K_TIERS,
+        )
         return jax.device_get((out, steps))
 
     def _settle(self) -> None:
@@ -222,8 +254,9 @@ class Scheduler:
         if request.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {request.max_tokens}")
         if len(request.prompt) >= self.capacity:
-            raise ValueError(f"a {len(request.prompt)}-token prompt leaves no room in the {self.capacity}-token "
-                             "context")
+            raise ValueError(
+                f"a {len(request.prompt)}-token prompt leaves no room in the {self.capacity}-token context"
+            )
         request.max_tokens = max(0, min(request.max_tokens, self.capacity - len(request.prompt)))
         request.top_k = min(max(int(request.top_k), 0), MAX_TOP_K)
         if not 0.0 < request.top_p <= 1.0:
@@ -259,8 +292,12 @@ class Scheduler:
     def stats(self) -> dict:
         with self._lock:
             queued = len(self._queue)
-        return {"slots": self.slots, "active": sum(r is not None for r in self._active), "queued": queued,
-                **dict(self.counters)}
+        return {
+            "slots": self.slots,
+            "active": sum(r is not None for r in self._active),
+            "queued": queued,
+            **dict(self.counters),
+        }
 
     def start(self) -> "Scheduler":
         if self._thread is None:
@@ -291,13 +328,21 @@ class Scheduler:
         rows = sorted({batch_rows(i, self.slots) for i in range(self.slots)})
         spans = sorted({attention_span(n, self.capacity) for n in range(1, self.capacity + 1)})
         # _compact's move counts: powers of two holding at most half the slots
-        moves = [np.arange(1 << p, dtype=np.int32) for p in range((self.slots // 2 - 1).bit_length() + 1)
-                 ] if self.slots > 1 else []
-        with progress_bar(total=len(lengths) + len(rows) * len(spans) + len(moves), desc="compiling",
-                          unit="program", disable=not progress) as bar:
+        moves = (
+            [np.arange(1 << p, dtype=np.int32) for p in range((self.slots // 2 - 1).bit_length() + 1)]
+            if self.slots > 1
+            else []
+        )
+        with progress_bar(
+            total=len(lengths) + len(rows) * len(spans) + len(moves),
+            desc="compiling",
+            unit="program",
+            disable=not progress,
+        ) as bar:
             for T in lengths:
-                self._state = self._programs.prefill(self.params, self._state, np.int32(0),
-                                                     np.zeros((1, T), np.int32), np.ones(1, np.int32))
+                self._state = self._programs.prefill(
+                    self.params, self._state, np.int32(0), np.zeros((1, T), np.int32), np.ones(1, np.int32)
+                )
                 bar.update()
             for n in rows:
                 for span in spans:
@@ -372,8 +417,9 @@ class Scheduler:
         free = [i for i in range(rows) if self._active[i] is None][: len(high)]  # enough: rows >= len(live)
         self._settle()
         pad = (1 << (len(high) - 1).bit_length()) - len(high)  # a power of two of moves: few compilations
-        self._state = self._programs.move(self._state, np.array(high + high[:1] * pad, np.int32),
-                                          np.array(free + free[:1] * pad, np.int32))
+        self._state = self._programs.move(
+            self._state, np.array(high + high[:1] * pad, np.int32), np.array(free + free[:1] * pad, np.int32)
+        )
         for src, dst in zip(high, free):
             self._active[dst], self._replies[dst] = self._active[src], self._replies[src]
             self._active[src] = self._replies[src] = None
@@ -384,8 +430,13 @@ class Scheduler:
 
     def _prefill(self, slot: int, req: Request) -> None:
         self._settle()
-        self._state = self._programs.prefill(self.params, self._state, np.int32(slot), self._padded(req.prompt)[None],
-                                             np.array([len(req.prompt)], np.int32))
+        self._state = self._programs.prefill(
+            self.params,
+            self._state,
+            np.int32(slot),
+            self._padded(req.prompt)[None],
+            np.array([len(req.prompt)], np.int32),
+        )
 
     def _padded(self, prompt: list[int]) -> np.ndarray:
         """The prompt padded (with its last token) to its bucket's length: one compilation per bucket."""
@@ -399,11 +450,17 @@ class Scheduler:
         """Controls for the first `rows` slots (pushes name slots below rows: only active slots have them)."""
         reqs = self._active[:rows]
         value = lambda f, default: [default if r is None else f(r) for r in reqs]
-        return controls(rows, active=value(lambda r: True, False),
-                        remaining=value(lambda r: r.max_tokens - r.completion_tokens, 0),
-                        offset=value(lambda r: r.completion_tokens, 0), seed=value(lambda r: r.seed, 0),
-                        temperature=value(lambda r: r.temperature, 0.0), top_k=value(lambda r: r.top_k, 0),
-                        top_p=value(lambda r: r.top_p, 1.0), pushes=pushes)
+        return controls(
+            rows,
+            active=value(lambda r: True, False),
+            remaining=value(lambda r: r.max_tokens - r.completion_tokens, 0),
+            offset=value(lambda r: r.completion_tokens, 0),
+            seed=value(lambda r: r.seed, 0),
+            temperature=value(lambda r: r.temperature, 0.0),
+            top_k=value(lambda r: r.top_k, 0),
+            top_p=value(lambda r: r.top_p, 1.0),
+            pushes=pushes,
+        )
 
     def _decode_chunk(self, highest: int, limit: int) -> None:
         rows = batch_rows(highest, self.slots)
@@ -490,12 +547,22 @@ class SpeculativeScheduler(Scheduler):
     everything else (streaming, tools, cancelling, scoring, /health) works as in the batched scheduler.
     """
 
-    def __init__(self, model, tokenizer, draft_model, *, draft_steps: int = 4, chunk: int = 8,
-                 capacity: int | None = None, max_queue: int = 256,
-                 run_tool: Callable[[str], str | None] = use_calculator):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        draft_model,
+        *,
+        draft_steps: int = 4,
+        chunk: int = 8,
+        capacity: int | None = None,
+        max_queue: int = 256,
+        run_tool: Callable[[str], str | None] = use_calculator,
+    ):
         capacity = capacity or min(model.config.sequence_len, draft_model.config.sequence_len)
-        super().__init__(model, tokenizer, slots=1, chunk=chunk, capacity=capacity, max_queue=max_queue,
-                         run_tool=run_tool)
+        super().__init__(
+            model, tokenizer, slots=1, chunk=chunk, capacity=capacity, max_queue=max_queue, run_tool=run_tool
+        )
         speculative.speculative_rule(1.0, None, None, draft_steps)
         self.draft_model, self.draft_steps = draft_model, draft_steps
         self._spec_programs, self._spec_params = speculative.programs(model, draft_model)
@@ -517,19 +584,38 @@ class SpeculativeScheduler(Scheduler):
         lengths = lengths if buckets else lengths[:1]
         with progress_bar(total=len(lengths) + 1, desc="compiling", unit="program", disable=not progress) as bar:
             for T in lengths:
-                spec, _ = self._spec_programs.start(self._spec_params, np.zeros(T, np.int32), np.int32(1),
-                                                    jax.random.key(0), capacity=self.capacity, rule=rule)
+                spec, _ = self._spec_programs.start(
+                    self._spec_params,
+                    np.zeros(T, np.int32),
+                    np.int32(1),
+                    jax.random.key(0),
+                    capacity=self.capacity,
+                    rule=rule,
+                )
                 bar.update()
-            self._spec_programs.run(self._spec_params, spec, np.int32(1), k=self.draft_steps, rule=rule,
-                                    stops=self.stop_tokens, tool_end=self.tool_end, chunk=self.chunk)
+            self._spec_programs.run(
+                self._spec_params,
+                spec,
+                np.int32(1),
+                k=self.draft_steps,
+                rule=rule,
+                stops=self.stop_tokens,
+                tool_end=self.tool_end,
+                chunk=self.chunk,
+            )
             bar.update()
         return time.perf_counter() - t0
 
     def _prefill(self, slot: int, req: Request) -> None:
         self._rule = speculative.speculative_rule(req.temperature, req.top_k or None, req.top_p, self.draft_steps)
-        self._spec, first = self._spec_programs.start(self._spec_params, self._padded(req.prompt),
-                                                      np.int32(len(req.prompt)), jax.random.key(req.seed),
-                                                      capacity=self.capacity, rule=self._rule)
+        self._spec, first = self._spec_programs.start(
+            self._spec_params,
+            self._padded(req.prompt),
+            np.int32(len(req.prompt)),
+            jax.random.key(req.seed),
+            capacity=self.capacity,
+            rule=self._rule,
+        )
         self._first = [int(first)]
 
     def _decode_chunk(self, highest: int, limit: int) -> None:
@@ -542,8 +628,15 @@ class SpeculativeScheduler(Scheduler):
         else:
             limit = min(limit, req.max_tokens - req.completion_tokens)
             self._spec, out, n = self._spec_programs.run(
-                self._spec_params, self._spec, np.int32(limit), k=self.draft_steps, rule=self._rule,
-                stops=self.stop_tokens, tool_end=self.tool_end, chunk=self.chunk)
+                self._spec_params,
+                self._spec,
+                np.int32(limit),
+                k=self.draft_steps,
+                rule=self._rule,
+                stops=self.stop_tokens,
+                tool_end=self.tool_end,
+                chunk=self.chunk,
+            )
             tokens = np.asarray(out)[: int(n)].tolist()
             if not tokens:  # no room for another round in the cache
                 self._finish(0, "length")
@@ -555,4 +648,3 @@ class SpeculativeScheduler(Scheduler):
 def new_seed() -> int:
     """A fresh random seed for a request that did not ask for one."""
     return int(np.random.default_rng().integers(0, 2**31 - 1))
-

@@ -27,8 +27,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from flaxchat.generate.programs import (cast_for_compute, compiler_options, decode_chunk, loop_weights, narrow_weights,
-                                       pad_prompts, rewind)
+from flaxchat.generate.programs import (
+    cast_for_compute,
+    compiler_options,
+    decode_chunk,
+    loop_weights,
+    narrow_weights,
+    pad_prompts,
+    rewind,
+)
 from flaxchat.generate.reply import FORCED_CAPACITY, until_stop
 from flaxchat.generate.sampling import check_sampling, inverse_cdf, rule_probs
 from flaxchat.model.gpt import KVCache
@@ -123,8 +130,14 @@ def _run(graphs, params, spec: Speculation, limit, *, k, rule, stops, tool_end, 
         out = jax.lax.dynamic_update_slice(out, new, (n,))
         # both caches keep [.., last, new[:cut]]; new[cut] becomes `last` (fed[cut] is the last cached token)
         pos = s.target.pos + 1 + cut
-        s = Speculation(target=rewind(t, tcache, pos, fed[cut][None]), draft=rewind(d, dcache, pos, fed[cut][None]),
-                        last=new[cut], key=key, rounds=s.rounds + 1, accepted=s.accepted + jnp.minimum(n_ok, cut))
+        s = Speculation(
+            target=rewind(t, tcache, pos, fed[cut][None]),
+            draft=rewind(d, dcache, pos, fed[cut][None]),
+            last=new[cut],
+            key=key,
+            rounds=s.rounds + 1,
+            accepted=s.accepted + jnp.minimum(n_ok, cut),
+        )
         return s, out, n + cut + 1, jnp.any(hit), weights
 
     out = jnp.zeros((chunk + k + 1,), jnp.int32)
@@ -151,8 +164,11 @@ class SpeculativePrograms:
         self.graphs, self.options = graphs, options
         jit = functools.partial(jax.jit, compiler_options=dict(options) or None)  # see programs.compiler_options
         self.start = jit(functools.partial(_start, graphs), static_argnames=("capacity", "rule"))
-        self.run = jit(functools.partial(_run, graphs), donate_argnames=("spec",),
-                       static_argnames=("k", "rule", "stops", "tool_end", "chunk"))
+        self.run = jit(
+            functools.partial(_run, graphs),
+            donate_argnames=("spec",),
+            static_argnames=("k", "rule", "stops", "tool_end", "chunk"),
+        )
         self.force = jit(functools.partial(_force, graphs), donate_argnames=("spec",))
 
     def push(self, params, spec: Speculation, tokens) -> Speculation:
@@ -170,8 +186,10 @@ def programs(model, draft_model) -> tuple[SpeculativePrograms, tuple]:
     """(programs, (target params, draft params)): compiled once per pair of structures, params read afresh."""
     (tg, tp), (dg, dp) = nnx.split(model), nnx.split(draft_model)
     if model.config.vocab_size != draft_model.config.vocab_size:
-        raise ValueError(f"the draft model's vocabulary ({draft_model.config.vocab_size}) differs from the model's "
-                         f"({model.config.vocab_size}); it must use the same tokenizer")
+        raise ValueError(
+            f"the draft model's vocabulary ({draft_model.config.vocab_size}) differs from the model's "
+            f"({model.config.vocab_size}); it must use the same tokenizer"
+        )
     options = compiler_options((tp, dp))
     for p in _PROGRAMS:
         if p.options == options and p.graphs[0] == tg and p.graphs[1] == dg:
@@ -189,8 +207,18 @@ def speculative_rule(temperature, top_k, top_p, draft_steps) -> tuple:
     return (float(temperature), top_k, None if top_p in (None, 1.0) else float(top_p))
 
 
-def speculative_program(model, draft_model, *, max_tokens, draft_steps=4, temperature=1.0, top_k=None, top_p=None,
-                        stop_tokens=(), capacity=None):
+def speculative_program(
+    model,
+    draft_model,
+    *,
+    max_tokens,
+    draft_steps=4,
+    temperature=1.0,
+    top_k=None,
+    top_p=None,
+    stop_tokens=(),
+    capacity=None,
+):
     """(run, (target params, draft params)) where run(params, prompt (T,), length, key) -> (tokens (N,), count,
     rounds, accepted) samples one continuation of prompt[:length]. Pure, so it can be vmapped over keys (the
     distribution test) or jitted."""
@@ -201,8 +229,17 @@ def speculative_program(model, draft_model, *, max_tokens, draft_steps=4, temper
 
     def run(params, prompt, length, key):
         spec, first = _start(graphs, params, prompt, length, key, capacity=capacity, rule=rule)
-        spec, out, n = _run(graphs, params, spec, max_tokens - 1, k=draft_steps, rule=rule, stops=tuple(stop_tokens),
-                            tool_end=-1, chunk=chunk)
+        spec, out, n = _run(
+            graphs,
+            params,
+            spec,
+            max_tokens - 1,
+            k=draft_steps,
+            rule=rule,
+            stops=tuple(stop_tokens),
+            tool_end=-1,
+            chunk=chunk,
+        )
         stopped = jnp.isin(first, jnp.asarray(tuple(stop_tokens) or (-1,), jnp.int32))
         out = jnp.concatenate([first[None], out])
         return out, jnp.where(stopped, 1, n + 1), spec.rounds, spec.accepted
@@ -210,8 +247,20 @@ def speculative_program(model, draft_model, *, max_tokens, draft_steps=4, temper
     return run, params
 
 
-def generate_speculative(model, draft_model, prompt_tokens, max_tokens, draft_steps=4, temperature=1.0, top_k=None,
-                         top_p=None, seed=0, stop_tokens=(), capacity=None, return_stats=False):
+def generate_speculative(
+    model,
+    draft_model,
+    prompt_tokens,
+    max_tokens,
+    draft_steps=4,
+    temperature=1.0,
+    top_k=None,
+    top_p=None,
+    seed=0,
+    stop_tokens=(),
+    capacity=None,
+    return_stats=False,
+):
     """Continue prompt_tokens by up to max_tokens tokens with draft_model proposing draft_steps at a time.
 
     The tokens follow the model's own sampling distribution exactly (its greedy output at temperature 0).
@@ -226,8 +275,16 @@ def generate_speculative(model, draft_model, prompt_tokens, max_tokens, draft_st
     spec, first = progs.start(params, tokens[0], lengths[0], jax.random.key(seed), capacity=capacity, rule=rule)
     result = [int(first)]
     if result[0] not in stops and max_tokens > 1:
-        spec, out, n = progs.run(params, spec, np.int32(max_tokens - 1), k=draft_steps, rule=rule, stops=stops,
-                                 tool_end=-1, chunk=decode_chunk(max_tokens))
+        spec, out, n = progs.run(
+            params,
+            spec,
+            np.int32(max_tokens - 1),
+            k=draft_steps,
+            rule=rule,
+            stops=stops,
+            tool_end=-1,
+            chunk=decode_chunk(max_tokens),
+        )
         result += np.asarray(out)[: int(n)].tolist()
     result = until_stop(result[:max_tokens], stops)
     if not return_stats:
@@ -239,9 +296,13 @@ def generate_speculative(model, draft_model, prompt_tokens, max_tokens, draft_st
 
 def add_draft_flags(parser) -> None:
     """--draft-model and --draft-steps, the generation scripts' flags for speculative sampling."""
-    parser.add_argument("--draft-model", default=None, metavar="[SOURCE:]TAG",
-                        help="speculative sampling: a smaller checkpoint with the same tokenizer (e.g. d4, or base:d4; "
-                             "SOURCE defaults to the model's) proposes --draft-steps tokens that the model checks in "
-                             "one forward pass. Replies follow the same distribution (the same text at temperature "
-                             "0); faster when the model is much larger than the draft and they often agree")
+    parser.add_argument(
+        "--draft-model",
+        default=None,
+        metavar="[SOURCE:]TAG",
+        help="speculative sampling: a smaller checkpoint with the same tokenizer (e.g. d4, or base:d4; "
+        "SOURCE defaults to the model's) proposes --draft-steps tokens that the model checks in "
+        "one forward pass. Replies follow the same distribution (the same text at temperature "
+        "0); faster when the model is much larger than the draft and they often agree",
+    )
     parser.add_argument("--draft-steps", type=int, default=4, help="tokens the draft proposes per round (default: 4)")

@@ -24,14 +24,18 @@ def resolve_attention(name: str = "auto", backend: str | None = None, dtype=jnp.
     if name not in ATTENTION_IMPLEMENTATIONS:
         raise ValueError(f"unknown attention {name!r}; choose one of {', '.join(ATTENTION_IMPLEMENTATIONS)}")
     backend = backend or jax.default_backend()
-    cudnn_ok = backend == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and head_dim <= 256 and head_dim % 8 == 0
+    cudnn_ok = (
+        backend == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and head_dim <= 256 and head_dim % 8 == 0
+    )
     if name == "auto":
         if cudnn_ok:
             return "cudnn"
         return "splash" if backend == "tpu" else "chunked" if cpu.use("chunked_attention", backend) else "xla"
     if name == "cudnn" and not cudnn_ok:
-        raise ValueError(f"cuDNN attention needs a GPU, bf16/fp16 and head_dim <= 256 (a multiple of 8); "
-                         f"here: {backend}, {jnp.dtype(dtype).name}, head_dim {head_dim}")
+        raise ValueError(
+            f"cuDNN attention needs a GPU, bf16/fp16 and head_dim <= 256 (a multiple of 8); "
+            f"here: {backend}, {jnp.dtype(dtype).name}, head_dim {head_dim}"
+        )
     return name  # "splash" off a TPU runs Pallas' interpreter: correct, slow (tests use it)
 
 
@@ -72,10 +76,23 @@ def splash_attention(q, k, v, window):
         g = q.shape[2] // hkv
         mask = sm.CausalMask((T, T)) if window >= T else sm.LocalMask((T, T), (window, 0), 0)
         blk = _splash_block(T)
-        sizes = sk.BlockSizes(block_q=blk, block_kv=blk, block_kv_compute=blk, block_q_dkv=blk, block_kv_dkv=blk,
-                              block_kv_dkv_compute=blk, block_q_dq=blk, block_kv_dq=blk)
-        kernel = sk.make_splash_mqa(sm.MultiHeadMask([mask] * g), block_sizes=sizes, head_shards=1, q_seq_shards=1,
-                                    interpret=jax.default_backend() != "tpu")
+        sizes = sk.BlockSizes(
+            block_q=blk,
+            block_kv=blk,
+            block_kv_compute=blk,
+            block_q_dkv=blk,
+            block_kv_dkv=blk,
+            block_kv_dkv_compute=blk,
+            block_q_dq=blk,
+            block_kv_dq=blk,
+        )
+        kernel = sk.make_splash_mqa(
+            sm.MultiHeadMask([mask] * g),
+            block_sizes=sizes,
+            head_shards=1,
+            q_seq_shards=1,
+            interpret=jax.default_backend() != "tpu",
+        )
         qg = (q * D**-0.5).reshape(b, T, hkv, g, D).transpose(0, 2, 3, 1, 4)  # (B, Hkv, G, T, D)
         out = jax.vmap(jax.vmap(kernel))(qg, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3))
         return out.transpose(0, 3, 1, 2, 4).reshape(b, T, hkv * g, D)

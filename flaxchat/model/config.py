@@ -141,19 +141,21 @@ class TrainingPlan:
 
     def describe(self) -> str:
         how = "derived from the horizon, Bopt ∝ D^0.383" if self.batch_size_derived else "given"
-        return "\n".join([
-            f"training plan for depth {self.depth}:",
-            f"  scaling params (matrices + lm_head): {self.num_scaling_params:,}",
-            f"  FLOPs per token: {self.flops_per_token:e}",
-            f"  total batch size: {self.total_batch_size:,} tokens ({how})",
-            f"  LR scale for batch size (sqrt(B/{REFERENCE_BATCH_SIZE:,})): {self.batch_lr_scale:.4f}",
-            f"  LRs: embedding {self.embedding_lr:.6g}, unembedding {self.unembedding_lr:.6g}, "
-            f"matrix {self.matrix_lr:.6g}, scalar {self.scalar_lr:.6g}",
-            f"  Muon weight decay: {self.weight_decay:.6f}",
-            f"  iterations: {self.num_iterations:,} ({self.horizon})",
-            f"  total tokens: {self.total_tokens:,} | tokens : scaling params = "
-            f"{self.total_tokens / self.num_scaling_params:.2f} | total FLOPs: {self.total_flops:e}",
-        ])
+        return "\n".join(
+            [
+                f"training plan for depth {self.depth}:",
+                f"  scaling params (matrices + lm_head): {self.num_scaling_params:,}",
+                f"  FLOPs per token: {self.flops_per_token:e}",
+                f"  total batch size: {self.total_batch_size:,} tokens ({how})",
+                f"  LR scale for batch size (sqrt(B/{REFERENCE_BATCH_SIZE:,})): {self.batch_lr_scale:.4f}",
+                f"  LRs: embedding {self.embedding_lr:.6g}, unembedding {self.unembedding_lr:.6g}, "
+                f"matrix {self.matrix_lr:.6g}, scalar {self.scalar_lr:.6g}",
+                f"  Muon weight decay: {self.weight_decay:.6f}",
+                f"  iterations: {self.num_iterations:,} ({self.horizon})",
+                f"  total tokens: {self.total_tokens:,} | tokens : scaling params = "
+                f"{self.total_tokens / self.num_scaling_params:.2f} | total FLOPs: {self.total_flops:e}",
+            ]
+        )
 
 
 def _horizon(num_iterations, target_flops, target_param_data_ratio, flops_per_token, batch, target_tokens):
@@ -213,17 +215,29 @@ def derive_training(
     # which stalls a few hundred steps of training (docs/LOG.md has a d2 run each way).
     weight_decay = weight_decay * wd_scale
 
-    iterations, horizon = _horizon(num_iterations, target_flops, target_param_data_ratio,
-                                   flops_per_token, total_batch_size, target_tokens)
+    iterations, horizon = _horizon(
+        num_iterations, target_flops, target_param_data_ratio, flops_per_token, total_batch_size, target_tokens
+    )
     if iterations < 1:
-        raise ValueError(f"{horizon} gives {iterations} iterations at {total_batch_size:,} tokens per step; "
-                         "raise the target or lower --total-batch-size")
+        raise ValueError(
+            f"{horizon} gives {iterations} iterations at {total_batch_size:,} tokens per step; "
+            "raise the target or lower --total-batch-size"
+        )
     return TrainingPlan(
-        depth=depth, num_scaling_params=n_params, flops_per_token=flops_per_token, target_tokens=target_tokens,
-        total_batch_size=total_batch_size, batch_size_derived=derived, batch_lr_scale=batch_lr_scale,
-        embedding_lr=embedding_lr * batch_lr_scale, unembedding_lr=unembedding_lr * batch_lr_scale,
-        matrix_lr=matrix_lr * batch_lr_scale, scalar_lr=scalar_lr * batch_lr_scale,
-        weight_decay=weight_decay, num_iterations=iterations, horizon=horizon,
+        depth=depth,
+        num_scaling_params=n_params,
+        flops_per_token=flops_per_token,
+        target_tokens=target_tokens,
+        total_batch_size=total_batch_size,
+        batch_size_derived=derived,
+        batch_lr_scale=batch_lr_scale,
+        embedding_lr=embedding_lr * batch_lr_scale,
+        unembedding_lr=unembedding_lr * batch_lr_scale,
+        matrix_lr=matrix_lr * batch_lr_scale,
+        scalar_lr=scalar_lr * batch_lr_scale,
+        weight_decay=weight_decay,
+        num_iterations=iterations,
+        horizon=horizon,
     )
 
 
@@ -234,10 +248,17 @@ def derive_training(
 def add_model_flags(parser, depth: int = 20, max_seq_len: int = 2048) -> None:
     """--depth, --aspect-ratio, --head-dim, --max-seq-len, --window-pattern (nanochat's base_train flags)."""
     parser.add_argument("--depth", type=int, default=depth, help="number of layers; width and heads follow from it")
-    parser.add_argument("--aspect-ratio", type=int, default=64, help="model_dim = depth * aspect_ratio (rounded up to head_dim)")
+    parser.add_argument(
+        "--aspect-ratio", type=int, default=64, help="model_dim = depth * aspect_ratio (rounded up to head_dim)"
+    )
     parser.add_argument("--head-dim", type=int, default=128, help="attention head dimension")
     parser.add_argument("--max-seq-len", type=int, default=max_seq_len, help="context length")
-    parser.add_argument("--window-pattern", type=str, default="SSSL", help="sliding windows tiled over layers: L=full, S=quarter context")
+    parser.add_argument(
+        "--window-pattern",
+        type=str,
+        default="SSSL",
+        help="sliding windows tiled over layers: L=full, S=quarter context",
+    )
 
 
 def config_from_flags(args, vocab_size: int) -> GPTConfig:
@@ -245,5 +266,6 @@ def config_from_flags(args, vocab_size: int) -> GPTConfig:
     for name in ("depth", "aspect_ratio", "head_dim", "max_seq_len"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    return GPTConfig.from_depth(args.depth, args.aspect_ratio, args.head_dim, args.max_seq_len,
-                                args.window_pattern.upper(), vocab_size)
+    return GPTConfig.from_depth(
+        args.depth, args.aspect_ratio, args.head_dim, args.max_seq_len, args.window_pattern.upper(), vocab_size
+    )

@@ -36,8 +36,9 @@ PATHS = ("chunked_attention", "sub_batches", "loss_chunks", "bf16_products", "ma
 SWITCH = "FLAXCHAT_CPU_PATHS"
 # Helpers that only change how a product is computed: a compiled program's source lines (perf.hlo.op_sources, a
 # profile's lines) name the line that called them, as for jnp.einsum itself
-PASS_THROUGH = frozenset({"einsum", "_widened_einsum", "_widened_einsum_fwd", "_widened_einsum_bwd", "linear",
-                          "_widened"})
+PASS_THROUGH = frozenset(
+    {"einsum", "_widened_einsum", "_widened_einsum_fwd", "_widened_einsum_bwd", "linear", "_widened"}
+)
 
 
 def switched_off() -> set[str]:
@@ -243,8 +244,9 @@ def _attend_block(q, k, v, window, start, stop, lo, heads_major=False):
     (H, T, D) (no GQA), the output too."""
     b = "b" if q.ndim == 4 else ""  # a batch of rows, or one row without a row axis
     if heads_major:
-        s = jnp.einsum(f"{b}ktd,{b}ksd->{b}kts", q[..., start:stop, :], k[..., lo:stop, :],
-                       preferred_element_type=jnp.float32)
+        s = jnp.einsum(
+            f"{b}ktd,{b}ksd->{b}kts", q[..., start:stop, :], k[..., lo:stop, :], preferred_element_type=jnp.float32
+        )
         p = _window_softmax(s * q.shape[-1] ** -0.5, start, stop, lo, window, q.dtype)
         return jnp.einsum(f"{b}kts,{b}ksd->{b}ktd", p, v[..., lo:stop, :])
     *rows, _, H, D = q.shape
@@ -410,8 +412,9 @@ def sub_batches(rows: int, seq_len: int, backend: str | None = None, splits_mode
     gathers and activation sums would then run once per sub-batch)."""
     if splits_model or not use("sub_batches", backend):
         return 1
-    return next(k for k in range(1, rows + 1) if rows % k == 0 and rows // k * seq_len <= CPU_SUB_BATCH_TOKENS
-                or k == rows)
+    return next(
+        k for k in range(1, rows + 1) if rows % k == 0 and rows // k * seq_len <= CPU_SUB_BATCH_TOKENS or k == rows
+    )
 
 
 def in_sub_batches(model, f, *arrays):
@@ -441,8 +444,14 @@ def sub_batch_note(rows: int, seq_len: int, mesh) -> str:
     """The training loops' note on sub-batches for their micro-batch line ("" when a micro-batch runs whole)."""
     splits = any(mesh.shape[a] > 1 for a in sharding.MODEL_AXES)
     k = sub_batches(rows, seq_len, splits_model=splits)
-    return (f" | on this CPU each device's {rows} rows run as {k} sub-batches of {rows // k} "
-            "(model.cpu.CPU_SUB_BATCH_TOKENS)") if k > 1 else ""
+    return (
+        (
+            f" | on this CPU each device's {rows} rows run as {k} sub-batches of {rows // k} "
+            "(model.cpu.CPU_SUB_BATCH_TOKENS)"
+        )
+        if k > 1
+        else ""
+    )
 
 
 # -----------------------------------------------------------------------------
@@ -461,4 +470,3 @@ def summary() -> str:
     on = paths_in_use()
     off = [n for n in PATHS if n not in on]
     return f"CPU paths: {', '.join(on) or 'none'}" + (f" (off: {', '.join(off)}; {SWITCH})" if off else "")
-

@@ -26,7 +26,13 @@ from flax import nnx
 from flaxchat import sharding
 from flaxchat.common import compute_dtype
 from flaxchat.model import cpu
-from flaxchat.model.attention import ATTENTION_IMPLEMENTATIONS, attention, cached_attention, resolve_attention, write_cache
+from flaxchat.model.attention import (
+    ATTENTION_IMPLEMENTATIONS,
+    attention,
+    cached_attention,
+    resolve_attention,
+    write_cache,
+)
 from flaxchat.model.config import GPTConfig
 from flaxchat.model.loss import SOFTCAP, loss_sum, softcapped_logits, token_losses
 
@@ -148,7 +154,8 @@ def stacked_product(x, layers):
     weights = [m.weight[...] for m in layers]
     dtype = first.products or x.dtype
     if any(type(m) is not Linear or m.einsum_only or m.products != first.products for m in layers) or any(
-            w.dtype != dtype and first.products is None for w in weights):
+        w.dtype != dtype and first.products is None for w in weights
+    ):
         return tuple(m(x) for m in layers)
     y = first.product(x, jnp.concatenate([w.astype(dtype) for w in weights]))
     return tuple(jnp.split(y, np.cumsum([w.shape[0] for w in weights[:-1]]).tolist(), axis=-1))
@@ -168,8 +175,6 @@ class Embedding(nnx.Module):
         # far slower than a fp32 one (XLA issue 26371). Summed in fp32 (the GPU's atomic add: see
         # sharding.native_gpu_atomics) and rounded once, as torch's embedding backward does.
         return jnp.take(table.astype(jnp.float32), idx, axis=0).astype(dtype)
-
-
 
 
 class CausalSelfAttention(nnx.Module):
@@ -256,8 +261,14 @@ class Transformer(nnx.Module):
     """Holds wte and the blocks, so parameter paths read `transformer.wte.weight`, `transformer.h.0...` as nanochat."""
 
     def __init__(self, config: GPTConfig, init: dict, rngs: nnx.Rngs, embed_dtype=jnp.float32):
-        self.wte = Embedding(config.padded_vocab_size, config.n_embd, init=init["wte"], axes=("vocab", "embed"),
-                             rngs=rngs, dtype=embed_dtype)
+        self.wte = Embedding(
+            config.padded_vocab_size,
+            config.n_embd,
+            init=init["wte"],
+            axes=("vocab", "embed"),
+            rngs=rngs,
+            dtype=embed_dtype,
+        )
         self.h = nnx.List([Block(config, i, init, rngs) for i in range(config.n_layer)])
 
 
@@ -278,10 +289,20 @@ class KVCache:
 
 def add_kernel_flags(parser) -> None:
     """--attention and --remat, the scripts' flags for GPT's kernel choices."""
-    parser.add_argument("--attention", type=str, default="auto", choices=ATTENTION_IMPLEMENTATIONS,
-                        help="attention kernel: auto = cuDNN on GPU, Splash on TPU, chunked on CPU (printed at start)")
-    parser.add_argument("--remat", type=str, default="none", choices=list(REMAT_POLICIES),
-                        help="recompute in the backward pass to save memory: none, dots (keep matmul outputs), full")
+    parser.add_argument(
+        "--attention",
+        type=str,
+        default="auto",
+        choices=ATTENTION_IMPLEMENTATIONS,
+        help="attention kernel: auto = cuDNN on GPU, Splash on TPU, chunked on CPU (printed at start)",
+    )
+    parser.add_argument(
+        "--remat",
+        type=str,
+        default="none",
+        choices=list(REMAT_POLICIES),
+        help="recompute in the backward pass to save memory: none, dots (keep matmul outputs), full",
+    )
 
 
 def _block_runner(window, attention_impl):
@@ -325,8 +346,9 @@ class GPT(nnx.Module):
         self.backout_lambda = _param(init["backout_lambda"], rngs.params(), (1,), (None,))
         self.value_embeds = nnx.Dict(
             {
-                str(i): Embedding(Vp, kv_dim, init=init["value_embeds"], axes=("vocab", "embed"), rngs=rngs,
-                                  dtype=embed_dtype)
+                str(i): Embedding(
+                    Vp, kv_dim, init=init["value_embeds"], axes=("vocab", "embed"), rngs=rngs, dtype=embed_dtype
+                )
                 for i in range(L)
                 if config.has_ve(i)
             }
@@ -463,7 +485,16 @@ class GPT(nnx.Module):
             "value_embeds": size(self.value_embeds),
             "lm_head": size(self.lm_head),
             "transformer_matrices": size(self.transformer.h),
-            "scalars": sum(p.size for p in (self.resid_lambdas, self.x0_lambdas, self.smear_gate.weight, self.smear_lambda, self.backout_lambda)),
+            "scalars": sum(
+                p.size
+                for p in (
+                    self.resid_lambdas,
+                    self.x0_lambdas,
+                    self.smear_gate.weight,
+                    self.smear_lambda,
+                    self.backout_lambda,
+                )
+            ),
         }
         counts["total"] = sum(counts.values())
         return counts

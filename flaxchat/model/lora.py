@@ -73,8 +73,12 @@ class LoraConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "LoraConfig":
-        return cls(rank=int(d["rank"]), alpha=float(d["alpha"]), targets=d.get("targets", DEFAULT_TARGETS),
-                   full=tuple(d.get("full", ())))
+        return cls(
+            rank=int(d["rank"]),
+            alpha=float(d["alpha"]),
+            targets=d.get("targets", DEFAULT_TARGETS),
+            full=tuple(d.get("full", ())),
+        )
 
 
 def _under(prefix: tuple):
@@ -95,11 +99,16 @@ def target_paths(model: GPT, targets: str) -> list[str]:
         try:
             re.compile(targets)
         except re.error as e:
-            raise ValueError(f"--lora-targets {targets!r} is neither a list of {', '.join(BLOCK_MATRICES)} nor a "
-                             f"regular expression ({e})") from None
+            raise ValueError(
+                f"--lora-targets {targets!r} is neither a list of {', '.join(BLOCK_MATRICES)} nor a "
+                f"regular expression ({e})"
+            ) from None
         pattern = targets
-    paths = ["/".join(map(str, path)) for path, m in nnx.iter_modules(model)
-             if isinstance(m, Linear) and path[:2] == ("transformer", "h")]
+    paths = [
+        "/".join(map(str, path))
+        for path, m in nnx.iter_modules(model)
+        if isinstance(m, Linear) and path[:2] == ("transformer", "h")
+    ]
     chosen = [p for p in paths if re.fullmatch(pattern, p)]
     if not chosen:
         raise ValueError(f"--lora-targets {targets!r} matches no block matrix; paths look like {paths[0]}")
@@ -142,8 +151,9 @@ def _merged(w, a, b, scale):
 
 def merge_lora(model, config: LoraConfig) -> GPT:
     """An ordinary GPT whose targeted weights are W + (A B)^T * alpha / r; every other array is shared."""
-    plain = nnx.eval_shape(lambda: GPT(model.config, rngs=nnx.Rngs(0), dtype=model.dtype, attention=model.attention,
-                                       remat=model.remat))
+    plain = nnx.eval_shape(
+        lambda: GPT(model.config, rngs=nnx.Rngs(0), dtype=model.dtype, attention=model.attention, remat=model.remat)
+    )
     nnx.update(plain, nnx.state(model, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))))
     for path, m in adapter_modules(model):
         target = functools.reduce(lambda node, k: node[k] if isinstance(k, int) else getattr(node, k), path, plain)

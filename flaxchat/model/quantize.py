@@ -73,8 +73,7 @@ def quantize_for_generation(model: GPT, mode: str) -> GPT:
         raise ValueError(f"unknown quantize mode {mode!r}; choose one of {', '.join(MODES)}")
     if mode == "none":
         return model
-    targets = [(path, m) for path, m in nnx.iter_modules(model)
-               if type(m) is Linear and path and path[-1] in QUANTIZED]
+    targets = [(path, m) for path, m in nnx.iter_modules(model) if type(m) is Linear and path and path[-1] in QUANTIZED]
     for path, linear in targets:
         if mode == "bf16":
             linear.weight = linear.weight.replace(value=linear.weight[...].astype(jnp.bfloat16))
@@ -85,9 +84,13 @@ def quantize_for_generation(model: GPT, mode: str) -> GPT:
 
 def add_quantize_flag(parser) -> None:
     """--quantize, the generation scripts' flag for quantize_for_generation."""
-    parser.add_argument("--quantize", choices=MODES, default="none",
-                        help="matmul weights for generation: none (as trained), bf16, or int8 (weight-only, one "
-                             "scale per output channel, via qwix); embeddings stay as they are (default: none)")
+    parser.add_argument(
+        "--quantize",
+        choices=MODES,
+        default="none",
+        help="matmul weights for generation: none (as trained), bf16, or int8 (weight-only, one "
+        "scale per output channel, via qwix); embeddings stay as they are (default: none)",
+    )
 
 
 def weight_bytes(model) -> int:

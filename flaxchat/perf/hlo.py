@@ -12,6 +12,7 @@ import math
 import re
 
 from flaxchat.model import cpu
+from flaxchat.perf.trace import kind_of_name
 
 
 def jaxpr_equations(jaxpr, times: int = 1):
@@ -29,8 +30,23 @@ def jaxpr_equations(jaxpr, times: int = 1):
 
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f32": 4,
-                "s64": 8, "u64": 8, "f64": 8, "f8e4m3fn": 1, "f8e5m2": 1}
+_DTYPE_BYTES = {
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "s16": 2,
+    "u16": 2,
+    "bf16": 2,
+    "f16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+    "f8e4m3fn": 1,
+    "f8e5m2": 1,
+}
 _ARRAY = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%(\S+) = (.*?) ([a-z][a-z0-9\-]*)\((.*)$")
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%(\S+) .*\{\s*$")
@@ -42,7 +58,9 @@ def _dims(shape: str) -> list[int]:
 
 
 def _shape_bytes(shape: str) -> int:
-    return sum(_DTYPE_BYTES.get(t, 0) * math.prod(int(d) for d in dims.split(",") if d) for t, dims in _ARRAY.findall(shape))
+    return sum(
+        _DTYPE_BYTES.get(t, 0) * math.prod(int(d) for d in dims.split(",") if d) for t, dims in _ARRAY.findall(shape)
+    )
 
 
 def _group_size(attrs: str) -> int:
@@ -141,13 +159,19 @@ def program_stats(hlo_text: str) -> dict:
                 continue
             if opcode.endswith("-start") and shape.startswith("("):  # async: (operands..., results...)
                 arrays = _ARRAY.findall(shape)
-                shape = " ".join(f"{t}[{d}]" for t, d in arrays[len(arrays) // 2:])
+                shape = " ".join(f"{t}[{d}]" for t, d in arrays[len(arrays) // 2 :])
             by_kind[kind]["count"] += n
             by_kind[kind]["bytes"] += n * _wire_bytes(kind, _shape_bytes(shape), _group_size(rest))
             op_name = re.search(r'op_name="([^"]*)"', rest)
             ops.append((kind, shape, n, op_name.group(1) if op_name else ""))
-    return {"collectives": sum(v["count"] for v in by_kind.values()), "bytes": sum(v["bytes"] for v in by_kind.values()),
-            "by_kind": by_kind, "matmul_flops": flops, "ops": ops, "unknown_trip_counts": unknown}
+    return {
+        "collectives": sum(v["count"] for v in by_kind.values()),
+        "bytes": sum(v["bytes"] for v in by_kind.values()),
+        "by_kind": by_kind,
+        "matmul_flops": flops,
+        "ops": ops,
+        "unknown_trip_counts": unknown,
+    }
 
 
 def dot_types(hlo_text: str) -> list[tuple[str, str, int]]:
@@ -156,7 +180,7 @@ def dot_types(hlo_text: str) -> list[tuple[str, str, int]]:
     product its bf16 kernels do not take and runs it at the fp32 rate (see model.cpu.split_in_two)."""
     comps, _ = _parse(hlo_text)
     shapes = {name: shape for instrs in comps.values() for name, shape, _, _ in instrs}
-    element = lambda name: (m.group(1) if (m := _ARRAY.search(shapes.get(name, ""))) else "?")
+    element = lambda name: m.group(1) if (m := _ARRAY.search(shapes.get(name, ""))) else "?"
     dots = []
     for instrs in comps.values():
         for _, shape, opcode, rest in instrs:
@@ -167,15 +191,68 @@ def dot_types(hlo_text: str) -> list[tuple[str, str, int]]:
 
 
 # What each op of a compiled program computes, for reading a profile (flaxchat.perf.trace): its kind.
-_LAYOUT_OPS = {"copy", "transpose", "bitcast", "reshape", "broadcast", "slice", "dynamic-slice", "dynamic-update-slice",
-               "concatenate", "pad", "parameter", "constant", "iota", "tuple", "get-tuple-element", "copy-start",
-               "copy-done", "gather", "reverse"}
+_LAYOUT_OPS = {
+    "copy",
+    "transpose",
+    "bitcast",
+    "reshape",
+    "broadcast",
+    "slice",
+    "dynamic-slice",
+    "dynamic-update-slice",
+    "concatenate",
+    "pad",
+    "parameter",
+    "constant",
+    "iota",
+    "tuple",
+    "get-tuple-element",
+    "copy-start",
+    "copy-done",
+    "gather",
+    "reverse",
+}
 _CONTAINERS = {"while", "conditional", "call"}
 _CALLS = re.compile(r"calls=%([\w.\-]+)")
-_ELEMENTWISE = {"add", "subtract", "multiply", "divide", "exponential", "log", "tanh", "logistic", "maximum", "minimum",
-                "select", "compare", "convert", "negate", "sqrt", "rsqrt", "power", "abs", "sign", "and", "or", "not",
-                "clamp", "exponential-minus-one", "log-plus-one", "floor", "ceil", "round-nearest-even", "is-finite",
-                "xor", "shift-left", "shift-right-logical", "remainder", "atan2", "cosine", "sine", "erf"}
+_ELEMENTWISE = {
+    "add",
+    "subtract",
+    "multiply",
+    "divide",
+    "exponential",
+    "log",
+    "tanh",
+    "logistic",
+    "maximum",
+    "minimum",
+    "select",
+    "compare",
+    "convert",
+    "negate",
+    "sqrt",
+    "rsqrt",
+    "power",
+    "abs",
+    "sign",
+    "and",
+    "or",
+    "not",
+    "clamp",
+    "exponential-minus-one",
+    "log-plus-one",
+    "floor",
+    "ceil",
+    "round-nearest-even",
+    "is-finite",
+    "xor",
+    "shift-left",
+    "shift-right-logical",
+    "remainder",
+    "atan2",
+    "cosine",
+    "sine",
+    "erf",
+}
 
 
 def _fused(comps: dict, comp: str, depth: int = 0):
@@ -191,8 +268,6 @@ def op_kinds(hlo_text: str) -> dict[str, str]:
     """{instruction name: kind} for every instruction of an optimised HLO module; kinds as flaxchat.perf.trace.KINDS.
     A fusion is a matmul if it holds a dot, convolution or GEMM call (a GEMM with its epilogue), a reduction if it
     holds a reduce, layout if it only moves data, else elementwise."""
-    from flaxchat.perf.trace import kind_of_name
-
     comps, _ = _parse(hlo_text)
 
     def custom_kind(rest: str) -> str:
@@ -212,8 +287,10 @@ def op_kinds(hlo_text: str) -> dict[str, str]:
                 kind = "collective"
             elif opcode == "fusion":
                 callee = _CALLS.search(rest)  # its opcodes, custom-calls as their kind
-                inner = {custom_kind(r) if o == "custom-call" else o
-                         for _, _, o, r in (_fused(comps, callee.group(1)) if callee else ())}
+                inner = {
+                    custom_kind(r) if o == "custom-call" else o
+                    for _, _, o, r in (_fused(comps, callee.group(1)) if callee else ())
+                }
                 if inner & {"dot", "convolution", "matmul"} or "__triton_gemm" in rest:
                     kind = "matmul"
                 elif "attention" in inner:
@@ -275,6 +352,7 @@ def _stack_frames(hlo_text: str) -> dict[int, str]:
             section = None
     field = lambda entry, key: int(re.search(rf"\b{key}=(\d+)", entry).group(1))
     unquote = lambda name: name.strip().strip('"')
+
     def where(frame_id: int) -> tuple[str, int, str]:
         location = tables["FileLocations"][field(tables["StackFrames"][frame_id], "file_location_id")]
         path = unquote(tables["FileNames"][field(location, "file_name_id")])
@@ -325,4 +403,3 @@ def op_sources(hlo_text: str) -> dict[str, str]:
             tail = "/".join(op_name.group(1).split("/")[-2:])
             sources[name] = f"{where} ({tail})" if where else op_name.group(1)
     return sources
-

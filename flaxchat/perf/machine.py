@@ -9,12 +9,24 @@ import time
 import jax
 import jax.numpy as jnp
 
-
 # Dense bf16 peak FLOP/s per device (datasheets, no sparsity). MFU on CPU uses a measured matmul peak instead.
 PEAK_FLOPS = {
-    "H200": 989e12, "H100": 989e12, "GH200": 989e12, "B200": 2250e12, "A100": 312e12, "A10": 125e12,
-    "L40S": 362e12, "L4": 121e12, "RTX 4090": 165e12, "RTX 3090": 71e12,
-    "TPU v6": 918e12, "TPU v5p": 459e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v4": 275e12, "TPU v3": 123e12,
+    "H200": 989e12,
+    "H100": 989e12,
+    "GH200": 989e12,
+    "B200": 2250e12,
+    "A100": 312e12,
+    "A10": 125e12,
+    "L40S": 362e12,
+    "L4": 121e12,
+    "RTX 4090": 165e12,
+    "RTX 3090": 71e12,
+    "TPU v6": 918e12,
+    "TPU v5p": 459e12,
+    "TPU v5 lite": 197e12,
+    "TPU v5e": 197e12,
+    "TPU v4": 275e12,
+    "TPU v3": 123e12,
 }
 
 
@@ -38,8 +50,9 @@ def peak_flops_per_device(dtype=None) -> tuple[float, str]:
     kind = jax.devices()[0].device_kind
     if jax.default_backend() == "cpu":
         if dtype is not None and jnp.dtype(dtype) == jnp.bfloat16:
-            return measured_matmul_peak(2048, jnp.bfloat16, out_dtype=jnp.float32), \
-                "measured bf16 -> fp32 matmul (2048^3) on this CPU"
+            return measured_matmul_peak(
+                2048, jnp.bfloat16, out_dtype=jnp.float32
+            ), "measured bf16 -> fp32 matmul (2048^3) on this CPU"
         return measured_matmul_peak(), "measured fp32 matmul (2048^3) on this CPU"
     for name, flops in PEAK_FLOPS.items():
         if name.lower() in kind.lower():
@@ -76,15 +89,16 @@ def with_huge_pages(env) -> dict:
 def without_huge_pages(env) -> dict:
     """A copy of `env` whose GLIBC_TUNABLES no longer asks for huge pages (other tunables kept): how a program
     that is not flaxchat's runs by default."""
-    tunables = [t for t in env.get("GLIBC_TUNABLES", "").split(":")
-                if t and t.partition("=")[0] != "glibc.malloc.hugetlb"]
+    tunables = [
+        t for t in env.get("GLIBC_TUNABLES", "").split(":") if t and t.partition("=")[0] != "glibc.malloc.hugetlb"
+    ]
     out = {k: v for k, v in env.items() if k != "GLIBC_TUNABLES"}
     return {**out, "GLIBC_TUNABLES": ":".join(tunables)} if tunables else out
 
 
 def cpu_bf16_instructions(cpuinfo: str | None = None) -> bool:
     """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX flags in /proc/cpuinfo, or `cpuinfo`'s
-    text): there `--dtype bfloat16` trains ~1.4x faster than fp32 (README, "bf16 on a CPU")."""
+    text): there `--dtype bfloat16` trains faster than fp32 (docs/cpu-speed.md, "bf16 on a CPU")."""
     if cpuinfo is None:
         try:
             with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:

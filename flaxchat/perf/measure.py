@@ -19,8 +19,9 @@ from flaxchat.generate.programs import attention_span, controls, decode_chunk, p
 from flaxchat.generate.speculative import generate_speculative
 
 
-def measure_generation(model, batch_size, prompt_len, max_new_tokens, seed=0, temperature=1.0, top_k=None,
-                       repeats=3) -> dict:
+def measure_generation(
+    model, batch_size, prompt_len, max_new_tokens, seed=0, temperature=1.0, top_k=None, repeats=3
+) -> dict:
     """Time prefill and the jitted decode loop on random prompts, every row making all max_new_tokens tokens.
 
     tok_per_s: generated tokens over all rows / decode time; ttft_s: prefill + the first sampled token,
@@ -34,10 +35,23 @@ def measure_generation(model, batch_size, prompt_len, max_new_tokens, seed=0, te
     tokens, lengths = pad_prompts(prompts, capacity, max_new_tokens)
     progs, params = programs(model)
     span = attention_span(prompt_len + max_new_tokens, capacity)
-    decode = functools.partial(progs.decode, rows=batch_size, span=span, chunk=decode_chunk(max_new_tokens),
-                               stop_tokens=(), tool_end=-1, tiers=(top_k,) if top_k else ())
-    ctl = controls(batch_size, remaining=max_new_tokens, seed=seed, lane=np.arange(batch_size),
-                   temperature=temperature, top_k=top_k or 0)
+    decode = functools.partial(
+        progs.decode,
+        rows=batch_size,
+        span=span,
+        chunk=decode_chunk(max_new_tokens),
+        stop_tokens=(),
+        tool_end=-1,
+        tiers=(top_k,) if top_k else (),
+    )
+    ctl = controls(
+        batch_size,
+        remaining=max_new_tokens,
+        seed=seed,
+        lane=np.arange(batch_size),
+        temperature=temperature,
+        top_k=top_k or 0,
+    )
 
     def prefill():
         return progs.start(params, tokens, lengths, copies=1, rows=batch_size, capacity=capacity)
@@ -61,8 +75,11 @@ def measure_generation(model, batch_size, prompt_len, max_new_tokens, seed=0, te
     prefill_s, decode_s, ttft_s = (statistics.median(x) for x in zip(*runs))
     generated = batch_size * max_new_tokens
     return {
-        "batch_size": batch_size, "prompt_len": prompt_len, "max_new_tokens": max_new_tokens,
-        "temperature": temperature, "top_k": top_k,
+        "batch_size": batch_size,
+        "prompt_len": prompt_len,
+        "max_new_tokens": max_new_tokens,
+        "temperature": temperature,
+        "top_k": top_k,
         "tok_per_s": generated / decode_s,
         "decode_steps_per_s": max_new_tokens / decode_s,
         "ttft_s": ttft_s,
@@ -73,8 +90,9 @@ def measure_generation(model, batch_size, prompt_len, max_new_tokens, seed=0, te
     }
 
 
-def measure_speculative(model, draft_model, prompt, max_new_tokens, *, draft_steps=4, temperature=0.0, top_k=None,
-                        seed=0, repeats=3) -> dict:
+def measure_speculative(
+    model, draft_model, prompt, max_new_tokens, *, draft_steps=4, temperature=0.0, top_k=None, seed=0, repeats=3
+) -> dict:
     """Time one continuation of `prompt` (ids) with and without the draft, every token made (no stop tokens).
 
     tok_per_s / plain_tok_per_s: generated tokens over wall time, prefill included (a chat reply's view);
@@ -85,8 +103,17 @@ def measure_speculative(model, draft_model, prompt, max_new_tokens, *, draft_ste
         return generate(model, [prompt], max_new_tokens, temperature=temperature, top_k=top_k, seed=seed)[0]
 
     def fast():
-        return generate_speculative(model, draft_model, prompt, max_new_tokens, draft_steps=draft_steps,
-                                    temperature=temperature, top_k=top_k, seed=seed, return_stats=True)
+        return generate_speculative(
+            model,
+            draft_model,
+            prompt,
+            max_new_tokens,
+            draft_steps=draft_steps,
+            temperature=temperature,
+            top_k=top_k,
+            seed=seed,
+            return_stats=True,
+        )
 
     def timed(f):
         t0 = time.perf_counter()
@@ -100,15 +127,30 @@ def measure_speculative(model, draft_model, prompt, max_new_tokens, *, draft_ste
     tokens, stats = runs[0][1]
     if temperature == 0:  # greedy: speculative must give the model's own tokens
         assert tokens == plain(), "speculative greedy tokens differ from the model's"
-    return {"max_new_tokens": max_new_tokens, "draft_steps": draft_steps, "temperature": temperature,
-            "tok_per_s": len(tokens) / fast_s, "plain_tok_per_s": max_new_tokens / plain_s,
-            "speedup": (len(tokens) / fast_s) / (max_new_tokens / plain_s),
-            "acceptance_rate": stats["acceptance_rate"], "rounds": stats["rounds"],
-            "compile_s": max(cold - plain_s - fast_s, 0.0), "repeats": repeats}
+    return {
+        "max_new_tokens": max_new_tokens,
+        "draft_steps": draft_steps,
+        "temperature": temperature,
+        "tok_per_s": len(tokens) / fast_s,
+        "plain_tok_per_s": max_new_tokens / plain_s,
+        "speedup": (len(tokens) / fast_s) / (max_new_tokens / plain_s),
+        "acceptance_rate": stats["acceptance_rate"],
+        "rounds": stats["rounds"],
+        "compile_s": max(cold - plain_s - fast_s, 0.0),
+        "repeats": repeats,
+    }
 
 
-def measure_throughput(tokenizer, batch_size: int = 8, seq_len: int = 512, num_batches: int = 50, warmup: int = 5,
-                       data_dir: str | None = None, split: str = "train", **loader_kwargs) -> dict[str, float]:
+def measure_throughput(
+    tokenizer,
+    batch_size: int = 8,
+    seq_len: int = 512,
+    num_batches: int = 50,
+    warmup: int = 5,
+    data_dir: str | None = None,
+    split: str = "train",
+    **loader_kwargs,
+) -> dict[str, float]:
     """Tokens per second the loader alone delivers (batches/s x B x T), batches placed on the default device."""
     loader = make_loader(tokenizer, batch_size, seq_len, split, data_dir=data_dir, **loader_kwargs)
     try:
@@ -120,5 +162,11 @@ def measure_throughput(tokenizer, batch_size: int = 8, seq_len: int = 512, num_b
         dt = time.perf_counter() - t0
     finally:
         loader.close()
-    return {"tokens_per_s": num_batches * batch_size * seq_len / dt, "batches_per_s": num_batches / dt,
-            "batch_size": batch_size, "seq_len": seq_len, "num_batches": num_batches, "seconds": dt}
+    return {
+        "tokens_per_s": num_batches * batch_size * seq_len / dt,
+        "batches_per_s": num_batches / dt,
+        "batch_size": batch_size,
+        "seq_len": seq_len,
+        "num_batches": num_batches,
+        "seconds": dt,
+    }

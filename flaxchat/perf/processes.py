@@ -52,8 +52,9 @@ def mkl_avx512_library(directory: str) -> str:
     with open(source, "w") as f:
         f.write(MKL_AVX512_SOURCE)
     try:  # $CC may hold a command with arguments (ccache gcc), as make reads it
-        proc = subprocess.run([*shlex.split(compiler), "-O2", "-shared", "-fPIC", "-o", library, source],
-                              capture_output=True, text=True)
+        proc = subprocess.run(
+            [*shlex.split(compiler), "-O2", "-shared", "-fPIC", "-o", library, source], capture_output=True, text=True
+        )
     except OSError as e:
         raise RuntimeError(f"--nanochat-mkl avx512: the C compiler {compiler} did not start: {e.strerror}") from e
     if proc.returncode != 0:
@@ -76,8 +77,10 @@ def stream(cmd, log_path, **popen) -> tuple[int, str]:
     """Run cmd with its output (stdout and stderr) copied to our stderr as it comes (progress bars included) and
     to log_path; returns the exit status and the whole output."""
     chunks = []
-    with open(log_path, "wb") as log, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                                        **popen) as proc:
+    with (
+        open(log_path, "wb") as log,
+        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **popen) as proc,
+    ):
         while chunk := proc.stdout.read1(65536):
             chunks.append(chunk)
             log.write(chunk)
@@ -109,8 +112,14 @@ def step_times(times: dict[int, float], first: int, tokens: int) -> dict:
     if not timed:
         raise ValueError(f"the run logged no step from step {first} on (steps logged: {len(times)})")
     median = statistics.median(timed)
-    return {"step_s": median, "tok_per_s": tokens / median, "step_s_min": min(timed), "step_s_max": max(timed),
-            "timed_steps": len(timed), "timed_min": sum(timed) / 60}
+    return {
+        "step_s": median,
+        "tok_per_s": tokens / median,
+        "step_s_min": min(timed),
+        "step_s_max": max(timed),
+        "timed_steps": len(timed),
+        "timed_min": sum(timed) / 60,
+    }
 
 
 def link(target: str, name: str) -> None:

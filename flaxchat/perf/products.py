@@ -57,8 +57,11 @@ def time_product(lhs, rhs, params, repeats: int, rng) -> tuple[float, int]:
     product's calls come in runs of fast and slow ones (about twice as long), so a median of a few calls lands
     anywhere between the two, while the fastest of many repeats itself."""
     a, b = (jnp.asarray(rng.standard_normal(x.shape), x.dtype) for x in (lhs, rhs))
-    product = jax.jit(lambda a, b: jax.lax.dot_general(a, b, params["dimension_numbers"],
-                                                      preferred_element_type=params["preferred_element_type"]))
+    product = jax.jit(
+        lambda a, b: jax.lax.dot_general(
+            a, b, params["dimension_numbers"], preferred_element_type=params["preferred_element_type"]
+        )
+    )
     out = product(a, b).block_until_ready()
     samples = []
     for _ in range(repeats):
@@ -88,8 +91,14 @@ def product_census(model, optimizer, batch, mesh, repeats: int = 10) -> dict:
     rng = np.random.default_rng(0)
     for eqn, n in dot_products(jaxpr):
         lhs, rhs = (v.aval for v in eqn.invars)
-        key = (lhs.shape, lhs.dtype, rhs.shape, rhs.dtype, eqn.params["dimension_numbers"],
-               eqn.params["preferred_element_type"])
+        key = (
+            lhs.shape,
+            lhs.dtype,
+            rhs.shape,
+            rhs.dtype,
+            eqn.params["dimension_numbers"],
+            eqn.params["preferred_element_type"],
+        )
         if key not in timed:
             timed[key] = time_product(lhs, rhs, eqn.params, repeats, rng)
         spec = einsum_spec(lhs.ndim, rhs.ndim, key[4])
@@ -107,23 +116,47 @@ def product_census(model, optimizer, batch, mesh, repeats: int = 10) -> dict:
         line[0] += n
         line[1] += s
         line[2] += f
-    return {"calls": sum(g[0] for g in groups.values()), "distinct": len(timed), "gflop": flops / 1e9,
-            "alone_s": alone, "flops_per_s": flops / alone,
-            "top": [{"source": src, "spec": spec, "lhs": list(a), "rhs": list(b), "calls": n, "ms": 1e3 * s,
-                     "gflops": f / s / 1e9} for (src, spec, a, b), (n, s, f) in top],
-            "by_line": [{"source": src, "calls": n, "gflop": f / 1e9, "ms": 1e3 * s, "gflops": f / s / 1e9}
-                        for src, (n, s, f) in sorted(lines.items(), key=lambda kv: -kv[1][1])]}
+    return {
+        "calls": sum(g[0] for g in groups.values()),
+        "distinct": len(timed),
+        "gflop": flops / 1e9,
+        "alone_s": alone,
+        "flops_per_s": flops / alone,
+        "top": [
+            {
+                "source": src,
+                "spec": spec,
+                "lhs": list(a),
+                "rhs": list(b),
+                "calls": n,
+                "ms": 1e3 * s,
+                "gflops": f / s / 1e9,
+            }
+            for (src, spec, a, b), (n, s, f) in top
+        ],
+        "by_line": [
+            {"source": src, "calls": n, "gflop": f / 1e9, "ms": 1e3 * s, "gflops": f / s / 1e9}
+            for src, (n, s, f) in sorted(lines.items(), key=lambda kv: -kv[1][1])
+        ],
+    }
 
 
 def format_census(census: dict, step_s: float) -> str:
     """product_census's record as lines for stderr: the total beside the step's time, the slowest products, and
     every line of the program's products with their time and rate."""
-    lines = [f"the step's {census['calls']} products ({census['distinct']} distinct shapes), each timed alone: "
-             f"{1e3 * census['alone_s']:.1f} ms of the {1e3 * step_s:.1f} ms step "
-             f"({100 * census['alone_s'] / step_s:.0f}%), {census['flops_per_s'] / 1e9:.0f} GFLOP/s"]
-    lines += [f"  {p['ms']:9.2f} ms  {p['gflops']:6.0f} GFLOP/s  x{p['calls']:<4} {p['spec']} {tuple(p['lhs'])} "
-              f"{tuple(p['rhs'])} <- {p['source']}" for p in census["top"]]
+    lines = [
+        f"the step's {census['calls']} products ({census['distinct']} distinct shapes), each timed alone: "
+        f"{1e3 * census['alone_s']:.1f} ms of the {1e3 * step_s:.1f} ms step "
+        f"({100 * census['alone_s'] / step_s:.0f}%), {census['flops_per_s'] / 1e9:.0f} GFLOP/s"
+    ]
+    lines += [
+        f"  {p['ms']:9.2f} ms  {p['gflops']:6.0f} GFLOP/s  x{p['calls']:<4} {p['spec']} {tuple(p['lhs'])} "
+        f"{tuple(p['rhs'])} <- {p['source']}"
+        for p in census["top"]
+    ]
     lines.append("by line of the program (forward and backward together):")
-    lines += [f"  {p['ms']:9.2f} ms  {p['gflops']:6.0f} GFLOP/s  {p['gflop']:7.2f} GFLOP  x{p['calls']:<5} "
-              f"{p['source']}" for p in census["by_line"]]
+    lines += [
+        f"  {p['ms']:9.2f} ms  {p['gflops']:6.0f} GFLOP/s  {p['gflop']:7.2f} GFLOP  x{p['calls']:<5} {p['source']}"
+        for p in census["by_line"]
+    ]
     return "\n".join(lines)

@@ -55,10 +55,14 @@ class StepProfiler:
     @staticmethod
     def add_flag(parser, where: str) -> None:
         """--profile-steps START:STOP on a script's parser; `where` says where the trace goes."""
-        parser.add_argument("--profile-steps", type=StepProfiler.parse, default=None,
-                            help=f"write a jax.profiler trace of steps START:STOP (e.g. 5:8; step 0 compiles) to "
-                                 f"{where}. On a GPU the run turns XLA's command buffers off, so each kernel shows "
-                                 "in the trace")
+        parser.add_argument(
+            "--profile-steps",
+            type=StepProfiler.parse,
+            default=None,
+            help=f"write a jax.profiler trace of steps START:STOP (e.g. 5:8; step 0 compiles) to "
+            f"{where}. On a GPU the run turns XLA's command buffers off, so each kernel shows "
+            "in the trace",
+        )
 
     def covers(self, i: int) -> bool:
         """Whether step i is one of the profiled steps."""

@@ -1,6 +1,7 @@
 """Where a step's time goes: a profiler trace summed by op and by kind of work.
 
-`scripts.bench --profile-steps A:B` writes a jax.profiler trace (perf.profiler.StepProfiler) and adds this summary to its
+`scripts.bench --profile-steps A:B` writes a jax.profiler trace (perf.profiler.StepProfiler) and adds this summary to
+its
 JSON; `scripts.nanochat_bench --profile N` makes the same summary of nanochat's step from torch.profiler, so the
 two programs' kernels can be read side by side (runs/gpu_check.sh --profile puts both in summary.md).
 
@@ -26,7 +27,8 @@ import os
 import re
 import statistics
 
-# XLA's flag that turns its GPU command buffers off, so that a trace shows their kernels (perf.profiler.StepProfiler.prepare)
+# XLA's flag that turns its GPU command buffers off, so that a trace shows their kernels
+# (perf.profiler.StepProfiler.prepare)
 COMMAND_BUFFERS_OFF = "--xla_gpu_enable_command_buffer="
 
 KINDS = ("matmul", "attention", "collective", "layout", "reduction", "elementwise", "control", "other")
@@ -39,14 +41,23 @@ _NAME_RULES = [
     ("reduction", r"triton_(red|per)_"),
     ("attention", r"fmha|sdpa|flash|attention|splash|scaled_dot_product"),
     ("collective", r"all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute|nccl|allreduce|allgather"),
-    ("matmul", r"gemm|matmul|xmma|cutlass|cublas|ynn_fusion|\bdot\b|dot_general|convolution|^dot\.|aten::mm|"
-               r"aten::addmm|aten::bmm|aten::baddbmm|aten::linear|\bmm\b|extern_kernels\.mm|sgemm|wgmma|nvjet"),
-    ("layout", r"copy|transpose|bitcast|concatenate|\bcat\b|slice|pad|reshape|contiguous|clone|memcpy|memset|"
-               r"dynamic-update|gather"),
+    (
+        "matmul",
+        r"gemm|matmul|xmma|cutlass|cublas|ynn_fusion|\bdot\b|dot_general|convolution|^dot\.|aten::mm|"
+        r"aten::addmm|aten::bmm|aten::baddbmm|aten::linear|\bmm\b|extern_kernels\.mm|sgemm|wgmma|nvjet",
+    ),
+    (
+        "layout",
+        r"copy|transpose|bitcast|concatenate|\bcat\b|slice|pad|reshape|contiguous|clone|memcpy|memset|"
+        r"dynamic-update|gather",
+    ),
     ("reduction", r"reduce|\bsum\b|_sum|norm|softmax|logsumexp|argmax|\bmax\b|\bmean\b|red_"),
     ("control", r"^while|^conditional|^call\b|^call\.|compiledfunction|thunkexecutor"),
-    ("elementwise", r"fusion|triton|loop_|elementwise|vectorized|pointwise|add|mul|exp|tanh|where|select|"
-                    r"convert|cpp_fused|to_copy|aten::"),
+    (
+        "elementwise",
+        r"fusion|triton|loop_|elementwise|vectorized|pointwise|add|mul|exp|tanh|where|select|"
+        r"convert|cpp_fused|to_copy|aten::",
+    ),
 ]
 
 
@@ -67,8 +78,15 @@ def source_line_of(source: str) -> str:
     return f"{where}, backward" if "transpose(" in tail else where
 
 
-def summarize_ops(op_times: dict, steps: int, step_ms: float | None, kinds: dict | None = None, top: int = 12,
-                  counts: dict | None = None, sources: dict | None = None) -> dict:
+def summarize_ops(
+    op_times: dict,
+    steps: int,
+    step_ms: float | None,
+    kinds: dict | None = None,
+    top: int = 12,
+    counts: dict | None = None,
+    sources: dict | None = None,
+) -> dict:
     """{op: total ms over the profiled steps} -> the summary: per-step ms by kind and the `top` ops (with the JAX
     operation each came from, where `sources` names it: hlo.op_sources); with sources also `by_source`, the `top`
     lines of the program by the time of their ops (forward and backward apart; fused ops count at the line that
@@ -89,15 +107,37 @@ def summarize_ops(op_times: dict, steps: int, step_ms: float | None, kinds: dict
         lines[source_line_of(sources[op]) if op in sources else "(no source)"][kind(op)] += ms / steps
     by_source = sorted(lines.items(), key=lambda kv: -sum(kv[1].values()))[:top]
     return {
-        "steps": steps, "step_ms": step_ms, "op_ms_per_step": total,
+        "steps": steps,
+        "step_ms": step_ms,
+        "op_ms_per_step": total,
         "by_kind": {k: {"ms": by_kind[k], "share": share(by_kind[k])} for k in KINDS if by_kind[k]},
-        "top": [{"op": op, "kind": kind(op), "ms": ms / steps, "share": share(ms / steps),
-                 **({"calls": counts[op] / steps} if counts else {}),
-                 **({"source": sources[op]} if sources and op in sources else {})} for op, ms in ranked],
+        "top": [
+            {
+                "op": op,
+                "kind": kind(op),
+                "ms": ms / steps,
+                "share": share(ms / steps),
+                **({"calls": counts[op] / steps} if counts else {}),
+                **({"source": sources[op]} if sources and op in sources else {}),
+            }
+            for op, ms in ranked
+        ],
         **({"in_command_buffers_ms": hidden} if hidden else {}),
-        **({"by_source": [{"source": line, "ms": sum(k.values()), "share": share(sum(k.values())),
-                           "kinds": {name: k[name] for name in KINDS if k[name]}} for line, k in by_source]}
-           if sources else {}),
+        **(
+            {
+                "by_source": [
+                    {
+                        "source": line,
+                        "ms": sum(k.values()),
+                        "share": share(sum(k.values())),
+                        "kinds": {name: k[name] for name in KINDS if k[name]},
+                    }
+                    for line, k in by_source
+                ]
+            }
+            if sources
+            else {}
+        ),
     }
 
 
@@ -105,8 +145,9 @@ def newest_trace(directory: str) -> str:
     """The newest perfetto_trace.json.gz under a jax.profiler log directory (plugins/profile/<time>/)."""
     found = glob.glob(os.path.join(directory, "**", "perfetto_trace.json.gz"), recursive=True)
     if not found:
-        raise FileNotFoundError(f"no perfetto_trace.json.gz under {directory} (was the trace written with "
-                                "create_perfetto_trace=True?)")
+        raise FileNotFoundError(
+            f"no perfetto_trace.json.gz under {directory} (was the trace written with create_perfetto_trace=True?)"
+        )
     return max(found, key=os.path.getmtime)
 
 
@@ -124,8 +165,9 @@ def _self_times(events: list) -> list[tuple[dict, float]]:
     return out
 
 
-def summarize_trace(path: str, kinds: dict | None = None, module: str | None = None, top: int = 12,
-                    sources: dict | None = None) -> dict:
+def summarize_trace(
+    path: str, kinds: dict | None = None, module: str | None = None, top: int = 12, sources: dict | None = None
+) -> dict:
     """Summary of a jax.profiler trace (a log directory or a perfetto_trace.json.gz): per profiled step (the steps
     perf.profiler.StepProfiler annotated), ms by kind and the slowest ops. kinds: hlo.op_kinds of the compiled program,
     sources: its hlo.op_sources; module: count only ops of HLO modules whose name contains it (e.g. "train_step")."""
@@ -133,8 +175,11 @@ def summarize_trace(path: str, kinds: dict | None = None, module: str | None = N
     with gzip.open(path, "rt") as f:
         events = json.load(f)["traceEvents"]
     processes = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
-    threads = {(e["pid"], e.get("tid")): e["args"]["name"] for e in events
-               if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    threads = {
+        (e["pid"], e.get("tid")): e["args"]["name"]
+        for e in events
+        if e.get("ph") == "M" and e.get("name") == "thread_name"
+    }
     complete = [e for e in events if e.get("ph") == "X" and "dur" in e]
     on_device = [e for e in complete if processes.get(e["pid"], "").startswith(("/device:GPU", "/device:TPU"))]
     if any("hlo_op" in e.get("args", {}) for e in on_device):
@@ -159,8 +204,9 @@ def summarize_trace(path: str, kinds: dict | None = None, module: str | None = N
     kinds = {**{op: k for op, k in named.items() if k != "other"}, **(kinds or {})}
     steps = [e for e in complete if e["name"] == "step" and "step_num" in e.get("args", {})]  # StepTraceAnnotations
     marks = {e["args"]["step_num"]: e["dur"] / 1e3 for e in steps}  # step_num -> the host's view of the step
-    out = summarize_ops(op_times, len(marks), statistics.median(marks.values()) if marks else None, kinds, top, counts,
-                        sources)
+    out = summarize_ops(
+        op_times, len(marks), statistics.median(marks.values()) if marks else None, kinds, top, counts, sources
+    )
     # the share of the step the program was running (below 1: it waited on the host, on input or on transfers): on
     # a device its kernels' time over the step's; on a CPU, where XLA runs ops side by side on its threads, the
     # share of the steps' wall time during which at least one op ran
@@ -243,30 +289,46 @@ def format_summary(summary: dict, title: str = "") -> str:
     busy = "" if busy is None else f" (busy {100 * busy:.0f}% of the step{both})"
     lines = [f"{title}{step}{summary['op_ms_per_step']:.1f} ms of ops a step over {summary['steps']} step(s){busy}"]
     lines.append("  " + ", ".join(f"{k} {v['ms']:.1f} ms ({v['share']}%)" for k, v in summary["by_kind"].items()))
-    lines += [f"  {t['ms']:9.2f} ms {t['share']:5.1f}%  {t['kind']:<11} {t['op']}"
-              + (f"  <- {t['source']}" if t.get("source") else "") for t in summary["top"]]
+    lines += [
+        f"  {t['ms']:9.2f} ms {t['share']:5.1f}%  {t['kind']:<11} {t['op']}"
+        + (f"  <- {t['source']}" if t.get("source") else "")
+        for t in summary["top"]
+    ]
     idle = summary.get("idle")
     if idle:
-        lines.append(f"  idle a step: {idle['before_first_op']:.1f} ms before the first op, {idle['between_ops']:.1f} ms "
-                     f"between ops, {idle['after_last_op']:.1f} ms after the last")
+        lines.append(
+            f"  idle a step: {idle['before_first_op']:.1f} ms before the first op, {idle['between_ops']:.1f} ms "
+            f"between ops, {idle['after_last_op']:.1f} ms after the last"
+        )
     if summary.get("by_source"):
         lines.append("  by line of the program:")
-        lines += [f"  {t['ms']:9.2f} ms {t['share']:5.1f}%  {t['source']}  ("
-                  + ", ".join(f"{k} {ms:.2f}" for k, ms in t["kinds"].items()) + ")" for t in summary["by_source"]]
+        lines += [
+            f"  {t['ms']:9.2f} ms {t['share']:5.1f}%  {t['source']}  ("
+            + ", ".join(f"{k} {ms:.2f}" for k, ms in t["kinds"].items())
+            + ")"
+            for t in summary["by_source"]
+        ]
     if summary.get("in_command_buffers_ms"):
-        lines.append(f"  {summary['in_command_buffers_ms']:.1f} ms a step ran in XLA command buffers, whose kernels a "
-                     f"trace hides: profile with XLA_FLAGS={COMMAND_BUFFERS_OFF} (--profile-steps sets it)")
+        lines.append(
+            f"  {summary['in_command_buffers_ms']:.1f} ms a step ran in XLA command buffers, whose kernels a "
+            f"trace hides: profile with XLA_FLAGS={COMMAND_BUFFERS_OFF} (--profile-steps sets it)"
+        )
     return "\n".join(lines)
 
 
 def main(argv=None):
     import argparse
 
-    p = argparse.ArgumentParser(description="Where the profiled steps' time went: a jax.profiler trace (e.g. from "
-                                            "--profile-steps) summed by op and kind of op, per step.")
+    p = argparse.ArgumentParser(
+        description="Where the profiled steps' time went: a jax.profiler trace (e.g. from "
+        "--profile-steps) summed by op and kind of op, per step."
+    )
     p.add_argument("path", help="the trace's log directory (its newest perfetto_trace.json.gz is read) or the file")
-    p.add_argument("--module", default="train_step", help="ops of HLO modules whose name holds this (default: "
-                                                          "train_step; '' for every module)")
+    p.add_argument(
+        "--module",
+        default="train_step",
+        help="ops of HLO modules whose name holds this (default: train_step; '' for every module)",
+    )
     p.add_argument("--top", type=int, default=12, help="how many of the slowest ops to list")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     args = p.parse_args(argv)

@@ -39,8 +39,9 @@ def load_page() -> str:
     return importlib.resources.files("flaxchat.serve").joinpath("ui.html").read_text(encoding="utf-8")
 
 
-def create_app(scheduler: Scheduler, tokenizer, config: ServeConfig | None = None,
-               own_scheduler: bool = True) -> FastAPI:
+def create_app(
+    scheduler: Scheduler, tokenizer, config: ServeConfig | None = None, own_scheduler: bool = True
+) -> FastAPI:
     """The FastAPI app around a scheduler. The app starts the scheduler's thread, and closes it on shutdown
     when it owns it (several apps, e.g. with different limits, may share one scheduler)."""
     server = ChatServer(scheduler, tokenizer, config or ServeConfig())
@@ -62,13 +63,20 @@ def create_app(scheduler: Scheduler, tokenizer, config: ServeConfig | None = Non
     @app.get("/health")
     async def health():
         stats = scheduler.stats()
-        return {"status": "ok", "model": server.config.model_name, "connections": server.connections,
-                "utilisation": round(stats["active"] / stats["slots"], 3), **stats}
+        return {
+            "status": "ok",
+            "model": server.config.model_name,
+            "connections": server.connections,
+            "utilisation": round(stats["active"] / stats["slots"], 3),
+            **stats,
+        }
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": server.config.model_name, "object": "model",
-                                            "created": 0, "owned_by": "flaxchat"}]}
+        return {
+            "object": "list",
+            "data": [{"id": server.config.model_name, "object": "model", "created": 0, "owned_by": "flaxchat"}],
+        }
 
     app.post("/v1/chat/completions")(holding_connection(server, completions))
     app.post("/v1/completions")(holding_connection(server, legacy_completions))
@@ -77,8 +85,11 @@ def create_app(scheduler: Scheduler, tokenizer, config: ServeConfig | None = Non
     async def chat_socket(ws: WebSocket):
         await ws.accept()
         if not server.acquire():
-            await ws.send_text(json.dumps(error_event("too_many_connections",
-                                                      "the server is at its connection limit; try again later")))
+            await ws.send_text(
+                json.dumps(
+                    error_event("too_many_connections", "the server is at its connection limit; try again later")
+                )
+            )
             await ws.close(code=1013)
             return
         try:
@@ -97,8 +108,15 @@ def uvicorn_config(app, host: str, port: int, config: ServeConfig | None = None,
     """uvicorn settings for the app: WebSocket frames a little over the message limit are still read (and answered
     with message_too_large); far larger ones are cut off by uvicorn itself."""
     limit = (config or app.state.chat.config).max_message_bytes
-    return uvicorn.Config(app, host=host, port=port, ws_max_size=4 * limit + 4096, log_level="warning",
-                          timeout_graceful_shutdown=5, **kwargs)
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        ws_max_size=4 * limit + 4096,
+        log_level="warning",
+        timeout_graceful_shutdown=5,
+        **kwargs,
+    )
 
 
 class BackgroundServer:

@@ -110,8 +110,14 @@ class CompletionRequest(_OpenAI):
 
 
 def openai_error(e: ClientError) -> JSONResponse:
-    body = {"error": {"message": e.message, "type": "invalid_request_error" if e.status < 500 else "server_error",
-                      "param": None, "code": e.reason}}
+    body = {
+        "error": {
+            "message": e.message,
+            "type": "invalid_request_error" if e.status < 500 else "server_error",
+            "param": None,
+            "code": e.reason,
+        }
+    }
     return JSONResponse(body, status_code=e.status)
 
 
@@ -155,6 +161,7 @@ class HeldStream(StreamingResponse):
 def holding_connection(server: ChatServer, handler):
     """An HTTP route around `handler(server, request)` that holds one of the server's connections while it runs
     (a stream: until it has been sent)."""
+
     async def route(request: HTTPRequest):
         if not server.acquire():
             return openai_error(ClientError("too_many_connections", "the server is at its connection limit", 503))
@@ -165,6 +172,7 @@ def holding_connection(server: ChatServer, handler):
         finally:
             if not isinstance(response, HeldStream):  # a stream gives its connection back when it ends
                 server.release()
+
     return route
 
 
@@ -198,7 +206,7 @@ class StopFilter:
             self.stopped, out, self.held = True, self.held[:cut], ""
             return out
         keep = max((k for x in self.stops for k in range(1, len(x)) if self.held.endswith(x[:k])), default=0)
-        out, self.held = self.held[: len(self.held) - keep], self.held[len(self.held) - keep:]
+        out, self.held = self.held[: len(self.held) - keep], self.held[len(self.held) - keep :]
         return out
 
     def flush(self) -> str:
@@ -244,8 +252,9 @@ class Choices:
                 self.server.scheduler.cancel(job)
 
 
-def submit_choices(server: ChatServer, prompt: list[int], settings: dict, n: int, seeded: bool,
-                   events: asyncio.Queue) -> list[Request]:
+def submit_choices(
+    server: ChatServer, prompt: list[int], settings: dict, n: int, seeded: bool, events: asyncio.Queue
+) -> list[Request]:
     """n scheduler requests for one prompt, seeds seed+i when the client gave a seed (all or none are queued)."""
     jobs = []
     try:
@@ -307,20 +316,29 @@ async def completions(server: ChatServer, request: HTTPRequest):
     try:
         req = await read_request(server, request, ChatCompletionRequest)
         stops = req.stops()
-        settings = server.sampling(req.temperature, req.top_k, req.max_completion_tokens or req.max_tokens, req.seed,
-                                   req.top_p)
+        settings = server.sampling(
+            req.temperature, req.top_k, req.max_completion_tokens or req.max_tokens, req.seed, req.top_p
+        )
         prompt, _ = server.render(openai_messages(req), drop_old=False)
         server.check_rate(request.client.host if request.client else "unknown")
         events: asyncio.Queue = asyncio.Queue()
         choices = Choices(server, submit_choices(server, prompt, settings, req.n, req.seed is not None, events), stops)
     except ClientError as e:
         return openai_error(e)
-    meta = {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "object": "", "created": int(time.time()),
-            "model": server.config.model_name}  # "object" is filled in per response, keeping OpenAI's key order
+    meta = {
+        "id": f"chatcmpl-{uuid.uuid4().hex[:24]}",
+        "object": "",
+        "created": int(time.time()),
+        "model": server.config.model_name,
+    }  # "object" is filled in per response, keeping OpenAI's key order
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return HeldStream(server, _sse(choices, events, _chat_chunks(meta), include_usage),
-                          media_type="text/event-stream", headers=SSE_HEADERS)
+        return HeldStream(
+            server,
+            _sse(choices, events, _chat_chunks(meta), include_usage),
+            media_type="text/event-stream",
+            headers=SSE_HEADERS,
+        )
     return await _collect(request, choices, events, meta)
 
 
@@ -329,14 +347,20 @@ async def _collect(request, choices: Choices, events, meta):
         texts = await _gather(request, choices, events)
     except ClientError as e:  # 499: nobody is waiting (the slots are already freed)
         return JSONResponse({}, status_code=499) if e.status == 499 else openai_error(e)
-    out = [{"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
-            "logprobs": None} for i, (text, reason) in enumerate(zip(texts, choices.reasons))]
+    out = [
+        {"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": reason, "logprobs": None}
+        for i, (text, reason) in enumerate(zip(texts, choices.reasons))
+    ]
     return JSONResponse({**meta, "object": "chat.completion", "choices": out, "usage": choices.usage()})
 
 
 def _sse_chunk(meta: dict, delta: dict, finish_reason=None, index: int = 0, **extra) -> str:
-    chunk = {**meta, "object": "chat.completion.chunk",
-             "choices": [{"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": None}], **extra}
+    chunk = {
+        **meta,
+        "object": "chat.completion.chunk",
+        "choices": [{"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": None}],
+        **extra,
+    }
     return f"data: {json.dumps(chunk)}\n\n"
 
 
@@ -401,8 +425,12 @@ async def prompt_logprobs(server: ChatServer, ids: list[int], top: int) -> dict:
     for t in tokens[:-1]:
         offsets.append(offsets[-1] + len(t))
     tops = [None] + [{decode(a): float(v) for a, v in zip(row, vals)} for row, vals in zip(alt, alt_logp)]
-    return {"tokens": tokens, "token_logprobs": [None] + [float(x) for x in chosen[1:]],
-            "top_logprobs": tops if top else [None] + [{} for _ in ids[1:]], "text_offset": offsets}
+    return {
+        "tokens": tokens,
+        "token_logprobs": [None] + [float(x) for x in chosen[1:]],
+        "top_logprobs": tops if top else [None] + [{} for _ in ids[1:]],
+        "text_offset": offsets,
+    }
 
 
 async def legacy_completions(server: ChatServer, request: HTTPRequest):
@@ -423,26 +451,41 @@ async def legacy_completions(server: ChatServer, request: HTTPRequest):
             return legacy_stream(server, req, prompts[0], settings, stops)
         out, usage = [], {"prompt_tokens": sum(len(ids) for _, ids in prompts), "completion_tokens": 0}
         for p, (text, ids) in enumerate(prompts):
-            logprobs = await prompt_logprobs(server, ids, req.logprobs) if req.logprobs is not None and req.echo \
-                else None
+            logprobs = (
+                await prompt_logprobs(server, ids, req.logprobs) if req.logprobs is not None and req.echo else None
+            )
             if req.max_tokens == 0:
                 replies, reasons = [""] * req.n, ["length"] * req.n
             else:
                 events: asyncio.Queue = asyncio.Queue()
-                choices = Choices(server, submit_choices(server, ids, settings, req.n, req.seed is not None, events),
-                                  stops)
+                choices = Choices(
+                    server, submit_choices(server, ids, settings, req.n, req.seed is not None, events), stops
+                )
                 replies = await _gather(request, choices, events)
                 reasons = choices.reasons
                 usage["completion_tokens"] += choices.usage()["completion_tokens"]
             for i, (reply, reason) in enumerate(zip(replies, reasons)):
-                out.append({"text": (text if req.echo else "") + reply, "index": p * req.n + i,
-                            "logprobs": logprobs if req.logprobs is not None else None, "finish_reason": reason})
+                out.append(
+                    {
+                        "text": (text if req.echo else "") + reply,
+                        "index": p * req.n + i,
+                        "logprobs": logprobs if req.logprobs is not None else None,
+                        "finish_reason": reason,
+                    }
+                )
     except ClientError as e:
         return openai_error(e)
     usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-    return JSONResponse({"id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion",
-                         "created": int(time.time()), "model": server.config.model_name, "choices": out,
-                         "usage": usage})
+    return JSONResponse(
+        {
+            "id": f"cmpl-{uuid.uuid4().hex[:24]}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": server.config.model_name,
+            "choices": out,
+            "usage": usage,
+        }
+    )
 
 
 def legacy_stream(server: ChatServer, req: CompletionRequest, prompt: tuple[str, list[int]], settings, stops):
@@ -450,8 +493,12 @@ def legacy_stream(server: ChatServer, req: CompletionRequest, prompt: tuple[str,
     text, ids = prompt
     events: asyncio.Queue = asyncio.Queue()
     choices = Choices(server, submit_choices(server, ids, settings, req.n, req.seed is not None, events), stops)
-    meta = {"id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion", "created": int(time.time()),
-            "model": server.config.model_name}
+    meta = {
+        "id": f"cmpl-{uuid.uuid4().hex[:24]}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": server.config.model_name,
+    }
 
     def chunk(index, piece, finish):
         body = {**meta, "choices": [{"text": piece, "index": index, "logprobs": None, "finish_reason": finish}]}
@@ -460,5 +507,9 @@ def legacy_stream(server: ChatServer, req: CompletionRequest, prompt: tuple[str,
     opening = lambda n: [chunk(i, text, None) for i in range(n)] if req.echo else []
     usage = lambda u: f"data: {json.dumps({**meta, 'choices': [], 'usage': u})}\n\n"
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    return HeldStream(server, _sse(choices, events, (opening, chunk, usage), include_usage),
-                      media_type="text/event-stream", headers=SSE_HEADERS)
+    return HeldStream(
+        server,
+        _sse(choices, events, (opening, chunk, usage), include_usage),
+        media_type="text/event-stream",
+        headers=SSE_HEADERS,
+    )

@@ -111,10 +111,13 @@ class ChatServer:
         c = self.config
         if max_tokens is not None and max_tokens > self.max_new_tokens:
             raise ClientError("invalid_message", f"max_tokens: at most {self.max_new_tokens} new tokens per reply")
-        return dict(temperature=c.default_temperature if temperature is None else temperature,
-                    top_k=c.default_top_k if top_k is None else top_k,
-                    max_tokens=min(c.default_max_tokens, self.max_new_tokens) if max_tokens is None else max_tokens,
-                    seed=new_seed() if seed is None else seed, top_p=1.0 if top_p is None else top_p)
+        return dict(
+            temperature=c.default_temperature if temperature is None else temperature,
+            top_k=c.default_top_k if top_k is None else top_k,
+            max_tokens=min(c.default_max_tokens, self.max_new_tokens) if max_tokens is None else max_tokens,
+            seed=new_seed() if seed is None else seed,
+            top_p=1.0 if top_p is None else top_p,
+        )
 
     def render(self, messages: list[dict], drop_old: bool) -> tuple[list[int], int]:
         """Prompt ids for the reply to `messages` -> (ids, messages dropped). With drop_old, the oldest
@@ -129,8 +132,9 @@ class ChatServer:
             if len(ids) <= self.max_prompt_tokens:
                 return ids, dropped
             if not drop_old or len(messages) - dropped <= 1:
-                raise ClientError("prompt_too_long", f"the prompt is {len(ids)} tokens; the limit is "
-                                  f"{self.max_prompt_tokens}", 400)
+                raise ClientError(
+                    "prompt_too_long", f"the prompt is {len(ids)} tokens; the limit is {self.max_prompt_tokens}", 400
+                )
             dropped += 2  # one user message and the reply to it
 
     def submit(self, prompt: list[int], settings: dict, emit) -> Request:
@@ -139,8 +143,9 @@ class ChatServer:
         except QueueFull as e:
             raise ClientError("server_busy", str(e), 503) from None
         except (ValueError, RuntimeError) as e:
-            raise ClientError("server_busy" if isinstance(e, RuntimeError) else "prompt_too_long", str(e),
-                              503) from None
+            raise ClientError(
+                "server_busy" if isinstance(e, RuntimeError) else "prompt_too_long", str(e), 503
+            ) from None
 
 
 def thread_emitter(queue: asyncio.Queue, tag=None):

@@ -63,11 +63,21 @@ CLIENT_MESSAGE = TypeAdapter(Annotated[Union[WsMessage, WsStop, WsReset], Field(
 def ready_event(server: ChatServer) -> dict:
     """The frame a new connection gets first: the model's name, the limits and the sampling defaults."""
     c = server.config
-    return {"type": "ready", "model": c.model_name,
-            "limits": {"max_new_tokens": server.max_new_tokens, "max_prompt_tokens": server.max_prompt_tokens,
-                       "max_message_bytes": c.max_message_bytes, "max_top_k": MAX_TOP_K},
-            "defaults": {"temperature": c.default_temperature, "top_k": c.default_top_k,
-                         "max_tokens": min(c.default_max_tokens, server.max_new_tokens)}}
+    return {
+        "type": "ready",
+        "model": c.model_name,
+        "limits": {
+            "max_new_tokens": server.max_new_tokens,
+            "max_prompt_tokens": server.max_prompt_tokens,
+            "max_message_bytes": c.max_message_bytes,
+            "max_top_k": MAX_TOP_K,
+        },
+        "defaults": {
+            "temperature": c.default_temperature,
+            "top_k": c.default_top_k,
+            "max_tokens": min(c.default_max_tokens, server.max_new_tokens),
+        },
+    }
 
 
 # -----------------------------------------------------------------------------
@@ -145,8 +155,10 @@ class ChatSession:
                     continue  # a reply the client reset away
                 if event["type"] in ("done", "error"):
                     if event["type"] == "done":
-                        self.history += [{"role": "user", "content": self.pending_user},
-                                         {"role": "assistant", "content": self.current.parts}]
+                        self.history += [
+                            {"role": "user", "content": self.pending_user},
+                            {"role": "assistant", "content": self.current.parts},
+                        ]
                     self.current = self.current_tag = self.pending_user = None
             try:
                 await self.ws.send_text(json.dumps(event))

@@ -37,8 +37,13 @@ def checkpoint_dir(phase: str, model_tag: str, base_dir: str | None = None) -> s
 
 def git_commit() -> str:
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
-                             cwd=os.path.dirname(os.path.abspath(__file__)))
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            cwd=os.path.dirname(os.path.abspath(__file__)),
+        )
         return out.stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
@@ -73,8 +78,14 @@ class Checkpointer:
         self.directory = os.path.abspath(os.path.expanduser(directory))
         policies = [ocm.preservation_policy.LatestN(n=keep)]
         if keep_best:
-            policies.append(ocm.preservation_policy.BestN(
-                get_metric_fn=lambda m: m["val_bpb"], reverse=True, n=keep_best, keep_checkpoints_without_metrics=False))
+            policies.append(
+                ocm.preservation_policy.BestN(
+                    get_metric_fn=lambda m: m["val_bpb"],
+                    reverse=True,
+                    n=keep_best,
+                    keep_checkpoints_without_metrics=False,
+                )
+            )
         options = ocp.CheckpointManagerOptions(
             preservation_policy=ocm.preservation_policy.AnyPreservationPolicy(policies),
             enable_async_checkpointing=async_save,
@@ -89,8 +100,16 @@ class Checkpointer:
     def all_steps(self) -> list[int]:
         return list(self.manager.all_steps())
 
-    def save(self, step: int, model, optimizer=None, data_state=None, meta: dict | None = None,
-             metrics: dict | None = None, params=nnx.Param) -> None:
+    def save(
+        self,
+        step: int,
+        model,
+        optimizer=None,
+        data_state=None,
+        meta: dict | None = None,
+        metrics: dict | None = None,
+        params=nnx.Param,
+    ) -> None:
         """Start an (async) save of everything needed to resume at `step`; call wait() before exiting.
 
         params: which of the model's Variables to save (LoraConfig.trainable(): a LoRA run's trained weights alone)."""
@@ -136,8 +155,10 @@ class Checkpointer:
         {"step", "meta", "data_states"}: data_states holds every saving process's loader state (or None), so a
         loader on another number of processes can carry the data position over. params: as in `save`."""
         step = self._resolve(step)
-        items = {"model": ocp.args.StandardRestore(abstract_state(nnx.state(model, params), mesh)),
-                 "meta": ocp.args.JsonRestore()}
+        items = {
+            "model": ocp.args.StandardRestore(abstract_state(nnx.state(model, params), mesh)),
+            "meta": ocp.args.JsonRestore(),
+        }
         if optimizer is not None:
             items["optimizer"] = ocp.args.StandardRestore(abstract_state(optimizer, mesh))
         has_data = os.path.isdir(os.path.join(self.directory, str(step), "data"))
@@ -170,18 +191,27 @@ def find_model_tag(phase: str, base_dir: str | None = None) -> str:
     root = os.path.join(base_dir or get_base_dir(), PHASE_DIRS[phase])
     tags = sorted(t for t in os.listdir(root) if os.path.isdir(os.path.join(root, t))) if os.path.isdir(root) else []
     if not tags:
-        hint = {"base": "python -m scripts.pretrain", "sft": "python -m scripts.sft", "rl": "python -m scripts.rl"}[phase]
+        hint = {"base": "python -m scripts.pretrain", "sft": "python -m scripts.sft", "rl": "python -m scripts.rl"}[
+            phase
+        ]
         raise FileNotFoundError(f"no {phase} checkpoints under {root}; train one first with `{hint}`")
     depth = lambda t: int(t[1:]) if t[1:].isdigit() else -1
     return max(tags, key=lambda t: (depth(t), t))
 
 
-def load_model(phase: str = "base", model_tag: str | None = None, step: int | None = None, mesh=None,
-               base_dir: str | None = None, dtype=None):
+def load_model(
+    phase: str = "base",
+    model_tag: str | None = None,
+    step: int | None = None,
+    mesh=None,
+    base_dir: str | None = None,
+    dtype=None,
+):
     """(model, tokenizer, meta) from a checkpoint; parameters are restored straight onto `mesh`.
 
     A LoRA checkpoint (meta["lora"]: the adapters and any weights trained in full, nothing else) loads its base
-    checkpoint (meta["base"]) and returns the base with them merged in (flaxchat.model.lora.merge_lora): an ordinary GPT."""
+    checkpoint (meta["base"]) and returns the base with them merged in (flaxchat.model.lora.merge_lora): an ordinary
+    GPT."""
     model_tag = model_tag or find_model_tag(phase, base_dir)
     ckpt = Checkpointer(checkpoint_dir(phase, model_tag, base_dir), async_save=False)
     try:
@@ -195,8 +225,10 @@ def load_model(phase: str = "base", model_tag: str | None = None, step: int | No
         ckpt.close()
     tokenizer = get_tokenizer(base_dir)
     if tokenizer.get_vocab_size() != config.vocab_size:
-        raise ValueError(f"tokenizer vocab {tokenizer.get_vocab_size()} != model vocab {config.vocab_size}; "
-                         "was the tokenizer retrained after this model?")
+        raise ValueError(
+            f"tokenizer vocab {tokenizer.get_vocab_size()} != model vocab {config.vocab_size}; "
+            "was the tokenizer retrained after this model?"
+        )
     return model, tokenizer, info["meta"]
 
 
@@ -217,11 +249,15 @@ def _load_lora(ckpt: Checkpointer, meta: dict, mesh, base_dir, dtype):
     try:
         model, tokenizer, _ = load_model(base["phase"], base["model_tag"], base["step"], mesh, base_dir, dtype)
     except FileNotFoundError as e:
-        raise FileNotFoundError(f"the LoRA checkpoint {ckpt.directory} (step {meta['step']}) needs its base model, "
-                                f"{base['phase']} {base['model_tag']} step {base['step']}: {e}") from None
+        raise FileNotFoundError(
+            f"the LoRA checkpoint {ckpt.directory} (step {meta['step']}) needs its base model, "
+            f"{base['phase']} {base['model_tag']} step {base['step']}: {e}"
+        ) from None
     if model.config.to_dict() != meta["model_config"]:
-        raise ValueError(f"the LoRA checkpoint {ckpt.directory} was trained on another model than {base['phase']} "
-                         f"{base['model_tag']} step {base['step']} now holds")
+        raise ValueError(
+            f"the LoRA checkpoint {ckpt.directory} was trained on another model than {base['phase']} "
+            f"{base['model_tag']} step {base['step']} now holds"
+        )
     lora = LoraConfig.from_dict(meta["lora"])
     lora_model = apply_lora(model, lora)
     ckpt.restore(lora_model, step=meta["step"], mesh=mesh, params=lora.trainable())
@@ -237,13 +273,21 @@ def merge_lora_checkpoint(model_tag: str, step: int | None, output_tag: str) -> 
     finally:
         ckpt.close()
     if "lora" not in meta:
-        raise ValueError(f"{ckpt.directory} step {meta['step']} holds full weights, not LoRA adapters: nothing to merge")
+        raise ValueError(
+            f"{ckpt.directory} step {meta['step']} holds full weights, not LoRA adapters: nothing to merge"
+        )
     model, _, meta = load_model("sft", model_tag, meta["step"])
     out = Checkpointer(checkpoint_dir("sft", output_tag), keep=1, keep_best=0, async_save=False)
     for old in out.all_steps():
         out.manager.delete(old)
     kept = {k: v for k, v in meta.items() if k not in ("lora", "loop_state", "step", "model_config")}
-    out.save(meta["step"], model, meta={**kept, "merged_from": {"phase": "sft", "model_tag": model_tag,
-                                                                  "step": meta["step"], "lora": meta["lora"]}})
+    out.save(
+        meta["step"],
+        model,
+        meta={
+            **kept,
+            "merged_from": {"phase": "sft", "model_tag": model_tag, "step": meta["step"], "lora": meta["lora"]},
+        },
+    )
     out.close()
     return out.directory

@@ -24,48 +24,90 @@ def default_note(default, note: str | None = None) -> str:
 
 def add_run_flag(parser) -> None:
     """--run: the wandb run name (eval.report.metrics_logger logs there)."""
-    parser.add_argument("--run", type=str, default="dummy",
-                        help="wandb run name ('dummy' disables wandb; needs wandb installed)")
+    parser.add_argument(
+        "--run", type=str, default="dummy", help="wandb run name ('dummy' disables wandb; needs wandb installed)"
+    )
 
 
 def add_dtype_flag(parser) -> None:
     """--dtype: the compute dtype (common.compute_dtype picks one where it is not given)."""
-    parser.add_argument("--dtype", type=str, default=None, choices=DTYPE_CHOICES,
-                        help="compute dtype (default: bf16 on GPU/TPU, fp32 on CPU; bfloat16 trains faster on CPUs "
-                             "with AVX512-BF16/AMX: bf16 products, fp32 activations)")
+    parser.add_argument(
+        "--dtype",
+        type=str,
+        default=None,
+        choices=DTYPE_CHOICES,
+        help="compute dtype (default: bf16 on GPU/TPU, fp32 on CPU; bfloat16 trains faster on CPUs "
+        "with AVX512-BF16/AMX: bf16 products, fp32 activations)",
+    )
 
 
-def add_batch_flags(parser, device_batch_size, total_batch_size=ABSENT, *, device_help: str | None = None,
-                    total_note: str | None = None) -> None:
+def add_batch_flags(
+    parser, device_batch_size, total_batch_size=ABSENT, *, device_help: str | None = None, total_note: str | None = None
+) -> None:
     """--device-batch-size (sequences per device per micro-step) and, given a default, --total-batch-size (tokens
     per optimizer step; gradient accumulation makes up the difference). device_help replaces the first's help
     where a script's micro-step is something else (RL's rollouts)."""
-    parser.add_argument("--device-batch-size", type=int, default=device_batch_size,
-                        help=device_help or "sequences per device per micro-step" + default_note(device_batch_size))
+    parser.add_argument(
+        "--device-batch-size",
+        type=int,
+        default=device_batch_size,
+        help=device_help or "sequences per device per micro-step" + default_note(device_batch_size),
+    )
     if total_batch_size is not ABSENT:
-        parser.add_argument("--total-batch-size", type=int, default=total_batch_size,
-                            help="tokens per optimizer step" + default_note(total_batch_size, total_note))
+        parser.add_argument(
+            "--total-batch-size",
+            type=int,
+            default=total_batch_size,
+            help="tokens per optimizer step" + default_note(total_batch_size, total_note),
+        )
 
 
-def add_optimizer_flags(parser, embedding_lr, unembedding_lr, matrix_lr, *, scalar_lr=ABSENT, weight_decay=ABSENT,
-                        weight_decay_note: str | None = None, init_lr_frac=ABSENT) -> None:
+def add_optimizer_flags(
+    parser,
+    embedding_lr,
+    unembedding_lr,
+    matrix_lr,
+    *,
+    scalar_lr=ABSENT,
+    weight_decay=ABSENT,
+    weight_decay_note: str | None = None,
+    init_lr_frac=ABSENT,
+) -> None:
     """MuonAdamW's learning rates (train.optim.build_optimizer's groups) and, given defaults, --scalar-lr,
     --weight-decay and --init-lr-frac (every LR scaled by it: fine-tuning starts below pretraining's rates)."""
-    parser.add_argument("--embedding-lr", type=float, default=embedding_lr,
-                        help="AdamW LR for the token embedding" + default_note(embedding_lr))
-    parser.add_argument("--unembedding-lr", type=float, default=unembedding_lr,
-                        help="AdamW LR for lm_head" + default_note(unembedding_lr))
-    parser.add_argument("--matrix-lr", type=float, default=matrix_lr,
-                        help="Muon LR for the block matrices" + default_note(matrix_lr))
+    parser.add_argument(
+        "--embedding-lr",
+        type=float,
+        default=embedding_lr,
+        help="AdamW LR for the token embedding" + default_note(embedding_lr),
+    )
+    parser.add_argument(
+        "--unembedding-lr",
+        type=float,
+        default=unembedding_lr,
+        help="AdamW LR for lm_head" + default_note(unembedding_lr),
+    )
+    parser.add_argument(
+        "--matrix-lr", type=float, default=matrix_lr, help="Muon LR for the block matrices" + default_note(matrix_lr)
+    )
     if scalar_lr is not ABSENT:
-        parser.add_argument("--scalar-lr", type=float, default=scalar_lr,
-                            help="AdamW LR for the per-layer scalars" + default_note(scalar_lr))
+        parser.add_argument(
+            "--scalar-lr",
+            type=float,
+            default=scalar_lr,
+            help="AdamW LR for the per-layer scalars" + default_note(scalar_lr),
+        )
     if weight_decay is not ABSENT:
-        parser.add_argument("--weight-decay", type=float, default=weight_decay,
-                            help="Muon cautious weight decay" + default_note(weight_decay, weight_decay_note))
+        parser.add_argument(
+            "--weight-decay",
+            type=float,
+            default=weight_decay,
+            help="Muon cautious weight decay" + default_note(weight_decay, weight_decay_note),
+        )
     if init_lr_frac is not ABSENT:
-        parser.add_argument("--init-lr-frac", type=float, default=init_lr_frac,
-                            help="every LR as a fraction of its base value")
+        parser.add_argument(
+            "--init-lr-frac", type=float, default=init_lr_frac, help="every LR as a fraction of its base value"
+        )
 
 
 def add_schedule_flags(parser, *, warmdown_ratio, final_lr_frac, warmup_steps=ABSENT, warmup_ratio=ABSENT) -> None:
@@ -74,9 +116,10 @@ def add_schedule_flags(parser, *, warmdown_ratio, final_lr_frac, warmup_steps=AB
     if warmup_steps is not ABSENT:
         parser.add_argument("--warmup-steps", type=int, default=warmup_steps, help="LR warmup steps")
     if warmup_ratio is not ABSENT:
-        parser.add_argument("--warmup-ratio", type=float, default=warmup_ratio,
-                            help="fraction of the run spent in LR warmup")
-    parser.add_argument("--warmdown-ratio", type=float, default=warmdown_ratio,
-                        help="fraction of the run spent in LR warmdown")
-    parser.add_argument("--final-lr-frac", type=float, default=final_lr_frac,
-                        help="final LR as a fraction of the peak")
+        parser.add_argument(
+            "--warmup-ratio", type=float, default=warmup_ratio, help="fraction of the run spent in LR warmup"
+        )
+    parser.add_argument(
+        "--warmdown-ratio", type=float, default=warmdown_ratio, help="fraction of the run spent in LR warmdown"
+    )
+    parser.add_argument("--final-lr-frac", type=float, default=final_lr_frac, help="final LR as a fraction of the peak")

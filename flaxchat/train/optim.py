@@ -278,7 +278,12 @@ def _unstack(x, n, layouts):
 
 
 def muon(
-    learning_rate, momentum=0.95, weight_decay=0.0, beta2=0.9, ns_steps: int = 5, polar_dtype=jnp.float32,
+    learning_rate,
+    momentum=0.95,
+    weight_decay=0.0,
+    beta2=0.9,
+    ns_steps: int = 5,
+    polar_dtype=jnp.float32,
     param_axes: dict | None = None,
 ) -> optax.GradientTransformation:
     """nanochat's Muon for matrices (torch layout (out, in)); returns additive updates; needs params.
@@ -332,8 +337,9 @@ def muon(
             size = -(-len(idx) // shards) * shards
             g = _stack([directions[i] for i in idx], size, layouts)
             v = _stack([second[i] for i in idx], size, v_layouts)
-            u, v = orthogonalized_update(g, v, beta2=beta2, ns_steps=ns_steps, polar_dtype=polar_dtype,
-                                         dtype=params[idx[0]].dtype)
+            u, v = orthogonalized_update(
+                g, v, beta2=beta2, ns_steps=ns_steps, polar_dtype=polar_dtype, dtype=params[idx[0]].dtype
+            )
             lr = learning_rate * muon_lr_scale(g.shape)
             # the weight decay's sign test reads the parameters where they live: only the directions travel
             # to the stack's layout and back, never the parameters
@@ -464,9 +470,10 @@ GRADIENT_LIMIT = 1e15
 def _all_within(tree, limit) -> jax.Array:
     """Whether every element of every leaf is at most `limit` in magnitude, NaN failing: the max over 0 where an
     element passes and 1 where it does not. On a CPU that is two ops per leaf (the flags, then YNNPACK's max)
-    where `all(isfinite(x))` took three (a mask, a tree of partial reductions, the last one). On a mesh the cross-device part of a float max is an all-reduce of its own
-    kind, so XLA still combines the gradients' sums into one all-reduce (a float sum, e.g. of x - x, would have
-    split them), and no NaN ever reaches a collective, whose max might drop it."""
+    where `all(isfinite(x))` took three (a mask, a tree of partial reductions, the last one). On a mesh the
+    cross-device part of a float max is an all-reduce of its own kind, so XLA still combines the gradients' sums
+    into one all-reduce (a float sum, e.g. of x - x, would have split them), and no NaN ever reaches a collective,
+    whose max might drop it."""
     flags = [jnp.max(jnp.where(jnp.abs(x) <= limit, 0.0, 1.0)) for x in jax.tree.leaves(tree)]
     return jnp.max(jnp.stack(flags)) == 0
 
@@ -572,12 +579,15 @@ def muon_adamw(groups: dict, schedule: Schedule | None = None, polar_dtype=jnp.f
         txs = {}
         for name, g in groups.items():
             if isinstance(g, MuonGroup):
-                txs[name] = muon(g.lr * lr_multiplier, muon_momentum, muon_weight_decay, g.beta2, g.ns_steps, polar_dtype,
-                                 param_axes)
+                txs[name] = muon(
+                    g.lr * lr_multiplier, muon_momentum, muon_weight_decay, g.beta2, g.ns_steps, polar_dtype, param_axes
+                )
             else:
                 # optax.adamw is nanochat's AdamW up to float rounding: same EMA moments, bias
                 # corrections on both, eps outside the sqrt, decoupled decay lr*wd*p on the old params.
-                txs[name] = in_float32(optax.adamw(g.lr * lr_multiplier, *g.betas, eps=g.eps, weight_decay=g.weight_decay))
+                txs[name] = in_float32(
+                    optax.adamw(g.lr * lr_multiplier, *g.betas, eps=g.eps, weight_decay=g.weight_decay)
+                )
         return skip_nonfinite(optax.partition(txs, param_labels))
 
     matrix = groups["matrix"]
@@ -622,7 +632,8 @@ def build_optimizer(
         polar_dtype = jnp.bfloat16 if getattr(model, "dtype", compute_dtype()) == jnp.bfloat16 else jnp.float32
     n_embd = model.config.n_embd
     if verbose:
-        print0(f"Scaling the AdamW learning rates by (n_embd/{REFERENCE_WIDTH})^-0.5 = {(n_embd / REFERENCE_WIDTH) ** -0.5:.6f}")
+        scale = (n_embd / REFERENCE_WIDTH) ** -0.5
+        print0(f"Scaling the AdamW learning rates by (n_embd/{REFERENCE_WIDTH})^-0.5 = {scale:.6f}")
     groups = param_groups(n_embd, unembedding_lr, embedding_lr, matrix_lr, weight_decay, scalar_lr)
     return nnx.Optimizer(model, muon_adamw(groups, schedule, polar_dtype, param_axes(model)), wrt=nnx.Param)
 
@@ -638,10 +649,9 @@ def optimizer_stats(optimizer: nnx.Optimizer) -> dict[str, jax.Array]:
     return stats
 
 
-def build_lora_optimizer(model, lr: float, config=None, weight_decay: float = 0.0,
-                         betas=(0.9, 0.999)) -> nnx.Optimizer:
-    """AdamW over what a model.lora.LoraConfig `config` trains (the adapters, and its `full` parameters): the frozen base weights get no
-    gradients and no optimizer state.
+def build_lora_optimizer(model, lr: float, config=None, weight_decay: float = 0.0, betas=(0.9, 0.999)) -> nnx.Optimizer:
+    """AdamW over what a model.lora.LoraConfig `config` trains (the adapters, and its `full` parameters): the frozen
+    base weights get no gradients and no optimizer state.
 
     AdamW rather than Muon: the adapters are thin (rank r) matrices, and AdamW is what LoRA was made with; in
     fp32 whatever the parameters' dtype (flaxchat.train.optim.in_float32: the embeddings may be bf16).

@@ -22,6 +22,7 @@ from flaxchat.model.gpt import GPT
 from flaxchat.train.checkpoint import abstract_state
 from flaxchat.train.optim import build_optimizer, optimizer_stats
 
+
 def accumulate_grads(model, xs, ys, wrt=nnx.Param):
     """Mean loss and mean gradient of the `wrt` parameters over micro-batches xs/ys (A, B, T), via lax.scan
     (one compile for any A).
@@ -96,8 +97,10 @@ class FlatStep:
         self._variables = [v for _, v in nnx.to_flat_state(state)]
         treedef = jax.tree.structure(state)
         if treedef.num_leaves != len(self._variables):
-            raise ValueError(f"FlatStep needs one array per Variable: {len(self._variables)} Variables hold "
-                             f"{treedef.num_leaves} arrays")
+            raise ValueError(
+                f"FlatStep needs one array per Variable: {len(self._variables)} Variables hold "
+                f"{treedef.num_leaves} arrays"
+            )
 
         def train_step(arrays, xs, ys):  # the name XLA's module and profiles carry ("jit_train_step")
             model, optimizer = nnx.merge(graphdef, jax.tree.unflatten(treedef, arrays))
@@ -121,8 +124,9 @@ class FlatStep:
         return self._step.lower(self._arrays(), xs, ys)
 
 
-def compile_train_step(config, mesh, batch_size: int, grad_accum: int = 1, dtype=None, compiler_options=None,
-                       **model_kwargs):
+def compile_train_step(
+    config, mesh, batch_size: int, grad_accum: int = 1, dtype=None, compiler_options=None, **model_kwargs
+):
     """The train step for a GPT of `config` compiled on `mesh` from abstract arrays (nothing is allocated).
 
     batch_size is global (rows per micro-step); compiler_options go to XLA (`.compile(compiler_options)`);
@@ -191,10 +195,14 @@ IN_FLIGHT_CHOICES = ("auto", "on", "off")
 
 def add_in_flight_flag(parser) -> None:
     """--in-flight {auto,on,off} on a training script's parser (in_flight_depth reads it)."""
-    parser.add_argument("--in-flight", choices=IN_FLIGHT_CHOICES, default="auto",
-                        help="keep one training step in flight: the next step's batches are read and the step "
-                             "dispatched before this one's loss is read (auto: on for GPUs and TPUs, where the host's "
-                             "work then overlaps the device's; off on a CPU, where it shares the cores)")
+    parser.add_argument(
+        "--in-flight",
+        choices=IN_FLIGHT_CHOICES,
+        default="auto",
+        help="keep one training step in flight: the next step's batches are read and the step "
+        "dispatched before this one's loss is read (auto: on for GPUs and TPUs, where the host's "
+        "work then overlaps the device's; off on a CPU, where it shares the cores)",
+    )
 
 
 def in_flight_depth(choice: str, backend: str) -> int:
