@@ -25,7 +25,7 @@ from flaxchat.generate.engine import Engine
 from flaxchat.generate.reply import Reply
 from flaxchat.generate.speculative import add_draft_flags
 from flaxchat.model.quantize import add_quantize_flag, quantize_for_generation
-from flaxchat.train.checkpoint import load_model, load_named_model
+from flaxchat.train.checkpoint import load_model, load_named_model, model_tag_arg
 
 DIM, RESET = "\033[2m", "\033[0m"
 # How each part of an assistant message is shown; the brackets stand for the special tokens around it.
@@ -42,7 +42,11 @@ def build_parser() -> argparse.ArgumentParser:
         "-i", "--source", choices=["base", "sft", "rl"], default="sft", help="which checkpoints to load (default: sft)"
     )
     p.add_argument(
-        "-g", "--model-tag", default=None, help="model tag, a directory under the checkpoints (default: the largest)"
+        "-g",
+        "--model-tag",
+        type=model_tag_arg,
+        default=None,
+        help="model tag, a directory under the checkpoints (default: the largest)",
     )
     p.add_argument("-s", "--step", type=int, default=None, help="checkpoint step (default: the latest)")
     p.add_argument("-p", "--prompt", default="", help="ask one question, print the reply and exit")

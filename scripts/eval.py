@@ -41,7 +41,7 @@ from flaxchat.eval.report import Report
 from flaxchat.generate.engine import Engine
 from flaxchat.model.quantize import add_quantize_flag, quantize_for_generation
 from flaxchat.sharding import make_mesh
-from flaxchat.train.checkpoint import find_model_tag, load_model
+from flaxchat.train.checkpoint import find_model_tag, load_model, model_tag_arg
 from tasks import offline
 
 CHAT_NAMES = {
@@ -64,7 +64,9 @@ def build_parser():
     p.add_argument(
         "--model", type=str, default="base", choices=["base", "sft", "rl"], help="which checkpoint phase to load"
     )
-    p.add_argument("--model-tag", type=str, default=None, help="checkpoint tag, e.g. d20 (default: the largest)")
+    p.add_argument(
+        "--model-tag", type=model_tag_arg, default=None, help="checkpoint tag, e.g. d20 (default: the largest)"
+    )
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
     p.add_argument("--tasks", type=str, default="all", help="all | core | bpb | chat | comma list (see the docstring)")
     p.add_argument(

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from flaxchat.common import get_base_dir, parse_args, print0, quiet_library_logs
 from flaxchat.export.litert import QUANTIZE, LiteRTExportError, export_litert
 from flaxchat.export.nanochat import save_nanochat_checkpoint, save_nanochat_tokenizer, save_safetensors
-from flaxchat.train.checkpoint import load_model
+from flaxchat.train.checkpoint import load_model, model_tag_arg
 
 
 def build_parser():
@@ -33,7 +33,9 @@ def build_parser():
         "`python -m scripts.litert_chat OUT`)."
     )
     p.add_argument("-i", "--source", choices=["base", "sft", "rl"], default="sft", help="which training phase")
-    p.add_argument("--model-tag", type=str, default=None, help="model tag (default: the largest model of the phase)")
+    p.add_argument(
+        "--model-tag", type=model_tag_arg, default=None, help="model tag (default: the largest model of the phase)"
+    )
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     p.add_argument(
         "--format",

@@ -44,7 +44,7 @@ from flaxchat.model.gpt import GPT, add_kernel_flags
 from flaxchat.perf.machine import HUGE_PAGES_TUNABLE, cpu_bf16_instructions, huge_pages_active, peak_flops_per_device
 from flaxchat.perf.profiler import StepProfiler, profile_summary
 from flaxchat.perf.trace import format_summary
-from flaxchat.train.checkpoint import Checkpointer, checkpoint_dir, git_commit
+from flaxchat.train.checkpoint import Checkpointer, checkpoint_dir, git_commit, model_tag_arg
 from flaxchat.train.flags import add_batch_flags, add_dtype_flag, add_optimizer_flags, add_run_flag, add_schedule_flags
 from flaxchat.train.optim import Schedule, build_optimizer, optimizer_stats, skip_report
 from flaxchat.train.step import FlatStep, InFlight, add_in_flight_flag, in_flight_depth
@@ -112,7 +112,7 @@ def build_parser():
         "position carries over)",
     )
     p.add_argument("--resume-from-step", type=int, default=-1, help="continue from this step's checkpoint (-1 = off)")
-    p.add_argument("--model-tag", type=str, default=None, help="checkpoint directory name (default d<depth>)")
+    p.add_argument("--model-tag", type=model_tag_arg, default=None, help="checkpoint directory name (default d<depth>)")
     p.add_argument(
         "--source", type=str, default=None, help="folder of parquet shards (default $FLAXCHAT_BASE_DIR/base_data)"
     )
@@ -312,7 +312,7 @@ def main(argv=None):
     def save(step):
         nonlocal saved_once
         if not saved_once:
-            ckpt.drop_earlier_run()
+            ckpt.replace_earlier_run()
             saved_once = True
         meta = {
             "val_bpb": loop["val_bpb"],

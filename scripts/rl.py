@@ -36,7 +36,14 @@ from flaxchat.eval.chat import sample_problems
 from flaxchat.eval.report import metrics_logger, plot_panels, read_jsonl
 from flaxchat.generate.engine import Engine
 from flaxchat.generate.scheduler import auto_slots
-from flaxchat.train.checkpoint import Checkpointer, checkpoint_dir, find_model_tag, git_commit, load_model
+from flaxchat.train.checkpoint import (
+    Checkpointer,
+    checkpoint_dir,
+    find_model_tag,
+    git_commit,
+    load_model,
+    model_tag_arg,
+)
 from flaxchat.train.flags import add_batch_flags, add_dtype_flag, add_optimizer_flags, add_run_flag
 from flaxchat.train.optim import build_optimizer
 from tasks.common import hub_reachable
@@ -55,7 +62,10 @@ def build_parser():
     add_run_flag(p)
     p.add_argument("--source", type=str, default="sft", choices=["sft", "rl"], help="checkpoint phase to start from")
     p.add_argument(
-        "--model-tag", type=str, default=None, help="checkpoint tag, also the output tag (default: the largest)"
+        "--model-tag",
+        type=model_tag_arg,
+        default=None,
+        help="checkpoint tag, also the output tag (default: the largest)",
     )
     p.add_argument("--model-step", type=int, default=None, help="checkpoint step (default: the latest)")
     add_dtype_flag(p)
@@ -414,7 +424,7 @@ def main(argv=None):
             results = evaluate(step)
         if step > 0 and (step % args.save_every == 0 or step == num_steps):
             if not saved_once:
-                ckpt.drop_earlier_run()
+                ckpt.replace_earlier_run()
                 saved_once = True
             ckpt.save(
                 step,

@@ -26,7 +26,7 @@ from flaxchat.common import get_base_dir, parse_args
 from flaxchat.eval.report import Report
 from flaxchat.generate.engine import Engine
 from flaxchat.perf.machine import with_huge_pages
-from flaxchat.train.checkpoint import Checkpointer, load_model
+from flaxchat.train.checkpoint import committed_steps, load_model
 from tasks.common import hub_reachable
 
 # name -> (full, quick) settings. Sized so the full demo fits ~15 minutes on 2 CPU cores.
@@ -161,7 +161,7 @@ class Demo:
             "--no-hparam-scaling",
         ]  # small batches: nanochat's sqrt(B) LR rule would stall a run this short
         ckpt_dir = self.path("base_checkpoints", self.tag)
-        if not self.args.fresh and os.path.isdir(ckpt_dir) and Checkpointer(ckpt_dir, async_save=False).latest_step():
+        if not self.args.fresh and committed_steps(ckpt_dir):
             flags.append("--resume")  # an interrupted earlier run continues where it stopped
         self.run("pretrain", "scripts.pretrain", *flags)
 

@@ -53,7 +53,14 @@ from flaxchat.model.cpu import sub_batch_note
 from flaxchat.model.gpt import GPT, add_kernel_flags
 from flaxchat.model.lora import DEFAULT_TARGETS, LoraConfig, adapter_modules, apply_lora, count_params, merge_lora
 from flaxchat.perf.machine import peak_flops_per_device
-from flaxchat.train.checkpoint import Checkpointer, checkpoint_dir, find_model_tag, git_commit, merge_lora_checkpoint
+from flaxchat.train.checkpoint import (
+    Checkpointer,
+    checkpoint_dir,
+    find_model_tag,
+    git_commit,
+    merge_lora_checkpoint,
+    model_tag_arg,
+)
 from flaxchat.train.flags import (
     FROM_BASE,
     add_batch_flags,
@@ -105,7 +112,10 @@ def build_parser():
     add_run_flag(p)
     # model loading
     p.add_argument(
-        "--model-tag", type=str, default=None, help="base checkpoint tag, also the output tag (default: the largest)"
+        "--model-tag",
+        type=model_tag_arg,
+        default=None,
+        help="base checkpoint tag, also the output tag (default: the largest)",
     )
     p.add_argument(
         "--model-step",
@@ -115,7 +125,7 @@ def build_parser():
     )
     p.add_argument(
         "--output-tag",
-        type=str,
+        type=model_tag_arg,
         default=None,
         help="tag of the output checkpoint (default: --model-tag's; with --merge: TAG-merged)",
     )
@@ -422,7 +432,7 @@ def set_hyperparams(optimizer, **values) -> None:
 def restore_base(model_tag, step, mesh, dtype, with_optimizer: bool, **model_kwargs):
     """(model, optimizer inner state or None, meta, step) restored straight onto the mesh; model_kwargs go to
     GPT (attention, remat)."""
-    ckpt = Checkpointer(checkpoint_dir("base", model_tag), async_save=False)
+    ckpt = Checkpointer(checkpoint_dir("base", model_tag), async_save=False, read_only=True)
     try:
         meta = ckpt.read_meta(step)
         step = meta["step"]
@@ -443,11 +453,9 @@ def restore_base(model_tag, step, mesh, dtype, with_optimizer: bool, **model_kwa
 def resume(out_dir, model, optimizer, train_loader, mesh, trainable, lora, base_ref) -> tuple[dict, int]:
     """Restore the latest checkpoint of out_dir into model (its `trainable` Variables), optimizer and train_loader;
     returns (loop state, step). The checkpoint must come from a run with the same base, LoRA settings and readers."""
-    ckpt = Checkpointer(out_dir, async_save=False)
+    ckpt = Checkpointer(out_dir, async_save=False, read_only=True)
     try:
         step = ckpt.latest_step()
-        if step is None:
-            raise FileNotFoundError(f"no checkpoint in {out_dir} yet")
         meta = ckpt.read_meta(step)
         if meta.get("lora") != (lora.to_dict() if lora is not None else None) or meta.get("base") != base_ref:
             raise ValueError(
@@ -655,7 +663,7 @@ def main(argv=None):
         f"trainable parameters: {num_trainable:,} (the base model has "
         f"{count_params(model, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))):,})"
     )
-    base_ref = {"phase": "base", "model_tag": model_tag, "step": base_step}
+    base_ref = {"phase": "base", "model_tag": model_tag, "step": base_step, "saved_at": meta.get("saved_at")}
 
     # -------------------------------------------------------------------------
     # Data
@@ -733,7 +741,7 @@ def main(argv=None):
         nonlocal saved_once
         ckpt = Checkpointer(out_dir, keep=args.keep, keep_best=0)
         if not saved_once:
-            ckpt.drop_earlier_run()
+            ckpt.replace_earlier_run()
             saved_once = True
         ckpt.save(
             step,

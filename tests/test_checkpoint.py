@@ -1,5 +1,7 @@
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -131,3 +133,108 @@ def test_load_model_and_errors(tmp_path, tiny_base_dir):
     assert same_params(model, GPT(cfg, rngs=nnx.Rngs(1))) and meta["step"] == 3
     with pytest.raises(FileNotFoundError, match="step 9"):
         load_model("base", "d2", step=9)
+
+
+REPLACER = textwrap.dedent("""
+    import os, signal, sys, time
+    from flax import nnx
+    from flaxchat.model.config import GPTConfig
+    from flaxchat.model.gpt import GPT
+    from flaxchat.train.checkpoint import Checkpointer
+    cfg = GPTConfig(sequence_len=32, vocab_size=32768, n_layer=2, n_head=2, n_kv_head=2, n_embd=256)
+    ckpt = Checkpointer(sys.argv[1], keep_best=0)
+    ckpt.replace_earlier_run()            # a fresh run under a tag that holds an earlier run's checkpoints
+    ckpt.save(1, GPT(cfg, rngs=nnx.Rngs(7)), meta={"run": "new"})  # async: killed while it is written
+    time.sleep(float(sys.argv[2]))
+    os.kill(os.getpid(), signal.SIGKILL)
+""")
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.3])
+def test_a_rerun_killed_during_its_first_save_leaves_the_earlier_checkpoints(tmp_path, delay, xla_flags):
+    """The earlier run's checkpoints move aside before the new run's first save and come back if that save never
+    completes; once it has completed, the earlier ones are gone and the new one is what loads."""
+    run = str(tmp_path / "base_checkpoints" / "d2")
+    cfg = GPTConfig(sequence_len=32, vocab_size=32768, n_layer=2, n_head=2, n_kv_head=2, n_embd=256)
+    earlier = Checkpointer(run, keep=3, keep_best=0, async_save=False)
+    for step in (5, 9):
+        earlier.save(step, GPT(cfg, rngs=nnx.Rngs(step)), meta={"run": "old"})
+    earlier.close()
+    env = {**os.environ, "PYTHONPATH": ROOT, "XLA_FLAGS": xla_flags(1)}
+    proc = subprocess.run(
+        [sys.executable, "-c", REPLACER, run, str(delay)], env=env, cwd=ROOT, capture_output=True, timeout=300
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
+    ckpt = Checkpointer(run, async_save=False)  # the next writer (or reader) of the tag settles what was left
+    steps = ckpt.all_steps()
+    assert not os.path.exists(ckpt.aside)
+    if steps == [5, 9]:  # killed before the first save completed: the earlier run is back, whole
+        model = nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0)))
+        assert ckpt.restore(model)["meta"]["run"] == "old"
+        assert same_params(model, GPT(cfg, rngs=nnx.Rngs(9)))
+    else:  # the first save completed before the kill: it replaces the earlier run
+        assert steps == [1]
+        assert ckpt.read_meta()["run"] == "new"
+    ckpt.close()
+
+
+def test_replacing_an_earlier_run_deletes_it_only_after_the_first_save(tmp_path):
+    run = str(tmp_path / "run")
+    model = GPT(CFG, rngs=nnx.Rngs(0))
+    ckpt = Checkpointer(run, keep=3, keep_best=0, async_save=False)
+    ckpt.save(5, model)
+    ckpt.replace_earlier_run()
+    assert ckpt.all_steps() == [] and "5" in os.listdir(ckpt.aside)
+    # a reader while this (live) run has not saved yet leaves the earlier checkpoints where they are
+    assert Checkpointer(run, async_save=False).all_steps() == [] and os.path.isdir(ckpt.aside)
+    ckpt.save(2, model)
+    ckpt.wait()
+    assert ckpt.all_steps() == [2] and not os.path.exists(ckpt.aside)
+    ckpt.close()
+
+
+def test_a_reader_leaves_a_running_replacement_alone(tmp_path):
+    """The set-aside checkpoints belong to the run that moved them while that process lives (its first save may be
+    under way); a reader in another process puts them back only once it is gone."""
+    run = str(tmp_path / "run")
+    ckpt = Checkpointer(run, keep=3, keep_best=0, async_save=False)
+    ckpt.save(5, GPT(CFG, rngs=nnx.Rngs(0)))
+    ckpt.replace_earlier_run()
+    owner = os.path.join(ckpt.aside, "owner.json")
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        with open(owner, "w", encoding="utf-8") as f:
+            json.dump({"host": socket.gethostname(), "pid": sleeper.pid}, f)
+        assert Checkpointer(run, async_save=False).all_steps() == []  # still the live run's
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert Checkpointer(run, async_save=False).all_steps() == [5]  # its owner died before saving: put back
+    assert not os.path.exists(ckpt.aside)
+
+
+@pytest.mark.parametrize("tag", ["../other", "/abs/path", "a/b", ".hidden", "", "x" * 101, "d4/../../x"])
+def test_tags_are_plain_names(tmp_path, tag):
+    with pytest.raises(ValueError, match="plain name"):
+        checkpoint_dir("base", tag, base_dir=str(tmp_path))
+    assert not os.listdir(tmp_path)
+
+
+def test_a_bad_tag_on_the_command_line_is_one_usage_line(tmp_path):
+    env = {**os.environ, "FLAXCHAT_BASE_DIR": str(tmp_path)}
+    r = subprocess.run(
+        [sys.executable, "-m", "scripts.sft", "--model-tag", "../../etc"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 2 and "--model-tag" in r.stderr and "plain name" in r.stderr
+    assert "Traceback" not in r.stderr and not os.listdir(tmp_path)
+
+
+def test_loading_a_tag_that_does_not_exist_creates_nothing(tmp_path, tiny_base_dir):
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        load_model("base", "nosuch")
+    assert not os.path.exists(checkpoint_dir("base", "nosuch"))

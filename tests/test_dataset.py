@@ -1,5 +1,6 @@
 """Document sources: parquet shards, sharding across readers, text/TinyStories conversion, downloads."""
 
+import hashlib
 import http.server
 import itertools
 import json
@@ -236,6 +237,7 @@ class _Server:
 
     def __init__(self, files):
         self.files, self.requests, self.truncate_first, self.corrupt = dict(files), [], set(), set()
+        self.published = {}  # name -> the sha256 sent as X-Linked-Etag, as the Hugging Face hub does
         server = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -256,6 +258,8 @@ class _Server:
                 if start:
                     self.send_header("Content-Range", f"bytes {start}-{len(body) - 1}/{len(body)}")
                 self.send_header("Content-Length", str(len(body) - start))
+                if name in server.published:
+                    self.send_header("X-Linked-Etag", f'"{server.published[name]}"')
                 self.end_headers()
                 if name in server.truncate_first:  # drop the connection halfway through, once
                     server.truncate_first.discard(name)
@@ -333,3 +337,35 @@ def test_download_refuses_a_folder_of_another_source(server, tmp_path):
     _write(out, DOCS[:20], DOCS[20:25])
     with pytest.raises(FileExistsError, match="from text; pass --overwrite"):
         download(1, out, base_url=server.url, max_shard=9, backoff=0)
+
+
+def test_download_records_each_shard_and_fetches_an_altered_one_again(server, tmp_path):
+    out = tmp_path / "dl"
+    download(1, str(out), base_url=server.url, max_shard=9, backoff=0)
+    manifest = json.loads((out / "downloads.json").read_text())
+    for name in ("shard_00000.parquet", "shard_00009.parquet"):
+        body = server.files[name]
+        assert manifest[name]["sha256"] == hashlib.sha256(body).hexdigest() and manifest[name]["size"] == len(body)
+    (out / "shard_00000.parquet").write_bytes(server.files["shard_00001.parquet"])  # valid parquet, other data
+    n = len(server.requests)
+    download(1, str(out), base_url=server.url, max_shard=9, backoff=0)
+    assert [name for name, _ in server.requests[n:]] == ["shard_00000.parquet"]
+    assert (out / "shard_00000.parquet").read_bytes() == server.files["shard_00000.parquet"]
+
+
+def test_download_checks_the_sha256_the_server_publishes(server, tmp_path):
+    good = hashlib.sha256(server.files["shard_00000.parquet"]).hexdigest()
+    server.published = {"shard_00000.parquet": good, "shard_00009.parquet": "0" * 64}
+    with pytest.raises(RuntimeError, match="shard_00009.parquet after 2 attempts.*publishes"):
+        download(1, str(tmp_path / "dl"), base_url=server.url, max_shard=9, max_attempts=2, backoff=0)
+    assert (tmp_path / "dl" / "shard_00000.parquet").exists()
+    assert not (tmp_path / "dl" / "shard_00009.parquet").exists()
+
+
+def test_a_shard_changed_at_the_source_is_refused(server, tmp_path):
+    out = tmp_path / "dl"
+    download(1, str(out), base_url=server.url, max_shard=9, backoff=0)
+    server.files["shard_00000.parquet"] = server.files["shard_00002.parquet"]  # re-published under the same name
+    os.remove(out / "shard_00000.parquet")
+    with pytest.raises(RuntimeError, match="differs from its first download"):
+        download(1, str(out), base_url=server.url, max_shard=9, max_attempts=1, backoff=0)

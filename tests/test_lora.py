@@ -284,7 +284,9 @@ def test_adapter_checkpoint_is_small_and_loads_merged(lora_run, monkeypatch):
         "targets": "c_q,c_k,c_v,c_proj,c_fc",
         "full": [],
     }
-    assert meta["base"] == {"phase": "base", "model_tag": "d2", "step": 1} and meta["step"] == 4
+    base = dict(meta["base"])
+    assert isinstance(base.pop("saved_at"), float)  # which save of base d2 step 1 the adapters were trained on
+    assert base == {"phase": "base", "model_tag": "d2", "step": 1} and meta["step"] == 4
     # every target weight is W + (A B)^T * alpha / r with the checkpoint's own arrays; the rest is the base's
     base, _, _ = load_model("base", "d2")
     adapters = ocp.StandardCheckpointer().restore(out / "4" / "model")
@@ -310,3 +312,26 @@ def test_adapter_checkpoint_is_small_and_loads_merged(lora_run, monkeypatch):
     # a whole model's arrays, as many bytes as the base's
     merged_bytes = stored_bytes(root / "chatsft_checkpoints" / "straight-merged" / "4" / "model")
     assert merged_bytes == stored_bytes(root / "base_checkpoints" / "d2" / "1" / "model") > 20 * adapter_bytes
+
+
+def test_adapters_whose_base_was_replaced_or_removed_say_so(lora_run, tmp_path, monkeypatch):
+    import shutil
+
+    from flaxchat.train.checkpoint import Checkpointer, checkpoint_dir, load_model
+
+    root = tmp_path / "copy"
+    shutil.copytree(lora_run[0], root, symlinks=True)
+    monkeypatch.setenv("FLAXCHAT_BASE_DIR", str(root))
+    base = Checkpointer(checkpoint_dir("base", "d2"), async_save=False)
+    model = nnx.eval_shape(lambda: GPT(GPTConfig.from_dict(base.read_meta()["model_config"]), rngs=nnx.Rngs(0)))
+    base.restore(model)
+    base.replace_earlier_run()  # a later run under the same tag saves its own step 1
+    base.save(1, model, meta={"user_config": {}})
+    base.close()
+    with pytest.raises(
+        ValueError, match="was trained on base d2 step 1 as saved at .*, which a later run has replaced"
+    ):
+        load_model("sft", "straight")
+    shutil.rmtree(checkpoint_dir("base", "d2"))
+    with pytest.raises(FileNotFoundError, match="was trained on base d2 step 1, which is gone"):
+        load_model("sft", "straight")

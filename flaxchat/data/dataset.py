@@ -32,7 +32,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from flaxchat.common import get_base_dir, progress_bar
+from flaxchat.common import get_base_dir, print0, progress_bar
+from flaxchat.data.downloads import matches_record, published_sha256, record
 from flaxchat.data.stories import generate_stories, iter_stories
 
 # -----------------------------------------------------------------------------
@@ -488,8 +489,9 @@ def prepare_out_dir(out_dir: str, source: str, overwrite: bool = False, **detail
 # Downloading shards over HTTP (the HF hub, or any server with the same file layout)
 
 
-def _fetch(url: str, tmp_path: str, timeout: float) -> None:
-    """Download url into tmp_path, continuing a partial file with an HTTP Range request."""
+def _fetch(url: str, tmp_path: str, timeout: float) -> str | None:
+    """Download url into tmp_path, continuing a partial file with an HTTP Range request; returns the sha256 the
+    server publishes for it, if any (downloads.published_sha256)."""
     have = os.path.getsize(tmp_path) if os.path.exists(tmp_path) else 0
     headers = {"Range": f"bytes={have}-"} if have else {}
     try:
@@ -499,6 +501,7 @@ def _fetch(url: str, tmp_path: str, timeout: float) -> None:
             os.remove(tmp_path)
         raise
     with resp:
+        published = published_sha256(resp.headers)
         if have and resp.status == 206:
             mode, total = "ab", int(resp.headers.get("Content-Range", "/-1").rsplit("/", 1)[1])
         else:  # the server ignored the Range header: take the whole file
@@ -509,23 +512,29 @@ def _fetch(url: str, tmp_path: str, timeout: float) -> None:
     size = os.path.getsize(tmp_path)
     if total >= 0 and size != total:
         raise IOError(f"got {size} of {total} bytes")
+    return published
 
 
 def download_file(url: str, path: str, max_attempts: int = 5, timeout: float = 30.0, backoff: float = 2.0) -> str:
-    """Fetch one shard with retries; a partial download resumes; the result must be a valid text shard."""
+    """Fetch one shard with retries; a partial download resumes; the result must be a valid text shard, and its
+    size and sha256 those the server publishes (if it does) and those of its first download (downloads.py)."""
     if os.path.exists(path):
         try:
             read_parquet_metadata(path)
-            return path
+            if matches_record(path) is not False:
+                return path
+            print0(f"{os.path.basename(path)} is not the file that was downloaded (size or sha256): fetching it again")
         except ValueError:
-            os.remove(path)  # a corrupt earlier download: fetch it again
+            pass
+        os.remove(path)  # a corrupt or altered earlier download: fetch it again
     tmp = path + ".tmp"
     error = None
     for attempt in range(1, max_attempts + 1):
         try:
-            _fetch(url, tmp, timeout)
+            published = _fetch(url, tmp, timeout)
             try:
                 read_parquet_metadata(tmp)  # integrity: size matched, now the footer and schema must parse
+                record(tmp, url, published, as_path=path)
             except ValueError:
                 os.remove(tmp)  # complete but corrupt: no point resuming it
                 raise

@@ -39,6 +39,7 @@ import yaml
 from flax import nnx
 
 from flaxchat.common import get_base_dir, is_main_process, print0, progress_bar, to_host
+from flaxchat.data.downloads import MAX_ARCHIVE_BYTES, check_archive, published_sha256, record
 from flaxchat.eval.bpb import token_losses
 from flaxchat.model.cpu import in_sub_batches
 from flaxchat.sharding import batch_sharding
@@ -323,13 +324,19 @@ def download_bundle(url: str = EVAL_BUNDLE_URL, base_dir: str | None = None, tim
         zip_path = os.path.join(tmp, "eval_bundle.zip")
         with urllib.request.urlopen(url, timeout=timeout) as response, open(zip_path, "wb") as f:
             total = int(response.headers.get("Content-Length") or 0) or None
+            published = published_sha256(response.headers)
             with progress_bar(
                 total=total, unit="B", unit_scale=True, desc="eval_bundle.zip", disable=not is_main_process()
             ) as bar:
                 while chunk := response.read(1 << 20):
                     f.write(chunk)
                     bar.update(len(chunk))
+                    if f.tell() > MAX_ARCHIVE_BYTES:
+                        raise ValueError(f"{url} is over {MAX_ARCHIVE_BYTES:,} bytes: not the eval bundle")
+        # checked against what the server publishes and against the first download (<base_dir>/downloads.json)
+        record(zip_path, url, published, as_path=os.path.join(base_dir, "eval_bundle.zip"))
         with zipfile.ZipFile(zip_path) as zf:
+            check_archive(zf, url)
             zf.extractall(tmp)
         extracted = os.path.join(tmp, "eval_bundle")
         if not os.path.isfile(os.path.join(extracted, "core.yaml")):

@@ -4,13 +4,23 @@ Layout (like nanochat's): <base_dir>/{base,chatsft,chatrl}_checkpoints/<model_ta
 Orbax writes each step into a temporary directory and renames it when complete, so a save killed at any moment
 never leaves something that loads as a checkpoint. Restores go straight into abstract state with the target
 shardings, so parameters are allocated once, on the mesh you restore onto (which may differ from the saving mesh).
+
+A new run under a tag that holds an earlier run's checkpoints replaces them, as nanochat does, but never loses
+them first: they move aside (<phase dir>/.replaced/<tag>/) just before the new run's first save and are deleted
+once that save is committed; a run that dies before then leaves them to be put back by the next reader or writer
+of the tag. Tags are plain names, so a tag can never lead outside its phase directory.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import re
+import shutil
+import socket
 import subprocess
+import time
 
 import jax
 import numpy as np
@@ -19,7 +29,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from orbax.checkpoint import checkpoint_managers as ocm
 
-from flaxchat.common import get_base_dir, print0
+from flaxchat.common import get_base_dir, is_main_process, print0
 from flaxchat.data.tokenizer import get_tokenizer
 from flaxchat.model.config import GPTConfig
 from flaxchat.model.gpt import GPT
@@ -27,12 +37,55 @@ from flaxchat.model.lora import LoraConfig, apply_lora, merge_lora
 from flaxchat.sharding import state_shardings
 
 PHASE_DIRS = {"base": "base_checkpoints", "sft": "chatsft_checkpoints", "rl": "chatrl_checkpoints"}
+TAG = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")  # a plain directory name: no separators, no "..", no dot first
+REPLACED = ".replaced"  # where an earlier run's checkpoints wait while a new run under its tag makes its first save
+
+
+def check_model_tag(tag: str) -> str:
+    """`tag` if it is a plain name (letters, digits, '.', '_', '-'; not starting with a dot), else ValueError."""
+    if not isinstance(tag, str) or not TAG.fullmatch(tag) or ".." in tag:
+        raise ValueError(f"model tag {tag!r} is not a plain name: use letters, digits, '.', '_' and '-' (e.g. d12)")
+    return tag
+
+
+def model_tag_arg(text: str) -> str:
+    """argparse type for --model-tag and the like: a bad tag is a one-line usage error."""
+    try:
+        return check_model_tag(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def checkpoint_dir(phase: str, model_tag: str, base_dir: str | None = None) -> str:
     if phase not in PHASE_DIRS:
         raise ValueError(f"unknown checkpoint phase {phase!r}; choose one of {', '.join(PHASE_DIRS)}")
-    return os.path.join(base_dir or get_base_dir(), PHASE_DIRS[phase], model_tag)
+    return os.path.join(base_dir or get_base_dir(), PHASE_DIRS[phase], check_model_tag(model_tag))
+
+
+def committed_steps(directory: str) -> list[int]:
+    """The steps whose saves were committed in `directory` (Orbax renames a step's folder to its number when the
+    save is complete; unfinished saves keep a temporary name)."""
+    names = os.listdir(directory) if os.path.isdir(directory) else []
+    return sorted(int(n) for n in names if n.isdigit() and os.path.isdir(os.path.join(directory, n)))
+
+
+def _owner_is_running(aside: str) -> bool:
+    """Whether the run that set `aside` up is still running on this machine (this process or another: its first save
+    may be under way, and the checkpoints there are its to drop or keep)."""
+    try:
+        with open(os.path.join(aside, "owner.json"), encoding="utf-8") as f:
+            owner = json.load(f)
+        if owner["host"] != socket.gethostname():
+            return False
+        os.kill(owner["pid"], 0)
+        return True
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def _sync(name: str) -> None:
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(name)
 
 
 def git_commit() -> str:
@@ -72,10 +125,20 @@ def _gather_json(obj) -> list:
 
 
 class Checkpointer:
-    """Keeps the last `keep` checkpoints plus the `keep_best` with the lowest val_bpb."""
+    """Keeps the last `keep` checkpoints plus the `keep_best` with the lowest val_bpb.
 
-    def __init__(self, directory: str, keep: int = 2, keep_best: int = 1, async_save: bool = True):
+    read_only: only read what is there (loading a model): a directory with no checkpoint is FileNotFoundError, and
+    nothing is created."""
+
+    def __init__(
+        self, directory: str, keep: int = 2, keep_best: int = 1, async_save: bool = True, read_only: bool = False
+    ):
         self.directory = os.path.abspath(os.path.expanduser(directory))
+        self.aside = os.path.join(os.path.dirname(self.directory), REPLACED, os.path.basename(self.directory))
+        self.replacing = False  # an earlier run's checkpoints are aside until this run's first save is committed
+        self._settle_earlier_run()
+        if read_only and not committed_steps(self.directory):
+            raise FileNotFoundError(f"no checkpoint in {self.directory}")
         policies = [ocm.preservation_policy.LatestN(n=keep)]
         if keep_best:
             policies.append(
@@ -89,8 +152,8 @@ class Checkpointer:
         options = ocp.CheckpointManagerOptions(
             preservation_policy=ocm.preservation_policy.AnyPreservationPolicy(policies),
             enable_async_checkpointing=async_save,
-            create=True,
-            cleanup_tmp_directories=True,  # leftovers of a killed save are removed, never loaded
+            cleanup_tmp_directories=not read_only,  # leftovers of a killed save are removed, never loaded
+            create=not read_only,
         )
         self.manager = ocp.CheckpointManager(self.directory, options=options)
 
@@ -113,31 +176,72 @@ class Checkpointer:
         """Start an (async) save of everything needed to resume at `step`; call wait() before exiting.
 
         params: which of the model's Variables to save (LoraConfig.trainable(): a LoRA run's trained weights alone)."""
-        items = {
-            "model": ocp.args.StandardSave(nnx.state(model, params)),
-            "meta": ocp.args.JsonSave({**(meta or {}), "step": step, "model_config": model.config.to_dict()}),
-        }
+        self._drop_earlier_run()  # once the first save is committed; until then, again at the next save or wait
+        # saved_at tells this step's weights from another run's at the same tag and step (a LoRA run's base)
+        meta = {**(meta or {}), "step": step, "model_config": model.config.to_dict(), "saved_at": time.time()}
+        items = {"model": ocp.args.StandardSave(nnx.state(model, params)), "meta": ocp.args.JsonSave(meta)}
         if optimizer is not None:
             items["optimizer"] = ocp.args.StandardSave(nnx.state(optimizer))
         if data_state is not None:
             items["data"] = ocp.args.JsonSave({"processes": _gather_json(data_state)})
         self.manager.save(step, args=ocp.args.Composite(**items), metrics=metrics, force=True)
 
-    def drop_earlier_run(self) -> None:
-        """Delete checkpoints an earlier run left in this directory; a new run calls it just before its first save.
+    def replace_earlier_run(self) -> None:
+        """Move checkpoints an earlier run left in this directory aside; a new run calls it just before its first
+        save, and they are deleted once that save is committed (wait, close).
 
         As nanochat, a new run replaces the model under its tag; left in place, an earlier run's later steps would
-        be what `load_model` and `--resume` pick as the latest (and saving a step it already has fails). Done at
-        save time, so a run that crashes or is stopped before then keeps the old model.
+        be what `load_model` and `--resume` pick as the latest (and saving a step it already has fails). Moved, not
+        deleted, so a run killed before its first checkpoint is complete loses nothing: the next Checkpointer on
+        this directory puts them back.
         """
         steps = self.all_steps()
-        if steps:
-            print0(f"replacing the checkpoints of an earlier run in {self.directory} (steps {sorted(steps)})")
+        if not steps:
+            return
+        print0(
+            f"replacing the checkpoints of an earlier run in {self.directory} (steps {sorted(steps)}) once this "
+            "run's first save is complete"
+        )
+        if is_main_process():
+            shutil.rmtree(self.aside, ignore_errors=True)  # a stale copy from a crash after a committed save
+            os.makedirs(self.aside)
+            with open(os.path.join(self.aside, "owner.json"), "w", encoding="utf-8") as f:
+                json.dump({"host": socket.gethostname(), "pid": os.getpid()}, f)
             for step in steps:
-                self.manager.delete(step)
+                os.rename(os.path.join(self.directory, str(step)), os.path.join(self.aside, str(step)))
+        _sync("flaxchat-replace-earlier-run")
+        self.manager.reload()
+        self.replacing = True
+
+    def _settle_earlier_run(self) -> None:
+        """An earlier run's checkpoints set aside by a run that has since stopped: deleted if that run committed a
+        checkpoint, put back if it did not."""
+        if not os.path.isdir(self.aside) or _owner_is_running(self.aside):
+            return
+        if is_main_process():
+            if committed_steps(self.directory):
+                shutil.rmtree(self.aside, ignore_errors=True)
+            else:
+                steps = committed_steps(self.aside)
+                os.makedirs(self.directory, exist_ok=True)
+                for step in steps:
+                    os.rename(os.path.join(self.aside, str(step)), os.path.join(self.directory, str(step)))
+                shutil.rmtree(self.aside, ignore_errors=True)
+                print0(
+                    f"put back the checkpoints of an earlier run in {self.directory} (steps {steps}): the run "
+                    "that was replacing them stopped before its first save was complete"
+                )
+        _sync("flaxchat-settle-earlier-run")
+
+    def _drop_earlier_run(self) -> None:
+        if self.replacing and committed_steps(self.directory):
+            if is_main_process():
+                shutil.rmtree(self.aside, ignore_errors=True)
+            self.replacing = False
 
     def wait(self) -> None:
         self.manager.wait_until_finished()
+        self._drop_earlier_run()
 
     def read_meta(self, step: int | None = None) -> dict:
         return self._read_json("meta", step)
@@ -182,14 +286,15 @@ class Checkpointer:
         return step
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
+        self.wait()
         self.manager.close()
 
 
 def find_model_tag(phase: str, base_dir: str | None = None) -> str:
     """The largest model under a phase directory (d26 beats d4), as nanochat guesses it."""
     root = os.path.join(base_dir or get_base_dir(), PHASE_DIRS[phase])
-    tags = sorted(t for t in os.listdir(root) if os.path.isdir(os.path.join(root, t))) if os.path.isdir(root) else []
+    names = os.listdir(root) if os.path.isdir(root) else []
+    tags = sorted(t for t in names if TAG.fullmatch(t) and committed_steps(os.path.join(root, t)))
     if not tags:
         hint = {"base": "python -m scripts.pretrain", "sft": "python -m scripts.sft", "rl": "python -m scripts.rl"}[
             phase
@@ -213,7 +318,7 @@ def load_model(
     checkpoint (meta["base"]) and returns the base with them merged in (flaxchat.model.lora.merge_lora): an ordinary
     GPT."""
     model_tag = model_tag or find_model_tag(phase, base_dir)
-    ckpt = Checkpointer(checkpoint_dir(phase, model_tag, base_dir), async_save=False)
+    ckpt = Checkpointer(checkpoint_dir(phase, model_tag, base_dir), async_save=False, read_only=True)
     try:
         meta = ckpt.read_meta(step)
         config = GPTConfig.from_dict(meta["model_config"])
@@ -246,13 +351,20 @@ def load_named_model(spec: str, default_source: str, flag: str, dtype=None):
 def _load_lora(ckpt: Checkpointer, meta: dict, mesh, base_dir, dtype):
     """(merged model, tokenizer, meta) of the adapter checkpoint `ckpt` at meta["step"]."""
     base = meta["base"]
+    name = f"{base['phase']} {base['model_tag']} step {base['step']}"
     try:
-        model, tokenizer, _ = load_model(base["phase"], base["model_tag"], base["step"], mesh, base_dir, dtype)
-    except FileNotFoundError as e:
+        model, tokenizer, base_meta = load_model(base["phase"], base["model_tag"], base["step"], mesh, base_dir, dtype)
+    except FileNotFoundError:
         raise FileNotFoundError(
-            f"the LoRA checkpoint {ckpt.directory} (step {meta['step']}) needs its base model, "
-            f"{base['phase']} {base['model_tag']} step {base['step']}: {e}"
+            f"the LoRA checkpoint {ckpt.directory} (step {meta['step']}) was trained on {name}, which is gone "
+            "(a later run under that tag or its checkpoint retention removed it): retrain the adapters on a base "
+            "that exists"
         ) from None
+    if base.get("saved_at") is not None and base_meta.get("saved_at") != base["saved_at"]:
+        raise ValueError(
+            f"the LoRA checkpoint {ckpt.directory} (step {meta['step']}) was trained on {name} as saved at "
+            f"{time.ctime(base['saved_at'])}, which a later run has replaced: retrain the adapters on it"
+        )
     if model.config.to_dict() != meta["model_config"]:
         raise ValueError(
             f"the LoRA checkpoint {ckpt.directory} was trained on another model than {base['phase']} "
@@ -267,7 +379,7 @@ def _load_lora(ckpt: Checkpointer, meta: dict, mesh, base_dir, dtype):
 def merge_lora_checkpoint(model_tag: str, step: int | None, output_tag: str) -> str:
     """Write the LoRA checkpoint sft/<model_tag> (latest or `step`) as an ordinary sft checkpoint of merged weights
     under output_tag (replacing what was there); returns its directory."""
-    ckpt = Checkpointer(checkpoint_dir("sft", model_tag), async_save=False)
+    ckpt = Checkpointer(checkpoint_dir("sft", model_tag), async_save=False, read_only=True)
     try:
         meta = ckpt.read_meta(step)
     finally:
@@ -278,8 +390,7 @@ def merge_lora_checkpoint(model_tag: str, step: int | None, output_tag: str) -> 
         )
     model, _, meta = load_model("sft", model_tag, meta["step"])
     out = Checkpointer(checkpoint_dir("sft", output_tag), keep=1, keep_best=0, async_save=False)
-    for old in out.all_steps():
-        out.manager.delete(old)
+    out.replace_earlier_run()
     kept = {k: v for k, v in meta.items() if k not in ("lora", "loop_state", "step", "model_config")}
     out.save(
         meta["step"],
