@@ -42,7 +42,7 @@ LOGICAL_RULES = (
 FTZ_ATOMICS = "-nvptx-allow-ftz-atomics"
 
 
-def _cuda_plugin_library() -> str | None:
+def cuda_plugin_library() -> str | None:
     """The shared library of JAX's CUDA plugin (jax[cuda13] or jax[cuda12]), or None if neither is installed."""
     import glob
     import importlib.util
@@ -59,7 +59,7 @@ def _cuda_plugin_library() -> str | None:
     return None
 
 
-def _knows_option(library: str, option: str) -> bool:
+def knows_option(library: str, option: str) -> bool:
     """Whether the compiler in `library` registers the LLVM option (its name is a C string in the binary): XLA
     passes unknown options to LLVM, which stops the process."""
     import mmap
@@ -81,8 +81,8 @@ def native_gpu_atomics(env=None) -> bool:
     platforms = [p.strip() for p in env.get("JAX_PLATFORMS", "").split(",") if p.strip()]
     if platforms and not {"cuda", "gpu"} & set(platforms):
         return False
-    library = _cuda_plugin_library()
-    if library is None or not _knows_option(library, FTZ_ATOMICS):
+    library = cuda_plugin_library()
+    if library is None or not knows_option(library, FTZ_ATOMICS):
         return False
     words = flags.split()
     for i, word in enumerate(words):

@@ -281,14 +281,14 @@ class IdTokenizer(ByteTokenizer):
 def taken(monkeypatch):
     """Every document the packer places in a row, as (stream position, document number), in order."""
     log = []
-    take = BestFitPacker._take
+    take = BestFitPacker.take_document
 
     def logged(self, i):
         doc = take(self, i)
         log.append((self._ids[i], int(doc[1]) - 1000))
         return doc
 
-    monkeypatch.setattr(BestFitPacker, "_take", logged)
+    monkeypatch.setattr(BestFitPacker, "take_document", logged)
     return log
 
 

@@ -76,7 +76,7 @@ def test_eval_in_sub_batches_equals_one_pass_over_the_batch(monkeypatch, mesh_sh
         token_bytes = np.arange(VOCAB) % 4  # some tokens stand for no bytes (as special tokens do)
         bpb = loss_eval.evaluate_bpb(model, [(x, y)], 1, token_bytes)
         logits = np.asarray(jax.jit(lambda x: model(x))(x))
-        at_logits = np.asarray(chat_eval._logits_at(model, x, at))
+        at_logits = np.asarray(chat_eval.logits_at_positions(model, x, at))
         # greedy checks of one token after each row's position `at`: the model's own choice in even rows, another
         # token in odd rows (a later token cannot change the logits at `at`)
         p = np.minimum(np.asarray(at), T - 2)

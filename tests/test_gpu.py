@@ -214,7 +214,7 @@ def test_native_gpu_atomics_adds_the_llvm_option_where_the_cuda_compiler_knows_i
     from flaxchat import sharding
 
     library = stand_in_plugin(tmp_path / "knows")
-    monkeypatch.setattr(sharding, "_cuda_plugin_library", lambda: str(library))
+    monkeypatch.setattr(sharding, "cuda_plugin_library", lambda: str(library))
     env = {"XLA_FLAGS": "--xla_gpu_enable_command_buffer="}
     assert sharding.native_gpu_atomics(env)
     assert env["XLA_FLAGS"] == "--xla_gpu_enable_command_buffer= --xla_backend_extra_options=-nvptx-allow-ftz-atomics"
@@ -233,10 +233,10 @@ def test_native_gpu_atomics_adds_the_llvm_option_where_the_cuda_compiler_knows_i
         assert not sharding.native_gpu_atomics(env) and env == before
     # a compiler without the option would stop the process on it; no CUDA plugin, nothing to do
     unknown = stand_in_plugin(tmp_path / "unknown", knows_the_option=False)
-    monkeypatch.setattr(sharding, "_cuda_plugin_library", lambda: str(unknown))
+    monkeypatch.setattr(sharding, "cuda_plugin_library", lambda: str(unknown))
     env = {}
     assert not sharding.native_gpu_atomics(env) and env == {}
-    monkeypatch.setattr(sharding, "_cuda_plugin_library", lambda: None)
+    monkeypatch.setattr(sharding, "cuda_plugin_library", lambda: None)
     assert not sharding.native_gpu_atomics(env) and env == {}
 
 
@@ -259,8 +259,8 @@ def test_the_cuda_plugin_library_is_found_where_jax_loads_plugins_from(tmp_path,
 
     library = stand_in_plugin(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
-    assert sharding._cuda_plugin_library() == str(library)
-    assert sharding._knows_option(str(library), sharding.FTZ_ATOMICS)
+    assert sharding.cuda_plugin_library() == str(library)
+    assert sharding.knows_option(str(library), sharding.FTZ_ATOMICS)
 
 
 # -----------------------------------------------------------------------------

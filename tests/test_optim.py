@@ -460,7 +460,7 @@ def test_gradient_check_sees_any_single_bad_element(bad):
     does: values at the limit pass."""
     edge = np.full((64, 48), optim.GRADIENT_LIMIT, np.float32)
     tree = {"a": edge, "b": jnp.ones((3, 5), jnp.bfloat16), "c": np.zeros(7, np.float32)}
-    check = jax.jit(lambda t: optim._all_within(t, optim.GRADIENT_LIMIT))
+    check = jax.jit(lambda t: optim.all_within(t, optim.GRADIENT_LIMIT))
     assert bool(check(tree))
     if bad is None:
         return
@@ -656,7 +656,7 @@ def test_derive_training_rejects_bad_flags():
 
 
 def test_bfloat16_gram_matrices_are_bfloat16_products_of_the_same_sums():
-    """optim._gram splits the long side in two for bf16 on a CPU (one bf16 product instead of an fp32 one); the
+    """optim.gram_matrix splits the long side in two for bf16 on a CPU (one bf16 product instead of an fp32 one); the
     result is the plain Gram matrix, and the orthogonalisation compiles to bf16 products only."""
     from flaxchat.perf.hlo import dot_types
 
@@ -665,7 +665,7 @@ def test_bfloat16_gram_matrices_are_bfloat16_products_of_the_same_sums():
     for shape, tall in (((3, 32, 96), False), ((3, 96, 32), True)):
         x = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
         plain = mm(jnp.swapaxes(x, -1, -2), x) if tall else mm(x, jnp.swapaxes(x, -1, -2))
-        gram = optim._gram(x, tall, mm)
+        gram = optim.gram_matrix(x, tall, mm)
         np.testing.assert_allclose(np.asarray(gram.astype(jnp.float32)), np.asarray(plain), rtol=2**-7, atol=1e-3)
         program = jax.jit(optim.polar_express).lower(x).compile().as_text()
         assert {d[:2] for d in dot_types(program)} == {("bf16", "bf16")}

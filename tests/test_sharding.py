@@ -93,8 +93,8 @@ def test_fsdp_step_moves_weights_not_activations(capfd):
 
 def optim_matrices(model):
     """(path, shape) of every parameter Muon updates."""
-    leaves = jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param), is_leaf=optim._is_variable)[0]
-    paths = [(optim._path_names(path), tuple(v.shape)) for path, v in leaves]
+    leaves = jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param), is_leaf=optim.is_variable)[0]
+    paths = [(optim.path_names(path), tuple(v.shape)) for path, v in leaves]
     return [(path, shape) for path, shape in paths if optim.param_group(path) == "matrix"]
 
 

@@ -95,7 +95,7 @@ class BestFitPacker:
         """Stream indices of the buffered documents, in buffer order."""
         return [i for i, n in zip(self._ids, self._lens.tolist()) if n > 0]
 
-    def _take(self, i: int) -> np.ndarray:
+    def take_document(self, i: int) -> np.ndarray:
         doc = self._docs[i]
         self._docs[i], self._lens[i] = None, 0
         self._live -= 1
@@ -114,12 +114,12 @@ class BestFitPacker:
                 fits = np.where(self._lens <= remaining, self._lens, 0)
                 i = int(fits.argmax())  # argmax picks the first maximum, like nanochat's strict '>' scan
                 if fits[i] > 0:
-                    doc = self._take(i)
+                    doc = self.take_document(i)
                     rows[r, pos : pos + len(doc)] = doc
                     pos += len(doc)
                 else:  # nothing fits whole: crop the shortest document to fill the row exactly
                     i = int(np.where(self._lens > 0, self._lens, np.iinfo(np.int64).max).argmin())
-                    rows[r, pos:] = self._take(i)[:remaining]
+                    rows[r, pos:] = self.take_document(i)[:remaining]
                     pos = cap
         return rows
 

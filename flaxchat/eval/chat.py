@@ -70,7 +70,7 @@ def chatcore(accuracies: dict[str, float]) -> tuple[float, int]:
 
 
 @nnx.jit
-def _logits_at(model, idx, positions):
+def logits_at_positions(model, idx, positions):
     """Logits (B, V) at one position per row of idx (B, T): the lm_head of those positions only, on a CPU in
     sub-batches of rows (cpu.in_sub_batches)."""
     return in_sub_batches(model, lambda m, x, at: m(x, logits_at=at), idx, positions)
@@ -107,7 +107,7 @@ def run_categorical_eval(
         positions = np.zeros(per_batch, np.int32)
         for r, i in enumerate(members):
             idx[r, : len(prompts[i])], positions[r] = prompts[i], len(prompts[i]) - 1
-        logits = to_host(_logits_at(model, jnp.asarray(idx), jnp.asarray(positions)))
+        logits = to_host(logits_at_positions(model, jnp.asarray(idx), jnp.asarray(positions)))
         for r, i in enumerate(members):
             letters = conversations[i]["letters"]
             for letter in letters:

@@ -115,7 +115,7 @@ def polar_express(x, ns_steps: int = 5):
     if x.dtype == jnp.float32 and max(x.shape[-2:]) >= GRAM_FORM_MIN_ASPECT * min(x.shape[-2:]):
         return polar_express_gram(x, ns_steps, tall, mm)
     for a, b, c in POLAR_EXPRESS_COEFFS[:ns_steps]:
-        gram = _gram(x, tall, mm)
+        gram = gram_matrix(x, tall, mm)
         if tall:
             x = _scale(a, x) + mm(x, _scale(b, gram) + _scale(c, mm(gram, gram)))
         else:
@@ -138,7 +138,7 @@ def polar_express_gram(x, ns_steps: int, tall: bool, mm):
     stack: fewer roundings of long-side products). In bf16 the drift of g away from the iterates' real Gram
     matrix would matter, so bf16 keeps the direct form.
     """
-    g = _gram(x, tall, mm)
+    g = gram_matrix(x, tall, mm)
     eye = jnp.eye(g.shape[-1], dtype=g.dtype)
     q = None
     for i, (a, b, c) in enumerate(POLAR_EXPRESS_COEFFS[:ns_steps]):
@@ -151,7 +151,7 @@ def polar_express_gram(x, ns_steps: int, tall: bool, mm):
     return mm(x, q) if tall else mm(q, x)
 
 
-def _gram(x, tall: bool, mm):
+def gram_matrix(x, tall: bool, mm):
     """x^T x (tall) or x x^T (wide), the short side's Gram matrix of a stack of matrices.
 
     bf16 on a CPU: the long side is split in two (cpu.split_in_two), so the product runs in XLA:CPU's bf16 kernel
@@ -235,7 +235,7 @@ def _value(x):
     return x.get_value() if isinstance(x, nnx.Variable) else x
 
 
-def _is_variable(x) -> bool:
+def is_variable(x) -> bool:
     return isinstance(x, nnx.Variable)
 
 
@@ -302,14 +302,14 @@ def muon(
         def factored(p):  # laid out as update() leaves it (a different start would recompile the step after one)
             value = _value(p)
             buffer = jnp.zeros(normuon_state_shape(value.shape), value.dtype)
-            axes = getattr(p, "out_sharding", None) if _is_variable(p) else None
+            axes = getattr(p, "out_sharding", None) if is_variable(p) else None
             if axes is None:
                 return buffer
             axes = _buffer_axes(axes, value.shape)
             return p.replace(value=sharding.constrain(buffer, axes), out_sharding=axes)
 
         # the momentum keeps each parameter's sharding annotation (tree.map rewraps nnx Variables)
-        return MuonState(jax.tree.map(zeros, params), jax.tree.map(factored, params, is_leaf=_is_variable))
+        return MuonState(jax.tree.map(zeros, params), jax.tree.map(factored, params, is_leaf=is_variable))
 
     def update(updates, state, params=None):
         if params is None:
@@ -325,7 +325,7 @@ def muon(
         # same shape, dtype and layout on the mesh -> one stack
         groups: dict[tuple, list[int]] = {}
         for i, (path, g) in enumerate(with_paths):
-            axes = tuple(param_axes.get(_path_names(path)) or (None,) * g.ndim)
+            axes = tuple(param_axes.get(path_names(path)) or (None,) * g.ndim)
             if math.prod(g.shape) < SHARE_OUT_MIN_SIZE:  # tiny (ve_gate): every device does the whole stack
                 layouts = v_layouts = () if sharding.context_mesh() is None else (P(),)
             else:  # NorMuon's buffers are not split along the axis they collapse
@@ -410,7 +410,7 @@ def param_groups(n_embd, unembedding_lr, embedding_lr, matrix_lr, weight_decay, 
     }
 
 
-def _path_names(path) -> tuple:
+def path_names(path) -> tuple:
     names = []
     for key in path:
         if isinstance(key, jax.tree_util.DictKey):
@@ -426,14 +426,14 @@ def _path_names(path) -> tuple:
 
 def param_labels(params):
     """Group name of every parameter; works on nnx States with or without Variable wrappers."""
-    label = lambda path, _: param_group(_path_names(path))
-    return jax.tree_util.tree_map_with_path(label, params, is_leaf=_is_variable)
+    label = lambda path, _: param_group(path_names(path))
+    return jax.tree_util.tree_map_with_path(label, params, is_leaf=is_variable)
 
 
 def param_axes(model) -> dict:
     """{parameter path: its logical axis names} (the `out_sharding` the model annotated it with)."""
-    leaves = jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param), is_leaf=_is_variable)[0]
-    return {_path_names(path): tuple(getattr(v, "out_sharding", None) or (None,) * v.ndim) for path, v in leaves}
+    leaves = jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param), is_leaf=is_variable)[0]
+    return {path_names(path): tuple(getattr(v, "out_sharding", None) or (None,) * v.ndim) for path, v in leaves}
 
 
 def in_float32(inner: optax.GradientTransformation) -> optax.GradientTransformation:
@@ -467,7 +467,7 @@ class SkipNonFiniteState(NamedTuple):
 GRADIENT_LIMIT = 1e15
 
 
-def _all_within(tree, limit) -> jax.Array:
+def all_within(tree, limit) -> jax.Array:
     """Whether every element of every leaf is at most `limit` in magnitude, NaN failing: the max over 0 where an
     element passes and 1 where it does not. On a CPU that is two ops per leaf (the flags, then YNNPACK's max)
     where `all(isfinite(x))` took three (a mask, a tree of partial reductions, the last one). On a mesh the
@@ -493,7 +493,7 @@ def skip_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransfo
         return SkipNonFiniteState(jnp.zeros([], jnp.int32), inner.init(params))
 
     def update(updates, state, params=None, **extra_args):
-        ok = _all_within(updates, GRADIENT_LIMIT)
+        ok = all_within(updates, GRADIENT_LIMIT)
         step = lambda: inner.update(updates, state.inner_state, params, **extra_args)
         # the updates' dtypes may differ from the gradients' (in_float32); an abstract trace, nothing runs twice
         shapes = jax.eval_shape(step)[0]
