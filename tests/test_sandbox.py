@@ -44,7 +44,7 @@ subprocess._posixsubprocess = _posixsubprocess
 def kind(request, monkeypatch):
     """Run the test under each sandbox in turn; skip the bubblewrap run where it cannot run on this machine."""
     if request.param == "bubblewrap":
-        bwrap, why = sandbox._bubblewrap()
+        bwrap, why = sandbox.find_bubblewrap()
         if bwrap is None:
             pytest.skip(f"bubblewrap cannot run on this machine: {why}")
     monkeypatch.setenv("FLAXCHAT_SANDBOX", "bubblewrap" if request.param == "bubblewrap" else "guard")
@@ -55,7 +55,7 @@ def kind(request, monkeypatch):
 @pytest.fixture
 def bubblewrap(monkeypatch):
     """Run the test's programs under bubblewrap; skip where it cannot run on this machine."""
-    bwrap, why = sandbox._bubblewrap()
+    bwrap, why = sandbox.find_bubblewrap()
     if bwrap is None:
         pytest.skip(f"bubblewrap cannot run on this machine: {why}")
     monkeypatch.setenv("FLAXCHAT_SANDBOX", "bubblewrap")
@@ -207,9 +207,9 @@ def test_sandbox_kind_can_be_forced(monkeypatch):
 
 
 def test_missing_bubblewrap_warns_once_and_falls_back(monkeypatch):
-    monkeypatch.setattr(sandbox, "_bubblewrap", lambda: (None, "no bwrap here (test)"))
+    monkeypatch.setattr(sandbox, "find_bubblewrap", lambda: (None, "no bwrap here (test)"))
     monkeypatch.setenv("FLAXCHAT_SANDBOX", "auto")
-    sandbox._warn_fallback.cache_clear()
+    sandbox.warn_fallback.cache_clear()
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -221,7 +221,7 @@ def test_missing_bubblewrap_warns_once_and_falls_back(monkeypatch):
         with pytest.raises(RuntimeError, match="no bwrap here"):
             sandbox_kind()
     finally:
-        sandbox._warn_fallback.cache_clear()
+        sandbox.warn_fallback.cache_clear()
 
 
 def test_bubblewrap_is_the_default_where_it_runs(bubblewrap, monkeypatch):

@@ -202,7 +202,7 @@ def _bubblewrap_argv(bwrap: _Bubblewrap, workdir: str, program_path: str, seccom
 
 
 @functools.cache
-def _bubblewrap() -> tuple[_Bubblewrap | None, str]:
+def find_bubblewrap() -> tuple[_Bubblewrap | None, str]:
     """(bwrap, "") when the bubblewrap sandbox works here, else (None, why not); probed once per process by
     running a program in it, so a kernel without unprivileged user namespaces is found before it matters.
 
@@ -234,7 +234,7 @@ def _bubblewrap() -> tuple[_Bubblewrap | None, str]:
 
 
 @functools.cache
-def _warn_fallback(why: str) -> None:
+def warn_fallback(why: str) -> None:
     warnings.warn(
         f"flaxchat sandbox: {why}; falling back to the Python guard (rlimits and an audit hook), which stops "
         "accidents, not code written to escape",
@@ -252,12 +252,12 @@ def sandbox_kind() -> str:
         return "python-guard"
     if choice not in ("auto", "bubblewrap"):
         raise ValueError(f"FLAXCHAT_SANDBOX={choice!r}: choose auto, bubblewrap or guard")
-    bwrap, why = _bubblewrap()
+    bwrap, why = find_bubblewrap()
     if bwrap is not None:
         return "bubblewrap"
     if choice == "bubblewrap":
         raise RuntimeError(f"FLAXCHAT_SANDBOX=bubblewrap, but {why}")
-    _warn_fallback(why)
+    warn_fallback(why)
     return "python-guard"
 
 
@@ -296,7 +296,7 @@ def execute_code(code: str, timeout: float = 5.0, memory_mb: int = 512, max_outp
     """
     if timeout <= 0 or memory_mb <= 0 or max_output <= 0:
         raise ValueError("timeout, memory_mb and max_output must all be positive")
-    bwrap = _bubblewrap()[0] if sandbox_kind() == "bubblewrap" else None
+    bwrap = find_bubblewrap()[0] if sandbox_kind() == "bubblewrap" else None
     return _execute(code, timeout, memory_mb, max_output, bwrap)
 
 
