@@ -2,8 +2,9 @@
 
     python -m scripts.chat_web                                    # latest SFT model at http://127.0.0.1:8000
     python -m scripts.chat_web -i rl --slots 16 --port 8080       # the RL model, 16 conversations at once
-    python -m scripts.chat_web --host 0.0.0.0 --max-connections 200 --rate-limit 20   # expose it on the network
-    python -m scripts.chat_web --limit-everyone --rate-limit 10   # rate-limit this machine's own clients too
+    FLAXCHAT_API_KEY=$(openssl rand -hex 16) python -m scripts.chat_web --host 0.0.0.0 \
+        --allowed-hosts chat.example.com --max-connections 200   # expose it on the network (docs/serving.md)
+    python -m scripts.chat_web --limit-everyone --rate-limit 5000 # token-rate-limit this machine's own clients too
     python -m scripts.chat_web --random-init --depth 4            # an untrained model (tokenizer from the base dir)
     python -m scripts.chat_web -g d12 --draft-model d4            # speculative sampling, one conversation at a time
     # measure: 1 and then 16 concurrent WebSocket clients against an in-process server; prints JSON, exits
@@ -14,14 +15,18 @@ The same commands run on a GPU or TPU host (JAX picks the device). The API speak
     curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
          -d '{"messages": [{"role": "user", "content": "Why is the sky blue?"}], "stream": true}'
 
+With --api-key (or FLAXCHAT_API_KEY, which keeps the key out of `ps`), add -H "Authorization: Bearer $KEY".
+
 Routes: flaxchat/serve/app.py; the WebSocket protocol: flaxchat/serve/websocket.py; the OpenAI API:
-flaxchat/serve/openai.py; the limits: flaxchat/serve/server.py.
+flaxchat/serve/openai.py; the limits: flaxchat/serve/server.py; key, origins, hosts, deadlines:
+flaxchat/serve/security.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import multiprocessing
 import os
@@ -40,8 +45,10 @@ from flaxchat.model.config import GPTConfig
 from flaxchat.model.gpt import GPT
 from flaxchat.model.quantize import add_quantize_flag, quantize_for_generation
 from flaxchat.serve.app import BackgroundServer, create_app, uvicorn_config
+from flaxchat.serve.limits import LOOPBACK_HOSTS, is_loopback
+from flaxchat.serve.security import normalize_hosts, normalize_origins
 from flaxchat.serve.server import ServeConfig
-from flaxchat.train.checkpoint import find_model_tag, load_model, load_named_model
+from flaxchat.train.checkpoint import find_model_tag, load_model, load_named_model, model_tag_arg
 
 # -----------------------------------------------------------------------------
 # Arguments
@@ -56,7 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("-i", "--source", choices=["base", "sft", "rl"], default="sft", help="which checkpoints to load")
     p.add_argument(
-        "-g", "--model-tag", default=None, help="model tag (directory under the checkpoints); default: the largest"
+        "-g",
+        "--model-tag",
+        type=model_tag_arg,
+        default=None,
+        help="model tag (directory under the checkpoints); default: the largest",
     )
     p.add_argument("-s", "--step", type=int, default=None, help="checkpoint step; default: the latest")
     p.add_argument(
@@ -79,21 +90,65 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-t", "--temperature", type=float, default=0.8, help="default sampling temperature")
     p.add_argument("-k", "--top-k", type=int, default=50, help="default top-k (0 = the whole vocabulary)")
     p.add_argument("--max-connections", type=int, default=64, help="open WebSockets + in-flight HTTP requests")
+    p.add_argument(
+        "--max-connections-per-client",
+        type=int,
+        default=8,
+        help="requests and WebSockets one client address may hold at once",
+    )
     p.add_argument("--max-message-bytes", type=int, default=32768, help="largest WebSocket frame / HTTP body")
     p.add_argument(
         "--rate-limit",
         type=float,
-        default=30.0,
-        help="requests per minute per client address (0 = off); loopback clients (127.0.0.1, ::1) are "
-        "exempt unless --limit-everyone",
+        default=20000.0,
+        help="new tokens a client address may ask for per minute (0 = off); a request costs prompts x n x "
+        "max_tokens, a refused one --rate-min-cost; loopback clients (127.0.0.1, ::1) are exempt unless "
+        "--limit-everyone",
     )
+    p.add_argument("--rate-burst", type=int, default=8192, help="tokens a client may ask for at once")
+    p.add_argument("--rate-min-cost", type=int, default=64, help="tokens the least request costs, refused ones too")
     p.add_argument(
         "--limit-everyone",
         action="store_true",
-        help="apply --rate-limit to loopback clients too (e.g. behind a reverse proxy on this machine, "
-        "where every client arrives from 127.0.0.1)",
+        help="apply the per-client limits (rate, connections) to loopback clients too (e.g. behind a reverse proxy "
+        "on this machine without --forwarded-allow-ips, where every client arrives from 127.0.0.1)",
     )
-    p.add_argument("--rate-burst", type=int, default=10, help="requests a client may send at once")
+    g = p.add_argument_group("exposing the server (docs/serving.md)")
+    g.add_argument(
+        "--api-key",
+        default=None,
+        help="require this key: 'Authorization: Bearer KEY' on the API (every route but the page and /health), "
+        "and the chat page asks for it once; without this flag $FLAXCHAT_API_KEY is read (it keeps the key out "
+        "of the process list); None: no key",
+    )
+    g.add_argument(
+        "--allowed-origins",
+        type=comma_list,
+        default=(),
+        help="comma-separated browser origins (https://app.example.com) that may use /ws and the API, besides "
+        "the page's own and loopback ones; '*' allows any",
+    )
+    g.add_argument(
+        "--allowed-hosts",
+        type=comma_list,
+        default=(),
+        help="comma-separated Host names to serve besides localhost, 127.0.0.1, [::1] (others get 400; this "
+        "stops DNS rebinding); checked when --host is loopback or this is given; '*' serves any",
+    )
+    g.add_argument(
+        "--forwarded-allow-ips",
+        type=comma_list,
+        default=(),
+        help="comma-separated addresses (or networks) of reverse proxies whose X-Forwarded-For names the client "
+        "for the limits; (): trust none, the header is ignored",
+    )
+    g.add_argument("--idle-timeout", type=float, default=600.0, help="close a WebSocket after this many quiet seconds")
+    g.add_argument("--header-timeout", type=float, default=10.0, help="seconds for an HTTP request's headers")
+    g.add_argument("--body-timeout", type=float, default=10.0, help="seconds for an HTTP request's body (then 408)")
+    g.add_argument(
+        "--max-send-queue", type=int, default=1024, help="events queued for a WebSocket client that is not reading"
+    )
+    g.add_argument("--api-docs", action="store_true", help="serve /docs and /openapi.json")
     add_quantize_flag(p)
     add_draft_flags(p)
     p.add_argument("--no-warmup", action="store_true", help="compile lazily instead of before serving")
@@ -101,6 +156,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--load-tokens", type=int, default=128, help="tokens each load-test client asks for")
     p.add_argument("--load-repeats", type=int, default=3, help="rounds of the load test (client counts interleaved)")
     return p
+
+
+def comma_list(text: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
 
 
 def get_args(argv=None) -> argparse.Namespace:
@@ -120,6 +179,8 @@ def get_args(argv=None) -> argparse.Namespace:
         "load_tokens",
         "load_repeats",
         "rate_burst",
+        "max_connections_per_client",
+        "max_send_queue",
     ):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -131,6 +192,15 @@ def get_args(argv=None) -> argparse.Namespace:
         parser.error(f"--top-k must be in 0..200, got {args.top_k}")
     if args.rate_limit < 0:
         parser.error(f"--rate-limit must be >= 0, got {args.rate_limit}")
+    if args.rate_min_cost < 0:
+        parser.error(f"--rate-min-cost must be >= 0, got {args.rate_min_cost}")
+    for name in ("idle_timeout", "header_timeout", "body_timeout"):
+        if not getattr(args, name) > 0:
+            parser.error(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+    if args.api_key is None:
+        args.api_key = os.environ.get("FLAXCHAT_API_KEY") or None
+    if args.api_key is not None and len(args.api_key) < 8:
+        parser.error("--api-key must be at least 8 characters")
     if args.load_test is not None:
         try:
             args.load_test = [int(x) for x in args.load_test.split(",")]
@@ -240,6 +310,27 @@ def run_load_test(url: str, clients: int, max_tokens: int) -> dict:
 # Main
 
 
+def exposure(args) -> dict:
+    """The ServeConfig fields that decide who may use the server. Host names are checked when it listens on
+    loopback (any Host then means DNS rebinding) or when --allowed-hosts names them."""
+    hosts = None
+    listening_locally = args.host == "localhost" or is_loopback(args.host)
+    if "*" not in args.allowed_hosts and (listening_locally or args.allowed_hosts):
+        hosts = LOOPBACK_HOSTS + normalize_hosts(args.allowed_hosts)
+    return dict(
+        api_key=args.api_key,
+        allowed_origins=normalize_origins(args.allowed_origins),
+        allowed_hosts=hosts,
+        forwarded_allow_ips=args.forwarded_allow_ips,
+        api_docs=args.api_docs,
+        max_connections_per_client=args.max_connections_per_client,
+        idle_timeout=args.idle_timeout,
+        header_timeout=args.header_timeout,
+        body_timeout=args.body_timeout,
+        max_send_queue=args.max_send_queue,
+    )
+
+
 def main(argv=None) -> int:
     args = get_args(argv)
     try:
@@ -283,10 +374,15 @@ def main(argv=None) -> int:
         max_message_bytes=args.max_message_bytes,
         rate_limit=args.rate_limit,
         rate_burst=args.rate_burst,
+        rate_min_cost=args.rate_min_cost,
         limit_loopback=args.limit_everyone,
+        **exposure(args),
     )
-    if args.load_test:
-        config = ServeConfig(**{**config.__dict__, "rate_limit": 0.0, "max_connections": max(args.load_test) + 8})
+    if args.load_test:  # in-process clients on loopback: no key, no per-client limits
+        most = max(args.load_test) + 8
+        config = dataclasses.replace(
+            config, rate_limit=0.0, max_connections=most, max_connections_per_client=most, api_key=None
+        )
         with BackgroundServer(create_app(scheduler, tokenizer, config)) as url:
             load_test_in_subprocess(url, 1, 8)  # settles the first-request paths before measuring
             runs = {n: [] for n in args.load_test}
@@ -315,6 +411,8 @@ def main(argv=None) -> int:
             )
         return 0
     app = create_app(scheduler, tokenizer, config)
+    if args.api_key is None and not (args.host == "localhost" or is_loopback(args.host)):
+        print(f"chat_web: {args.host} is reachable from other machines and there is no --api-key", file=sys.stderr)
     print(f"flaxchat is serving {name} at http://{args.host}:{args.port}/  (Ctrl-C stops)", flush=True)
     uvicorn.Server(uvicorn_config(app, args.host, args.port)).run()
     return 0

@@ -201,3 +201,30 @@ def test_phone_width_fits(browser, url, tmp_path):
         page.screenshot(path=str(tmp_path / "phone.png"))
     finally:
         page.close()
+
+
+def test_a_server_with_a_key_asks_for_it_once(browser, tok, script):
+    """With --api-key the page asks for the key (a prompt), keeps it for the tab and chats; a wrong key is refused
+    and forgotten, so the page asks again."""
+    scheduler = Scheduler(scripted_model(tok, script), tok, slots=1, chunk=4)
+    config = ServeConfig(default_max_tokens=12, rate_limit=0, api_key="sesame")
+    answers, asked = ["wrong", "sesame"], []
+
+    def answer(dialog):
+        asked.append(dialog.message)
+        dialog.accept(answers.pop(0) if answers else "sesame")
+
+    with BackgroundServer(create_app(scheduler, tok, config)) as key_url:
+        page = browser.new_page()
+        page.on("dialog", answer)
+        try:
+            page.goto(key_url)
+            page.wait_for_selector("#status[data-state=open]", timeout=30_000)
+            page.locator("#input").fill("What is 3*7?")
+            page.keyboard.press("Enter")
+            page.wait_for_selector(".msg.assistant .meta", timeout=60_000)
+            assert len(asked) == 2 and all("API key" in m for m in asked)  # wrong, then right
+            assert page.locator(".tool.output").inner_text().endswith("21")
+            assert page.evaluate("() => Object.values(sessionStorage)") == ["sesame"]
+        finally:
+            page.close()

@@ -97,7 +97,7 @@ def test_cached_logits_equal_full_forward_every_step(model):
         span = attention_span(max(map(len, PROMPTS)) + step + 1, 1024)
         spans.add(span)
         ctl = controls(3, remaining=24 - step, offset=step, temperature=0.0)
-        slots, out, forced, steps = progs.decode(
+        slots, out, forced, steps, _ = progs.decode(
             params, slots, ctl, np.int32(1), rows=3, span=span, chunk=1, stop_tokens=(), tool_end=-1, tiers=()
         )
         assert int(steps) == 1 and not np.asarray(forced).any()
@@ -502,7 +502,7 @@ def test_an_extracted_part_decodes_like_the_whole_cache(model):
         for chunk in range(3):
             n = rows if part else 4  # controls cover every row of what is decoded
             ctl = controls(n, remaining=12 - 4 * chunk, offset=4 * chunk, seed=list(range(n)))
-            work, out, _, steps = progs.decode(
+            work, out, _, steps, _ = progs.decode(
                 params,
                 work,
                 ctl,

@@ -54,7 +54,9 @@ def url(scheduler, tok):
 @pytest.fixture(scope="module")
 def strict_url(scheduler, tok):
     """A second app on the same scheduler with tight connection and rate limits."""
-    config = ServeConfig(rate_limit=6, rate_burst=2, max_connections=2, limit_loopback=True, **LIMITS)
+    config = ServeConfig(  # the rate limit in tokens: a burst of two one-token replies
+        rate_limit=6, rate_burst=2, rate_min_cost=1, max_connections=2, limit_loopback=True, **LIMITS
+    )
     with BackgroundServer(create_app(scheduler, tok, config, own_scheduler=False)) as url:
         yield url
 
@@ -434,11 +436,11 @@ def test_loopback_clients_are_not_rate_limited_by_default(scheduler, tok):
         h = wait_idle(url)
         assert h["slots"] == scheduler.slots and h["utilisation"] == 0.0 and "queued" in h
     server = app.state.chat
-    server.check_rate("::1")
-    for _ in range(ServeConfig().rate_burst):
-        server.check_rate("203.0.113.7")  # another machine: the burst, then the limit
+    server.check_rate("::1", 10**6)  # loopback: whatever it asks for
+    for _ in range(ServeConfig().rate_burst // 512):
+        server.check_rate("203.0.113.7", 512)  # another machine: a burst's worth of tokens, then the limit
     with pytest.raises(ClientError) as e:
-        server.check_rate("203.0.113.7")
+        server.check_rate("203.0.113.7", 512)
     assert e.value.status == 429
 
 
@@ -516,7 +518,7 @@ def test_openai_multi_turn_with_system_and_parts(url):
         ({"messages": [{"role": "user", "content": "hi"}], "stop": ["a", "b", "c", "d", "e"]}, 400, "invalid_message"),
         ({"messages": [{"role": "user", "content": "hi"}], "stop": 3}, 400, "invalid_message"),
         ({"messages": [{"role": "user", "content": "hi"}], "stop": [""]}, 400, "invalid_message"),
-        ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, 400, "invalid_message"),
+        ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "stream": True}, 400, "invalid_message"),
         (
             {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}},
             400,
@@ -638,7 +640,7 @@ def test_legacy_completions_score_prompts_like_the_model(url, scheduler, tok):
     lp = choice.logprobs
     assert choice.text == text and lp.token_logprobs[0] is None and "".join(lp.tokens) == text
     np.testing.assert_allclose(lp.token_logprobs[1:], expected, atol=1e-4)
-    assert lp.top_logprobs[0] is None and all(len(d) == 1 for d in lp.top_logprobs[1:])
+    assert lp.top_logprobs[0] is None and all(1 <= len(d) <= 2 for d in lp.top_logprobs[1:])  # the chosen too
     best = [tok.decode([int(logp[i - 1].argmax())]) for i in range(1, len(ids))]
     assert [next(iter(d)) for d in lp.top_logprobs[1:]] == best
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(ids))]
@@ -668,7 +670,6 @@ def test_legacy_completions_score_prompts_like_the_model(url, scheduler, tok):
     assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens and not chunks[-1].choices
     for bad in (
         dict(logprobs=6),
-        dict(logprobs=1, max_tokens=3),
         dict(prompt=[]),
         dict(prompt=[10**9]),
         dict(stream=True),

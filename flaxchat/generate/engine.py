@@ -55,7 +55,7 @@ def generate(
         top_p=top_p or 1.0,
     )
     span = attention_span(int(lengths.max()) + max_tokens, capacity)
-    _, out, _, steps = progs.decode(
+    _, out, _, steps, _ = progs.decode(
         params,
         slots,
         ctl,
@@ -189,7 +189,7 @@ class Engine:
                 pushes={int(np.flatnonzero(held == r)[0]): tokens for r, tokens in pushes.items()},
             )
             span = attention_span(longest + emitted + limit, self.capacity)  # every position this call can write
-            slots, out, forced, steps = progs.decode(
+            slots, out, forced, steps, _ = progs.decode(
                 params,
                 slots,
                 ctl,

@@ -10,6 +10,9 @@
   a row closed a tool call, so the host can run the tool.
 - Moving rows between slots, and extracting a (rows, span) part to decode and flushing it back (the server's
   scheduler keeps one part across chunks).
+- Log-probabilities when asked (the OpenAI routes' `logprobs`): the decode loop can also return each emitted
+  token's raw logprob and top alternatives, and `score` gives a prompt's, both reduced on the device to a few
+  numbers per token; without `top_logprobs` the decode loop computes nothing extra.
 
 `Programs` holds them jitted for one model structure; `programs(model)` finds them (models of the same shape
 share compilations). Randomness is explicit: token n of row `lane` of a request with `seed` draws with
@@ -29,7 +32,7 @@ import numpy as np
 from flax import nnx
 
 from flaxchat.generate.reply import FORCED_CAPACITY
-from flaxchat.generate.sampling import sample_rows
+from flaxchat.generate.sampling import sample_rows, token_logprobs
 from flaxchat.model import cpu
 from flaxchat.model.attention import write_cache
 from flaxchat.model.gpt import KVCache, rms_norm
@@ -299,10 +302,14 @@ def _decode(
     stop_tokens,
     tool_end,
     tiers,
+    top_logprobs=None,
     replicated=None,
 ):
     """Up to `limit` (<= chunk) decode steps over the first `rows` slots
-    -> (slots, tokens (rows, chunk), forced (rows, chunk) bool, steps).
+    -> (slots, tokens (rows, chunk), forced (rows, chunk) bool, steps, scores).
+
+    scores: None, or with `top_logprobs` = k the raw log-probabilities of what each step emitted (sampling.
+    token_logprobs): (logprob (rows, chunk), top k values (rows, chunk, k), their ids (rows, chunk, k)).
 
     Attention reads only the first `span` cache positions, which must hold every live row to the end of the
     call: reading the whole cache for every row at every step would make a batch of short conversations cost
@@ -329,11 +336,11 @@ def _decode(
     row_ids = jnp.arange(rows)
 
     def cond(c):
-        _, _, _, _, _, step, live, paused, _ = c
+        _, _, _, _, _, step, live, paused, _, _ = c
         return (step < limit) & jnp.any(live) & ~paused
 
     def body(c):
-        cache, logits, f_pos, out, was_forced, step, live, _, weights = c
+        cache, logits, f_pos, out, was_forced, step, live, _, weights, scores = c
         m = model
         if weights is not None:
             m, weights = loop_weights(graphdef, weights)
@@ -341,6 +348,9 @@ def _decode(
         sampled = sample_rows(logits, keys, temperature, top_k, top_p, tiers, barrier=replicated is None)
         is_forced = f_pos < f_len
         token = jnp.where(is_forced, f_queue[row_ids, jnp.minimum(f_pos, f_queue.shape[1] - 1)], sampled)
+        if scores is not None:  # static: the fast path carries None and computes nothing here
+            new = token_logprobs(logits, token, top_logprobs, barrier=replicated is None)
+            scores = tuple(s.at[:, step].set(x) for s, x in zip(scores, new))
         new_logits, new_cache = m.forward_cached(token[:, None], cache)
         new_cache = dataclasses.replace(new_cache, pos=jnp.where(live, new_cache.pos, cache.pos))
         ended = jnp.isin(token, stops) | (step + 1 >= remaining)
@@ -355,9 +365,18 @@ def _decode(
             live & ~ended,
             paused,
             weights,
+            scores,
         )
 
     live = ctl.active[r] & (remaining > 0)
+    scores = None
+    if top_logprobs is not None:
+        k = min(top_logprobs, slots.logits.shape[-1])
+        scores = (
+            jnp.zeros((rows, chunk), jnp.float32),
+            jnp.zeros((rows, chunk, k), jnp.float32),
+            jnp.zeros((rows, chunk, k), jnp.int32),
+        )
     init = (
         take_rows(slots.cache, rows, span),
         slots.logits[r],
@@ -368,8 +387,9 @@ def _decode(
         live,
         jnp.bool_(False),
         weights,
+        scores,
     )
-    cache, logits, f_pos, out, was_forced, steps, _, _, _ = jax.lax.while_loop(cond, body, init)
+    cache, logits, f_pos, out, was_forced, steps, _, _, _, scores = jax.lax.while_loop(cond, body, init)
     whole = (rows, span) == extent(slots.cache)
     slots = Slots(
         cache=cache if whole else put_rows(slots.cache, cache, slots.cache.pos[r], chunk),
@@ -379,8 +399,17 @@ def _decode(
         forced_pos=forced_pos.at[r].set(f_pos),
     )
     if replicated is not None:  # fetching an array split over another process's devices fails
-        out, was_forced, steps = (jax.lax.with_sharding_constraint(x, replicated) for x in (out, was_forced, steps))
-    return slots, out, was_forced, steps
+        out, was_forced, steps, scores = jax.lax.with_sharding_constraint((out, was_forced, steps, scores), replicated)
+    return slots, out, was_forced, steps, scores
+
+
+def _score(graphdef, params, tokens, *, top: int):
+    """A prompt's log-probabilities on the device: tokens (1, T) -> (logprob of token t+1 at each position t (T,),
+    the `top` likeliest next tokens' logprobs (T, top) and ids (T, top)); the last position's logprob reads a
+    wrapped-around token and means nothing. Only these leave the device: never the (T, V) log-probabilities."""
+    model = nnx.merge(graphdef, params)
+    logits = model(tokens)[0]  # (T, V)
+    return token_logprobs(logits, jnp.roll(tokens[0], -1), top)
 
 
 class Programs:
@@ -391,8 +420,9 @@ class Programs:
     prefill(params, slots, start, tokens, lengths, copies=) -> Slots            (slots donated)
     move(slots, src, dst) -> Slots                                             (slots donated)
     extract(slots, rows=, span=) -> Slots; flush(slots, part) -> Slots          (flush: slots donated)
-    decode(params, slots, controls, limit, rows=, span=, chunk=, stop_tokens=, tool_end=, tiers=)
-        -> (slots, tokens, forced, steps)                                      (slots donated)
+    decode(params, slots, controls, limit, rows=, span=, chunk=, stop_tokens=, tool_end=, tiers=, top_logprobs=)
+        -> (slots, tokens, forced, steps, scores)                              (slots donated)
+    score(params, tokens, top=) -> (logprobs (T,), top values (T, top), top ids (T, top))
     """
 
     def __init__(self, graphdef, mesh=None, options: tuple = ()):
@@ -409,8 +439,9 @@ class Programs:
         self.decode = jit(
             functools.partial(_decode, graphdef, replicated=replicated),
             donate_argnames=("slots",),
-            static_argnames=("rows", "span", "chunk", "stop_tokens", "tool_end", "tiers"),
+            static_argnames=("rows", "span", "chunk", "stop_tokens", "tool_end", "tiers", "top_logprobs"),
         )
+        self.score = jit(functools.partial(_score, graphdef), static_argnames=("top",))
 
 
 _PROGRAMS: list[Programs] = []  # most recent last; a graphdef is unhashable, so it is found by equality

@@ -5,6 +5,10 @@ Greedy rows take the argmax; sampled rows divide their logits by the temperature
 top_p nucleus, and draw by inverse CDF from one uniform. The decode programs (flaxchat.generate.programs) sample
 through `sample_rows`; speculative sampling, whose acceptance test needs the whole distribution, through
 `rule_probs` and `inverse_cdf`.
+
+`token_logprobs` is what the OpenAI routes' `logprobs` report: the raw model distribution's log-probability of each
+chosen token and its k likeliest alternatives, computed on the device, so a (tokens, vocabulary) array never
+reaches the host (at a 65,536-token vocabulary a 2,048-token prompt's full log-probabilities are half a gigabyte).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import jax.numpy as jnp
 
 MAX_TOP_K = 200  # largest per-row top_k the server's sampler takes (0 = no top-k cut)
 TOP_K_TIERS = (50, MAX_TOP_K)  # the server's static top-k sizes; a chunk uses the smallest covering its rows
+MAX_TOP_LOGPROBS = 20  # most alternatives per token `logprobs` reports (OpenAI's chat limit); one static size
 
 
 def check_sampling(temperature, top_k, top_p) -> None:
@@ -83,6 +88,42 @@ def _kth_largest(x, k: int, ks, block: int = 32, barrier: bool = True):
     else:
         values = -jnp.sort(-candidates, axis=-1)
     return jnp.take_along_axis(values, jnp.clip(ks - 1, 0, k - 1)[:, None], axis=1)[:, 0]
+
+
+def top_values(x, k: int, block: int = 32, barrier: bool = True):
+    """The k largest entries of each row of x (B, V) and their indices -> (values (B, k), ids (B, k) int32), largest
+    first. As in _kth_largest, top_k runs on the k blocks of `block` entries with the largest maxima (which hold the
+    k largest values), not on all V: a CPU's top_k over a whole vocabulary is far slower."""
+    fence = jax.lax.optimization_barrier if barrier else (lambda x: x)
+    B, V = x.shape
+    k = min(k, V)
+    if k == 0:
+        return jnp.zeros((B, 0), x.dtype), jnp.zeros((B, 0), jnp.int32)
+    x = jnp.pad(x, ((0, 0), (0, (-V) % block)), constant_values=-jnp.inf)
+    ids = jax.lax.broadcasted_iota(jnp.int32, x.shape, 1)
+    n = x.shape[1] // block
+    if k < n:
+        xb, ib = x.reshape(B, n, block), ids.reshape(B, n, block)
+        _, best = fence(jax.lax.top_k(jnp.max(xb, axis=-1), k))  # (B, k) block ids
+        x = jnp.take_along_axis(xb, best[:, :, None], axis=1).reshape(B, k * block)
+        ids = jnp.take_along_axis(ib, best[:, :, None], axis=1).reshape(B, k * block)
+    if k < x.shape[1]:
+        values, at = fence(jax.lax.top_k(x, k))
+    else:  # (a top_k of a whole axis is rewritten into a sort, and fails behind a barrier)
+        at = jnp.argsort(-x, axis=-1, stable=True)[:, :k]
+        values = jnp.take_along_axis(x, at, axis=-1)
+    return values, jnp.take_along_axis(ids, at, axis=-1)
+
+
+def token_logprobs(logits, tokens, k: int, barrier: bool = True):
+    """Raw log-probabilities (log_softmax of logits (B, V), before any temperature or cut, as vLLM and OpenAI report
+    them) -> (logprob of tokens (B,), the k largest (B, k), their ids (B, k)). The chosen token's value and an
+    alternative's are the same float when they are the same token, so `logprob == max(top)` tests greediness."""
+    logits = logits.astype(jnp.float32)
+    lse = jax.nn.logsumexp(logits, axis=-1)  # (B,)
+    chosen = jnp.take_along_axis(logits, tokens[:, None].astype(jnp.int32), axis=-1)[:, 0] - lse
+    values, ids = top_values(logits, k, barrier=barrier)
+    return chosen, values - lse[:, None], ids
 
 
 def _nucleus_threshold(scaled, top_p):

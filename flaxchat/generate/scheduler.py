@@ -17,6 +17,11 @@ and from then on advances one token per decode step alongside every other active
    seed, tool outputs are forced per row, and a row freezes as soon as it stops;
 5. runs each slot's tool state machine and text decoder (`Reply`) on the host and streams events to its client.
 
+A request that asks for `logprobs` makes the chunks it takes part in return each emitted token's raw
+log-probability and its top alternatives (computed on the device: a few numbers per token reach the host); a
+chunk none of whose rows asks runs the plain decode program. `score` gives a prompt's log-probabilities the same
+way, from one forward pass.
+
 Newcomers take the lowest free slot, and step 3 keeps active rows packed at the bottom of the cache.
 Randomness is per request: token n of a request uses fold_in(fold_in(key(seed), 0), n), so a seeded request
 gives the same reply whichever slot it lands in and whoever else is being served (and the same as the Engine's
@@ -56,7 +61,7 @@ from flaxchat.generate.programs import (
     programs_for,
 )
 from flaxchat.generate.reply import Reply, stop_tokens
-from flaxchat.generate.sampling import MAX_TOP_K, TOP_K_TIERS
+from flaxchat.generate.sampling import MAX_TOP_K, MAX_TOP_LOGPROBS, TOP_K_TIERS
 from flaxchat.generate.sandbox import use_calculator
 
 log = logging.getLogger(__name__)
@@ -76,9 +81,12 @@ class Request:
     top_k: int = 0  # 0: sample from the whole vocabulary
     seed: int = 0
     top_p: float = 1.0  # nucleus sampling: keep the smallest set of tokens holding this much probability
+    logprobs: int | None = None  # k: record each generated token's raw logprob and its k likeliest alternatives
     # Filled in as the request runs (read them after its "done" event).
     parts: list = dataclasses.field(default_factory=list)  # the reply as assistant-message parts
     tokens: list = dataclasses.field(default_factory=list)  # every generated id, forced tool output included
+    token_logprobs: list = dataclasses.field(default_factory=list)  # with logprobs: one float per token
+    top_logprobs: list = dataclasses.field(default_factory=list)  # with logprobs: [(id, logprob)] * k per token
     completion_tokens: int = 0
     finish_reason: str | None = None
     submitted_at: float = dataclasses.field(default_factory=time.perf_counter)
@@ -105,19 +113,6 @@ class Request:
             "completion_tokens": self.completion_tokens,
             "total_tokens": prompt + self.completion_tokens,
         }
-
-
-_SCORERS: list = []
-
-
-def _score_program(graphdef):
-    """The jitted log_softmax(model(x)) for a graphdef (found by equality, like programs_for's programs)."""
-    for g, f in _SCORERS:
-        if g == graphdef:
-            return f
-    f = jax.jit(lambda params, x: jax.nn.log_softmax(nnx.merge(graphdef, params)(x).astype(jnp.float32), axis=-1))
-    _SCORERS.append((graphdef, f))
-    return f
 
 
 def batch_rows(highest_slot: int, slots: int) -> int:
@@ -178,6 +173,8 @@ class Scheduler:
     (larger amortises Python overhead, smaller streams more smoothly and admits newcomers sooner).
     """
 
+    returns_logprobs = True  # whether Request.logprobs is honoured
+
     def __init__(
         self,
         model,
@@ -199,7 +196,6 @@ class Scheduler:
         graphdef, params = nnx.split(model)
         self.params = in_compute_dtype(params, model.dtype)  # once: serving reads bf16 weights on accelerators
         self._programs = programs_for(graphdef, options=compiler_options(params))
-        self._score = _score_program(graphdef)
         self._state = self._fresh_state()
         self._part = None  # the (rows, span) part of _state that decode chunks work on; see _decode
         self._queue: collections.deque[Request] = collections.deque()
@@ -215,8 +211,9 @@ class Scheduler:
     def _fresh_state(self):
         return empty_slots(self.model, self.slots, self.capacity)
 
-    def _decode(self, controls, limit, rows, span):
-        """One decode chunk over the first `rows` slots -> (tokens (rows, chunk), steps) on the host.
+    def _decode(self, controls, limit, rows, span, top_logprobs=None):
+        """One decode chunk over the first `rows` slots -> (tokens (rows, chunk), steps, scores) on the host;
+        scores: None, or with top_logprobs (logprob (rows, chunk), top values and ids (rows, chunk, top_logprobs)).
 
         Chunks run on a copy of the cache's first `rows` rows and `span` positions, kept from one chunk to the
         next while rows and span stay the same and written back only when they change or a prefill or a move
@@ -226,7 +223,7 @@ class Scheduler:
         if part is None or extent(part.cache) != (rows, span):
             self._settle()
             self._part = self._programs.extract(self._state, rows=rows, span=span)
-        self._part, out, _, steps = self._programs.decode(
+        self._part, out, _, steps, scores = self._programs.decode(
             self.params,
             self._part,
             controls,
@@ -237,8 +234,9 @@ class Scheduler:
             stop_tokens=self.stop_tokens,
             tool_end=self.tool_end,
             tiers=TOP_K_TIERS,
+            top_logprobs=top_logprobs,
         )
-        return jax.device_get((out, steps))
+        return jax.device_get((out, steps, scores))
 
     def _settle(self) -> None:
         """Write the decoded part back into the whole cache."""
@@ -259,6 +257,8 @@ class Scheduler:
             )
         request.max_tokens = max(0, min(request.max_tokens, self.capacity - len(request.prompt)))
         request.top_k = min(max(int(request.top_k), 0), MAX_TOP_K)
+        if request.logprobs is not None and not (self.returns_logprobs and 0 <= request.logprobs <= MAX_TOP_LOGPROBS):
+            raise ValueError(f"logprobs must be in 0..{MAX_TOP_LOGPROBS}, and this scheduler must return them")
         if not 0.0 < request.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {request.top_p}")
         with self._lock:
@@ -275,19 +275,23 @@ class Scheduler:
         self._wake.set()
 
     def score(self, ids: list[int], top: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """One forward pass over ids -> (logprob of each token given those before it, (T,), the first NaN;
-        the `top` likeliest tokens at each position (T, top) and their logprobs). Any thread may call it: it
-        reads the parameters and calls a jitted function, which JAX serialises with the scheduler's own calls."""
+        """One forward pass over ids -> (logprob of each token given those before it (T,), the first NaN; the
+        `top` likeliest tokens after each of the first T-1 (T-1, top) and their logprobs). Reduced on the device
+        (Programs.score): the host gets these, never the (T, vocabulary) log-probabilities. Any thread may call
+        it: it reads the parameters and calls a jitted function, which JAX serialises with the scheduler's own."""
         if not 0 < len(ids) <= self.capacity:
             raise ValueError(f"a scored prompt needs 1..{self.capacity} tokens, got {len(ids)}")
-        T = min(self.capacity, 1 << (len(ids) - 1).bit_length())  # padded to a power of two: few compilations
+        if not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top must be in 0..{MAX_TOP_LOGPROBS}, got {top}")
+        n = len(ids)
+        T = min(self.capacity, 1 << (n - 1).bit_length())  # padded to a power of two: few compilations
         x = np.zeros((1, T), np.int32)
-        x[0, : len(ids)] = ids
-        logp = np.asarray(self._score(self.params, jnp.asarray(x)))[0, : len(ids)]
-        chosen = np.full(len(ids), np.nan, np.float32)
-        chosen[1:] = logp[np.arange(len(ids) - 1), ids[1:]]
-        alt = np.argsort(-logp[:, :], axis=-1, kind="stable")[:, :top] if top else np.zeros((len(ids), 0), int)
-        return chosen, alt[:-1], np.take_along_axis(logp, alt, axis=-1)[:-1]
+        x[0, :n] = ids
+        # one static top (cut here) rather than one program per `top`: (T, 20) numbers cost nothing to bring back
+        logp, values, alt = jax.device_get(self._programs.score(self.params, x, top=MAX_TOP_LOGPROBS))
+        chosen = np.full(n, np.nan, np.float32)
+        chosen[1:] = logp[: n - 1]
+        return chosen, alt[: n - 1, :top], values[: n - 1, :top]
 
     def stats(self) -> dict:
         with self._lock:
@@ -468,19 +472,28 @@ class Scheduler:
         reach = [len(r.prompt) + r.completion_tokens + limit for r in self._active if r is not None]
         span = attention_span(min(max(reach), max(ends)), self.capacity)  # where the chunk can write, at most
         pushes, self._pushes = self._pushes, {}
-        out, steps = self._decode(self._controls(pushes, rows), limit, rows=rows, span=span)
+        # with logprobs, one static top: one more program per (rows, span), not one per k
+        wants = any(r is not None and r.logprobs is not None for r in self._active[:rows])
+        scoring = {"top_logprobs": MAX_TOP_LOGPROBS} if wants else {}
+        out, steps, scores = self._decode(self._controls(pushes, rows), limit, rows=rows, span=span, **scoring)
         self.counters["chunks"] += 1
+        n = int(steps)
         for i in range(rows):
             if self._active[i] is not None:
-                self._advance(i, out[i, : int(steps)].tolist())
+                self._advance(i, out[i, :n].tolist(), None if scores is None else tuple(x[i, :n] for x in scores))
 
-    def _advance(self, slot: int, tokens: list[int]) -> None:
-        """Feed a slot's new tokens through its Reply; stream the events; finish the request if it ended."""
+    def _advance(self, slot: int, tokens: list[int], scores=None) -> None:
+        """Feed a slot's new tokens through its Reply; stream the events; finish the request if it ended.
+        scores: (logprob (n,), top values (n, k), top ids (n, k)) of these tokens, kept when the request asks."""
         req, reply = self._active[slot], self._replies[slot]
         ended, reason = False, None
-        for token in tokens:
+        for j, token in enumerate(tokens):
             req.completion_tokens += 1
             req.tokens.append(token)
+            if req.logprobs is not None and scores is not None:
+                logp, values, ids = scores
+                req.token_logprobs.append(float(logp[j]))
+                req.top_logprobs.append(list(zip(ids[j, : req.logprobs].tolist(), values[j, : req.logprobs].tolist())))
             self.counters["tokens"] += 1
             ended, forced = reply.feed(token)
             if ended:
@@ -544,8 +557,11 @@ class SpeculativeScheduler(Scheduler):
     latency of one reply: a person chatting on their own machine, with a draft much cheaper than the model.
 
     A request's sampling settings are compiled into its programs (the first request with new settings compiles);
-    everything else (streaming, tools, cancelling, scoring, /health) works as in the batched scheduler.
+    everything else (streaming, tools, cancelling, scoring, /health) works as in the batched scheduler, except
+    generated tokens' logprobs, which its rounds do not compute (prompt scoring works).
     """
+
+    returns_logprobs = False
 
     def __init__(
         self,

@@ -60,9 +60,9 @@ def measure_generation(
         t0 = time.perf_counter()
         slots = jax.block_until_ready(prefill())
         t1 = time.perf_counter()
-        slots, out, _, steps = jax.block_until_ready(decode(params, slots, ctl, np.int32(max_new_tokens)))
+        slots, out, _, steps, _ = jax.block_until_ready(decode(params, slots, ctl, np.int32(max_new_tokens)))
         t2 = time.perf_counter()
-        _, first, _, _ = decode(params, prefill(), ctl, np.int32(1))
+        _, first, _, _, _ = decode(params, prefill(), ctl, np.int32(1))
         np.asarray(first[:, 0])  # the first tokens, on the host
         t3 = time.perf_counter()
         assert int(steps) == max_new_tokens

@@ -3,15 +3,22 @@
 Routes
     GET  /                      the chat page (ui.html: one file, nothing external, works offline)
     GET  /health                {"status": "ok", "slots", "active", "queued", "utilisation" (active / slots),
-                                 "connections", counters...}
+                                 "connections", counters...}; only {"status": "ok"} without the key, when one is set
     GET  /v1/models             OpenAI model list (one model)
     POST /v1/chat/completions   OpenAI chat completions, streamed or not                      (openai.py)
-    POST /v1/completions        OpenAI legacy completions; echo + logprobs + max_tokens 0 scores a prompt (openai.py)
+    POST /v1/completions        OpenAI legacy completions; logprobs of generated and (echo) prompt tokens (openai.py)
+    POST /tokenize, /detokenize vLLM's tokenizer routes (lm-evaluation-harness's tokenizer_backend=remote)  (openai.py)
+    GET  /tokenizer_info        the tokenizer's BOS / EOS / special tokens and context length, as vLLM's (openai.py)
     WS   /ws                    the chat page's protocol                                       (websocket.py)
+    GET  /docs, /openapi.json   only with ServeConfig.api_docs
+
+In front of every route (security.py): the Host allow-list, the Origin check, the API key, JSON-only POSTs, the
+per-address cap and the request body deadline; X-Forwarded-For is read only from ServeConfig.forwarded_allow_ips.
 
 Where each piece lives: server.py holds the settings (ServeConfig) and the state every route shares (ChatServer:
 the scheduler, prompt rendering, sampling defaults, the limits); limits.py the per-client rate limit; websocket.py
-the WebSocket protocol and each connection's conversation; openai.py the OpenAI-compatible HTTP API.
+the WebSocket protocol and each connection's conversation; openai.py the OpenAI-compatible HTTP API; security.py
+the checks that let the server face a network.
 """
 
 from __future__ import annotations
@@ -23,11 +30,14 @@ import threading
 import time
 
 import uvicorn
-from fastapi import FastAPI, WebSocket
+from fastapi import FastAPI, Request, WebSocket
 from fastapi.responses import HTMLResponse
+from starlette.middleware.trustedhost import TrustedHostMiddleware
+from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
 from flaxchat.generate.scheduler import Scheduler
-from flaxchat.serve.openai import completions, holding_connection, legacy_completions
+from flaxchat.serve.openai import completions, holding_connection, legacy_completions, tokenizer_routes
+from flaxchat.serve.security import CuttingWebSocket, Guard, authorized, http_protocol
 from flaxchat.serve.server import ChatServer, ServeConfig, error_event
 from flaxchat.serve.websocket import ChatSession
 
@@ -53,21 +63,31 @@ def create_app(
         if own_scheduler:
             await asyncio.to_thread(scheduler.close)
 
-    app = FastAPI(title="flaxchat", lifespan=lifespan, docs_url=None, redoc_url=None)
+    c = server.config
+    docs = dict(docs_url="/docs", openapi_url="/openapi.json") if c.api_docs else dict(docs_url=None, openapi_url=None)
+    app = FastAPI(title="flaxchat", lifespan=lifespan, redoc_url=None, **docs)
     app.state.chat = server
+    app.add_middleware(Guard, server=server)  # each add wraps the ones before: the proxy's address is read first
+    if c.allowed_hosts is not None:
+        app.add_middleware(TrustedHostMiddleware, allowed_hosts=list(c.allowed_hosts), www_redirect=False)
+    if c.forwarded_allow_ips:
+        app.add_middleware(ProxyHeadersMiddleware, trusted_hosts=list(c.forwarded_allow_ips))
 
     @app.get("/", response_class=HTMLResponse)
     async def index():
         return HTMLResponse(page, headers={"Cache-Control": "no-cache"})
 
     @app.get("/health")
-    async def health():
+    async def health(request: Request):
+        if not authorized(c.api_key, request.headers):
+            return {"status": "ok"}
         stats = scheduler.stats()
         return {
             "status": "ok",
-            "model": server.config.model_name,
+            "model": c.model_name,
             "connections": server.connections,
             "utilisation": round(stats["active"] / stats["slots"], 3),
+            "closed_sockets": dict(server.closed),
             **stats,
         }
 
@@ -80,6 +100,7 @@ def create_app(
 
     app.post("/v1/chat/completions")(holding_connection(server, completions))
     app.post("/v1/completions")(holding_connection(server, legacy_completions))
+    tokenizer_routes(app, server)
 
     @app.websocket("/ws")
     async def chat_socket(ws: WebSocket):
@@ -106,13 +127,19 @@ def create_app(
 
 def uvicorn_config(app, host: str, port: int, config: ServeConfig | None = None, **kwargs) -> uvicorn.Config:
     """uvicorn settings for the app: WebSocket frames a little over the message limit are still read (and answered
-    with message_too_large); far larger ones are cut off by uvicorn itself."""
-    limit = (config or app.state.chat.config).max_message_bytes
+    with message_too_large); far larger ones are cut off by uvicorn itself. Request headers have a deadline
+    (security.HeaderDeadlineH11), and uvicorn's own X-Forwarded-For handling is off: it trusts any peer on
+    127.0.0.1, and the app reads that header itself, from ServeConfig.forwarded_allow_ips only."""
+    c = config or app.state.chat.config
     return uvicorn.Config(
         app,
         host=host,
         port=port,
-        ws_max_size=4 * limit + 4096,
+        http=http_protocol(c.header_timeout),
+        ws=CuttingWebSocket,
+        ws_max_size=4 * c.max_message_bytes + 4096,
+        proxy_headers=False,
+        timeout_keep_alive=5,
         log_level="warning",
         timeout_graceful_shutdown=5,
         **kwargs,

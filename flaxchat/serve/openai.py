@@ -3,13 +3,23 @@
     POST /v1/chat/completions   chat completions; "stream": true answers with server-sent events. Honours messages
                                 (system / user / assistant; text parts, and python / python_output parts of
                                 flaxchat's own tool calls for round trips), temperature, top_p, top_k, seed,
-                                max_tokens / max_completion_tokens, n, stop and stream_options.include_usage.
+                                max_tokens / max_completion_tokens, n, stop, stream_options.include_usage and
+                                (not streamed) logprobs / top_logprobs.
     POST /v1/completions        legacy completions of raw prompts (text, ids, or lists of either): max_tokens,
-                                temperature, top_p, top_k, seed, n, stop, echo, stream (one prompt) and
-                                stream_options.include_usage; echo + logprobs + max_tokens 0 scores a prompt.
+                                temperature, top_p, top_k, seed, n, stop, echo, logprobs, stream (one prompt, no
+                                logprobs) and stream_options.include_usage; echo + logprobs scores the prompt
+                                (max_tokens 0: only the prompt).
+    POST /tokenize, POST /detokenize, GET /tokenizer_info
+                                vLLM's tokenizer routes, in its shapes: lm-evaluation-harness's
+                                `tokenizer_backend=remote` counts context lengths with them.
 
-OpenAI's other request fields are accepted and ignored; those it cannot honour (tools, logprobs on chat,
-json response formats) are refused. Errors have OpenAI's shape, {"error": {"message", "type", "param", "code"}},
+Logprobs are the raw model's (log_softmax of its logits, before temperature, top-k or top-p), as vLLM reports them
+by default (OpenAI does not say which it reports); they are reduced on the device to the chosen token's and the top
+alternatives' (flaxchat.generate.sampling.token_logprobs). Text prompts read special-token names
+(<|bos|>...) as those tokens, as vLLM's tokenizers do, so /tokenize counts what /v1/completions reads.
+
+OpenAI's other request fields are accepted and ignored; those it cannot honour (tools, json response formats) are
+refused. Errors have OpenAI's shape, {"error": {"message", "type", "param", "code"}},
 with the WebSocket protocol's reasons as codes (invalid_message, prompt_too_long, rate_limited...). Each request
 holds one of the server's connections until its answer (or its stream) has been sent.
 """
@@ -18,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 import uuid
 from typing import Literal
@@ -26,6 +37,7 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from flaxchat.generate.sampling import MAX_TOP_LOGPROBS
 from flaxchat.generate.scheduler import MAX_TOP_K, Request, new_seed
 from flaxchat.serve.server import ChatServer, ClientError, describe_errors, parse_json, thread_emitter
 
@@ -76,7 +88,8 @@ class ChatCompletionRequest(_OpenAI):
     seed: int | None = Field(None, ge=0, lt=2**63)
     n: int = Field(1, ge=1, le=MAX_CHOICES)
     stop: str | list[str] | None = None
-    logprobs: Literal[False] | None = None  # per-token log-probabilities are not returned by this endpoint
+    logprobs: bool | None = None  # each generated token's logprob in choices[].logprobs.content
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # and its k likeliest alternatives
     tools: list[dict] | None = Field(None, max_length=0)  # the model calls only its own calculator
     response_format: ResponseFormat | None = None
 
@@ -98,11 +111,28 @@ class CompletionRequest(_OpenAI):
     n: int = Field(1, ge=1, le=MAX_CHOICES)
     stop: str | list[str] | None = None
     echo: bool = False
-    logprobs: int | None = Field(None, ge=0, le=5)
+    logprobs: int | None = Field(None, ge=0, le=5)  # OpenAI's limit; the chosen token is always reported too
     stream: bool = False
     stream_options: StreamOptions | None = None
+    add_special_tokens: bool = False  # vLLM's: prepend <|bos|> to text prompts (a base model's documents start so)
 
     stops = ChatCompletionRequest.stops
+
+
+class TokenizeRequest(_OpenAI):
+    """vLLM's /tokenize: a prompt, or messages rendered as /v1/chat/completions renders them."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: bool = False  # prompt: prepend <|bos|> (default False: what /v1/completions reads)
+    add_generation_prompt: bool = True  # messages: end with <|assistant_start|>, as a chat prompt does
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_OpenAI):
+    model: str | None = None
+    tokens: list[int]
 
 
 # -----------------------------------------------------------------------------
@@ -251,6 +281,36 @@ class Choices:
             if not job.finished:
                 self.server.scheduler.cancel(job)
 
+    def scored(self, index: int, text: str, keep_stop: bool) -> list[tuple[int, float, list]]:
+        """Choice `index`'s generated tokens with their logprobs, [(id, logprob, [(id, logprob)] * k)], the
+        scheduler recorded (Request.logprobs): those that wrote `text` when a stop string cut it, else all of them
+        (the stop token that ended the reply only with keep_stop: lm-evaluation-harness's echo + max_tokens 1 reads
+        one generated token, whatever it is)."""
+        job = self.jobs[index]
+        n = min(len(job.tokens), len(job.token_logprobs))  # the scheduler may still be appending (cancelled)
+        if self.filters[index].stopped:
+            need, have, i = len(text.encode()), 0, 0
+            while i < n and have < need:
+                have += len(self.server.tokenizer.decode_single_token_bytes(job.tokens[i]))
+                i += 1
+            n = i
+        elif not keep_stop and n and job.tokens[n - 1] in self.server.scheduler.stop_tokens:
+            n -= 1
+        return list(zip(job.tokens[:n], job.token_logprobs[:n], job.top_logprobs[:n]))
+
+
+def encode_text(tokenizer, text: str) -> list[int]:
+    """Text -> ids, special-token names (<|bos|>, <|user_start|>...) read as those tokens, as vLLM's tokenizers read
+    them: lm-evaluation-harness finds the EOS and BOS ids by tokenizing their names."""
+    names = sorted(tokenizer.get_special_tokens(), key=len, reverse=True)
+    ids = []
+    for i, piece in enumerate(re.split("(" + "|".join(map(re.escape, names)) + ")", text)):
+        if i % 2:
+            ids.append(tokenizer.encode_special(piece))
+        elif piece:
+            ids.extend(tokenizer.encode(piece))
+    return ids
+
 
 def submit_choices(
     server: ChatServer, prompt: list[int], settings: dict, n: int, seeded: bool, events: asyncio.Queue
@@ -290,8 +350,9 @@ async def _gather(request, choices: Choices, events) -> list[str]:
 # Chat completions
 
 
-def openai_messages(req: ChatCompletionRequest) -> list[dict]:
-    """OpenAI messages -> flaxchat conversation messages (text parts joined; tool parts kept for assistants)."""
+def openai_messages(req: ChatCompletionRequest | TokenizeRequest, last_user: bool = True) -> list[dict]:
+    """OpenAI messages -> flaxchat conversation messages (text parts joined; tool parts kept for assistants);
+    last_user: the last must be the user's (the prompt of a reply)."""
     out = []
     for m in req.messages:
         content = m.content
@@ -303,7 +364,7 @@ def openai_messages(req: ChatCompletionRequest) -> list[dict]:
             else:
                 content = [p.model_dump() for p in content]
         out.append({"role": m.role, "content": content})
-    if out[-1]["role"] != "user":
+    if last_user and out[-1]["role"] != "user":
         raise ClientError("invalid_message", "messages: the last message must be from the user")
     return out
 
@@ -311,16 +372,42 @@ def openai_messages(req: ChatCompletionRequest) -> list[dict]:
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
+def chat_logprobs(server: ChatServer, req: ChatCompletionRequest) -> int | None:
+    """The alternatives per token a chat request's logprobs ask for (None: no logprobs)."""
+    if req.top_logprobs and not req.logprobs:
+        raise ClientError("invalid_message", "top_logprobs: needs logprobs: true")
+    if not req.logprobs:
+        return None
+    if req.stream:
+        raise ClientError("invalid_message", "logprobs: returned only without streaming")
+    if not server.scheduler.returns_logprobs:
+        raise ClientError("invalid_message", "logprobs: this server's speculative decoding does not compute them")
+    return req.top_logprobs or 0
+
+
+def chat_logprobs_object(choices: Choices, index: int, text: str) -> dict | None:
+    """OpenAI's chat logprobs of choice `index`: {"content": [{token, logprob, bytes, top_logprobs}], "refusal"}."""
+    if choices.jobs[index].logprobs is None:
+        return None
+    tok = choices.server.tokenizer
+    entry = lambda t, lp: {"token": tok.decode([t]), "logprob": lp, "bytes": list(tok.decode_single_token_bytes(t))}
+    content = [
+        {**entry(t, lp), "top_logprobs": [entry(a, v) for a, v in top]}
+        for t, lp, top in choices.scored(index, text, keep_stop=False)
+    ]
+    return {"content": content, "refusal": None}
+
+
 async def completions(server: ChatServer, request: HTTPRequest):
     """POST /v1/chat/completions. Returns a JSONResponse, or a StreamingResponse of SSE chunks."""
     try:
         req = await read_request(server, request, ChatCompletionRequest)
-        stops = req.stops()
+        stops, top = req.stops(), chat_logprobs(server, req)
         settings = server.sampling(
             req.temperature, req.top_k, req.max_completion_tokens or req.max_tokens, req.seed, req.top_p
-        )
+        ) | {"logprobs": top}
         prompt, _ = server.render(openai_messages(req), drop_old=False)
-        server.check_rate(request.client.host if request.client else "unknown")
+        server.check_rate(request.client.host if request.client else "unknown", req.n * settings["max_tokens"])
         events: asyncio.Queue = asyncio.Queue()
         choices = Choices(server, submit_choices(server, prompt, settings, req.n, req.seed is not None, events), stops)
     except ClientError as e:
@@ -348,7 +435,12 @@ async def _collect(request, choices: Choices, events, meta):
     except ClientError as e:  # 499: nobody is waiting (the slots are already freed)
         return JSONResponse({}, status_code=499) if e.status == 499 else openai_error(e)
     out = [
-        {"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": reason, "logprobs": None}
+        {
+            "index": i,
+            "message": {"role": "assistant", "content": text},
+            "finish_reason": reason,
+            "logprobs": chat_logprobs_object(choices, i, text),
+        }
         for i, (text, reason) in enumerate(zip(texts, choices.reasons))
     ]
     return JSONResponse({**meta, "object": "chat.completion", "choices": out, "usage": choices.usage()})
@@ -401,7 +493,7 @@ async def _sse(choices: Choices, events, lines, include_usage):
 
 
 def legacy_prompts(server: ChatServer, req: CompletionRequest) -> list[tuple[str, list[int]]]:
-    """The request's prompts as (text, ids): text is encoded without BOS (send ids to choose the tokens)."""
+    """The request's prompts as (text, ids): text is encoded by encode_text, without BOS unless add_special_tokens."""
     p = req.prompt
     items = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
     if not items or any(len(x) == 0 for x in items):
@@ -409,54 +501,77 @@ def legacy_prompts(server: ChatServer, req: CompletionRequest) -> list[tuple[str
     vocab = server.tokenizer.get_vocab_size()
     out = []
     for x in items:
-        ids = server.tokenizer.encode(x) if isinstance(x, str) else list(x)
+        bos = [server.tokenizer.get_bos_token_id()] if req.add_special_tokens else []
+        ids = bos + encode_text(server.tokenizer, x) if isinstance(x, str) else list(x)
         if not ids or any(not 0 <= t < vocab for t in ids):
             raise ClientError("invalid_message", f"prompt: token ids must be in 0..{vocab - 1}")
         out.append((x if isinstance(x, str) else server.tokenizer.decode(ids), ids))
     return out
 
 
-async def prompt_logprobs(server: ChatServer, ids: list[int], top: int) -> dict:
-    """OpenAI's legacy logprobs object for a prompt's tokens (the first has no logprob: nothing precedes it)."""
-    chosen, alt, alt_logp = await asyncio.to_thread(server.scheduler.score, ids, top)
-    decode = lambda t: server.tokenizer.decode([int(t)])
-    tokens = [decode(t) for t in ids]
-    offsets = [0]
-    for t in tokens[:-1]:
-        offsets.append(offsets[-1] + len(t))
-    tops = [None] + [{decode(a): float(v) for a, v in zip(row, vals)} for row, vals in zip(alt, alt_logp)]
-    return {
-        "tokens": tokens,
-        "token_logprobs": [None] + [float(x) for x in chosen[1:]],
-        "top_logprobs": tops if top else [None] + [{} for _ in ids[1:]],
-        "text_offset": offsets,
-    }
+async def prompt_logprobs(server: ChatServer, ids: list[int], top: int) -> list[tuple[int, float | None, list | None]]:
+    """A prompt's tokens with their logprobs and `top` alternatives, [(id, logprob, [(id, logprob)])] (the first
+    token's are None: nothing precedes it). One forward pass, reduced on the device (Scheduler.score)."""
+    chosen, alt, values = await asyncio.to_thread(server.scheduler.score, ids, top)
+    rest = [(t, float(c), list(zip(a.tolist(), v.tolist()))) for t, c, a, v in zip(ids[1:], chosen[1:], alt, values)]
+    return [(ids[0], None, None)] + rest
+
+
+def legacy_logprobs(tokenizer, entries: list[tuple[int, float | None, list | None]]) -> dict:
+    """OpenAI's legacy logprobs object for [(id, logprob, [(id, logprob)])]: token texts, their logprobs, the
+    alternatives as {text: logprob} with the chosen token's included (so up to k + 1, as OpenAI documents; the
+    likeliest first) and each token's offset in the text."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    offset = 0
+    for t, logprob, top in entries:
+        piece = tokenizer.decode([t])
+        out["tokens"].append(piece)
+        out["token_logprobs"].append(logprob)
+        out["text_offset"].append(offset)
+        offset += len(piece)
+        alternatives = None
+        if top is not None:
+            alternatives = {}
+            for a, v in [*top, (t, logprob)]:
+                alternatives.setdefault(tokenizer.decode([a]), v)  # two tokens of one text: the likelier's
+        out["top_logprobs"].append(alternatives)
+    return out
+
+
+async def check_connected(request: HTTPRequest) -> None:
+    """Raise ClientError 499 when the client went away: work for a long list of prompts stops between pieces."""
+    if await request.is_disconnected():
+        raise ClientError("cancelled", "the client went away", 499)
 
 
 async def legacy_completions(server: ChatServer, request: HTTPRequest):
-    """POST /v1/completions: text completion of raw prompts; echo + logprobs + max_tokens 0 scores prompts."""
+    """POST /v1/completions: text completion of raw prompts; with logprobs, those of the generated tokens (and with
+    echo of the prompt's: lm-evaluation-harness scores a continuation with echo + logprobs + max_tokens 1)."""
     try:
         req = await read_request(server, request, CompletionRequest)
         stops, prompts = req.stops(), legacy_prompts(server, req)
-        if req.logprobs is not None and req.max_tokens > 0:
-            raise ClientError("invalid_message", "logprobs: returned for the prompt only (echo with max_tokens 0)")
+        if req.logprobs is not None and req.max_tokens > 0 and not server.scheduler.returns_logprobs:
+            raise ClientError("invalid_message", "logprobs: this server's speculative decoding does not compute them")
         limit = server.max_prompt_tokens if req.max_tokens else server.scheduler.capacity
         if any(len(ids) > limit for _, ids in prompts):
             raise ClientError("prompt_too_long", f"a prompt is over the {limit}-token limit")
-        settings = server.sampling(req.temperature, req.top_k, req.max_tokens or None, req.seed, req.top_p)
+        settings = server.sampling(req.temperature, req.top_k, req.max_tokens or None, req.seed, req.top_p) | {
+            "logprobs": req.logprobs
+        }
         if req.stream and (len(prompts) > 1 or req.max_tokens == 0 or req.logprobs is not None):
             raise ClientError("invalid_message", "stream: one prompt, max_tokens > 0 and no logprobs")
-        server.check_rate(request.client.host if request.client else "unknown")
+        server.check_rate(request.client.host if request.client else "unknown", len(prompts) * req.n * req.max_tokens)
         if req.stream:
             return legacy_stream(server, req, prompts[0], settings, stops)
         out, usage = [], {"prompt_tokens": sum(len(ids) for _, ids in prompts), "completion_tokens": 0}
         for p, (text, ids) in enumerate(prompts):
-            logprobs = (
-                await prompt_logprobs(server, ids, req.logprobs) if req.logprobs is not None and req.echo else None
-            )
+            await check_connected(request)
+            scored = await prompt_logprobs(server, ids, req.logprobs) if req.logprobs is not None and req.echo else []
+            choices = None
             if req.max_tokens == 0:
                 replies, reasons = [""] * req.n, ["length"] * req.n
             else:
+                await check_connected(request)
                 events: asyncio.Queue = asyncio.Queue()
                 choices = Choices(
                     server, submit_choices(server, ids, settings, req.n, req.seed is not None, events), stops
@@ -465,11 +580,15 @@ async def legacy_completions(server: ChatServer, request: HTTPRequest):
                 reasons = choices.reasons
                 usage["completion_tokens"] += choices.usage()["completion_tokens"]
             for i, (reply, reason) in enumerate(zip(replies, reasons)):
+                logprobs = None
+                if req.logprobs is not None:
+                    generated = choices.scored(i, reply, keep_stop=True) if choices else []
+                    logprobs = legacy_logprobs(server.tokenizer, scored + generated)
                 out.append(
                     {
                         "text": (text if req.echo else "") + reply,
                         "index": p * req.n + i,
-                        "logprobs": logprobs if req.logprobs is not None else None,
+                        "logprobs": logprobs,
                         "finish_reason": reason,
                     }
                 )
@@ -513,3 +632,79 @@ def legacy_stream(server: ChatServer, req: CompletionRequest, prompt: tuple[str,
         media_type="text/event-stream",
         headers=SSE_HEADERS,
     )
+
+
+# -----------------------------------------------------------------------------
+# vLLM's tokenizer routes (lm-evaluation-harness's tokenizer_backend=remote reads context lengths through them)
+
+
+def chat_ids(server: ChatServer, req: TokenizeRequest) -> list[int]:
+    """Messages' ids as /v1/chat/completions renders them (add_generation_prompt: ending with <|assistant_start|>)."""
+    messages = openai_messages(req, last_user=req.add_generation_prompt)
+    try:
+        if req.add_generation_prompt:
+            conversation = {"messages": messages + [{"role": "assistant", "content": ""}]}
+            return server.tokenizer.render_for_completion(conversation, max_tokens=10**9)
+        return server.tokenizer.render_conversation({"messages": messages}, max_tokens=10**9)[0]
+    except (ValueError, KeyError, TypeError, UnicodeError) as e:
+        raise ClientError("invalid_message", f"messages: {e}") from None
+
+
+async def tokenize(server: ChatServer, request: HTTPRequest):
+    """POST /tokenize: {"prompt" | "messages", "add_special_tokens"} -> {"count", "max_model_len", "tokens"}."""
+    try:
+        req = await read_request(server, request, TokenizeRequest)
+        if (req.prompt is None) == (req.messages is None):
+            raise ClientError("invalid_message", "give either prompt or messages")
+        if req.prompt is not None:
+            bos = [server.tokenizer.get_bos_token_id()] if req.add_special_tokens else []
+            ids = bos + encode_text(server.tokenizer, req.prompt)
+        else:
+            ids = chat_ids(server, req)
+    except ClientError as e:
+        return openai_error(e)
+    strs = [server.tokenizer.decode([t]) for t in ids] if req.return_token_strs else None
+    return {"count": len(ids), "max_model_len": server.scheduler.capacity, "tokens": ids, "token_strs": strs}
+
+
+async def detokenize(server: ChatServer, request: HTTPRequest):
+    """POST /detokenize: {"tokens"} -> {"prompt"}."""
+    try:
+        req = await read_request(server, request, DetokenizeRequest)
+        vocab = server.tokenizer.get_vocab_size()
+        if any(not 0 <= t < vocab for t in req.tokens):
+            raise ClientError("invalid_message", f"tokens: token ids must be in 0..{vocab - 1}")
+    except ClientError as e:
+        return openai_error(e)
+    return {"prompt": server.tokenizer.decode(req.tokens)}
+
+
+def tokenizer_info(server: ChatServer) -> dict:
+    """GET /tokenizer_info: the tokenizer's settings in Hugging Face's config names, as vLLM answers. <|bos|> is both
+    BOS and EOS: every document starts with it, so a base model that writes it has ended its document (a chat reply
+    ends at <|assistant_end|>; generation stops at either). There is no Jinja chat_template: chats render in
+    flaxchat's tokenizer (render_conversation), reachable through /tokenize's messages and /v1/chat/completions."""
+    tok = server.tokenizer
+    bos = tok.decode([tok.get_bos_token_id()])
+    return {
+        "tokenizer_class": type(tok).__name__,
+        "bos_token": bos,
+        "eos_token": bos,
+        "pad_token": None,
+        "unk_token": None,
+        "additional_special_tokens": sorted(tok.get_special_tokens() - {bos}, key=tok.encode_special),
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "model_max_length": server.scheduler.capacity,
+        "vocab_size": tok.get_vocab_size(),
+    }
+
+
+def tokenizer_routes(app, server: ChatServer) -> None:
+    """Register /tokenize, /detokenize and /tokenizer_info on the app; each holds a connection while it runs."""
+    app.post("/tokenize")(holding_connection(server, tokenize))
+    app.post("/detokenize")(holding_connection(server, detokenize))
+
+    @app.get("/tokenizer_info")
+    async def info():
+        return tokenizer_info(server)

@@ -3,23 +3,26 @@ ChatServer, the state one app shares between its WebSockets and HTTP routes.
 
 Every generation goes through one `flaxchat.generate.scheduler.Scheduler` (continuous batching over N KV-cache
 slots); ChatServer turns a conversation into prompt ids, checks a request against the limits and hands it to the
-scheduler. The protocols on top live in websocket.py (the chat page's socket) and openai.py (the HTTP API).
+scheduler. The protocols on top live in websocket.py (the chat page's socket) and openai.py (the HTTP API); the
+checks that let the server face a network (key, origins, hosts, per-address caps, deadlines) in security.py.
 
 Limits (ServeConfig): prompt tokens, new tokens per reply, concurrent connections (WebSockets + in-flight HTTP
-completions), message/body bytes, and requests per minute per client address (a token bucket, limits.py; loopback
-clients are exempt unless ServeConfig.limit_loopback).
+completions) in all and per client address, message/body bytes, and new tokens asked for per minute per client
+address (a token bucket, limits.py). Loopback clients skip the per-address limits unless ServeConfig.limit_loopback.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import json
+import math
 
 from pydantic import ValidationError
 
 from flaxchat.generate.scheduler import QueueFull, Request, Scheduler, new_seed
-from flaxchat.serve.limits import RateLimiter, is_loopback
+from flaxchat.serve.limits import LOOPBACK_HOSTS, RateLimiter, is_loopback
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,11 +33,25 @@ class ServeConfig:
     default_max_tokens: int = 256
     default_temperature: float = 0.8
     default_top_k: int = 50
-    max_connections: int = 64
+    # who may talk to it (security.py)
+    api_key: str | None = dataclasses.field(default=None, repr=False)  # Bearer key for the API and /ws; None: no key
+    allowed_origins: tuple[str, ...] = ()  # browser origins besides the page's own and loopback ones ("*": any)
+    allowed_hosts: tuple[str, ...] | None = LOOPBACK_HOSTS  # Host header names served, any port; None: any name
+    forwarded_allow_ips: tuple[str, ...] = ()  # proxies whose X-Forwarded-For names the client; (): trust none
+    api_docs: bool = False  # serve /docs and /openapi.json
+    # how much one client may hold
+    max_connections: int = 64  # WebSockets + in-flight HTTP completions, all clients together
+    max_connections_per_client: int = 8  # requests and WebSockets one address may hold at once
     max_message_bytes: int = 32 * 1024  # one WebSocket frame or one HTTP body
-    rate_limit: float = 30.0  # generation requests per minute per client address; 0 turns it off
-    rate_burst: int = 10
-    limit_loopback: bool = False  # loopback clients (127.0.0.1, ::1: this machine's own user) skip the rate limit
+    max_send_queue: int = 1024  # events waiting for a WebSocket client; one that lets it fill is closed
+    idle_timeout: float = 600.0  # s a WebSocket may go without a message while no reply streams (pings don't count)
+    auth_timeout: float = 10.0  # s a WebSocket has to send its key
+    header_timeout: float = 10.0  # s for an HTTP request's headers to arrive
+    body_timeout: float = 10.0  # s for an HTTP request's body to arrive
+    rate_limit: float = 20_000.0  # new tokens asked for per minute per client address; 0 turns it off
+    rate_burst: int = 8192  # tokens a client may ask for at once
+    rate_min_cost: int = 64  # the least a request costs, a refused one included
+    limit_loopback: bool = False  # loopback clients (127.0.0.1, ::1: this machine's own user) skip per-client limits
 
 
 # -----------------------------------------------------------------------------
@@ -88,8 +105,9 @@ class ChatServer:
         capacity = scheduler.capacity
         self.max_prompt_tokens = min(config.max_prompt_tokens or capacity * 3 // 4, capacity - 1)
         self.max_new_tokens = min(config.max_new_tokens, capacity - 1)
-        self.limiter = RateLimiter(config.rate_limit, config.rate_burst)
+        self.limiter = RateLimiter(config.rate_limit, config.rate_burst, refusal_cost=config.rate_min_cost)
         self.connections = 0
+        self.closed = collections.Counter()  # WebSockets the server ended, by why: idle, not_reading, unauthorized
 
     def acquire(self) -> bool:
         if self.connections >= self.config.max_connections:
@@ -100,12 +118,28 @@ class ChatServer:
     def release(self) -> None:
         self.connections -= 1
 
-    def check_rate(self, client: str) -> None:
-        if not self.config.limit_loopback and is_loopback(client):
+    def limits_apply(self, client: str) -> bool:
+        """Whether the per-client limits (rate, connections per address) apply to this address."""
+        return self.config.limit_loopback or not is_loopback(client)
+
+    def check_rate(self, client: str, cost: int) -> None:
+        """Charge `client` for a request asking for `cost` new tokens (prompts x n x max_tokens; at least
+        rate_min_cost). ClientError (429) when its bucket cannot pay, which still costs it rate_min_cost."""
+        if not self.limits_apply(client):
             return
-        wait = self.limiter.check(client)
+        cost = max(int(cost), self.config.rate_min_cost)
+        wait = self.limiter.check(client, cost)
+        if wait == math.inf:
+            raise ClientError(
+                "rate_limited", f"this asks for {cost} tokens; one client may ask for {self.limiter.burst} at once", 429
+            )
         if wait > 0:
-            raise ClientError("rate_limited", f"too many requests; try again in {wait:.1f} s", 429)
+            raise ClientError("rate_limited", f"too many tokens asked for; try again in {wait:.1f} s", 429)
+
+    def charge_refusal(self, client: str) -> None:
+        """A refused request (malformed, unauthorized, over a cap) costs its client rate_min_cost tokens."""
+        if self.limits_apply(client):
+            self.limiter.charge(client, self.config.rate_min_cost)
 
     def sampling(self, temperature, top_k, max_tokens, seed, top_p=None) -> dict:
         c = self.config

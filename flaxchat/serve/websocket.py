@@ -2,20 +2,29 @@
 conversation.
 
     client -> server
+        {"type": "auth", "key": str}  first, when the server asked for it (a server started with an API key)
         {"type": "message", "content": str, "temperature"?: 0..2, "top_k"?: 0..200, "max_tokens"?: int, "seed"?: int}
                                     the user's next message; the assistant's reply streams back
         {"type": "stop"}            end the reply being generated now (it is kept in the history as it stands)
         {"type": "reset"}           stop, and forget the conversation
     server -> client
-        {"type": "ready", "model": str, "limits": {...}, "defaults": {...}}          once, on connect
+        {"type": "auth_required"}                                                  on connect, when a key is needed
+        {"type": "ready", "model": str, "limits": {...}, "defaults": {...}}          on connect (or once authorized)
         {"type": "token", "text": str}                                             reply text, as it is sampled
         {"type": "tool", "kind": "call" | "output", "text": str}                   a calculator call, its result
         {"type": "done", "finish_reason": "stop" | "length" | "cancelled", "usage": {...}}   end of a reply
         {"type": "reset"}                                                          the conversation was cleared
         {"type": "error", "reason": str, "message": str}                           see below; the socket stays open
     error reasons: bad_json, invalid_message (wrong type, unknown field, out of range), message_too_large,
-    busy (a reply is still streaming), prompt_too_long, rate_limited, server_busy, internal_error,
-    too_many_connections (then the socket closes with code 1013).
+    busy (a reply is still streaming), prompt_too_long, rate_limited, server_busy, internal_error; and ones the
+    server closes the socket after: too_many_connections (code 1013), unauthorized (1008: a missing or wrong key,
+    or none within ServeConfig.auth_timeout), idle_timeout (1000: no message for ServeConfig.idle_timeout seconds
+    while no reply streams; pings do not count, so an abandoned tab does not hold a connection forever).
+
+The key goes in the first frame rather than the URL, so that no access log or proxy log ever records it; a
+non-browser client may instead send `Authorization: Bearer KEY` with the handshake and get "ready" at once.
+A client that does not read its frames lets its queue of events (at most ServeConfig.max_send_queue) fill up; it
+is then closed (1008) instead of growing the server's memory without bound.
 
 When a conversation outgrows the prompt limit, its oldest exchanges are dropped until it fits.
 """
@@ -23,6 +32,7 @@ When a conversation outgrows the prompt limit, its oldest exchanges are dropped 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from typing import Annotated, Literal, Union
 
@@ -30,6 +40,7 @@ from fastapi import WebSocket, WebSocketDisconnect
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from flaxchat.generate.scheduler import MAX_TOP_K, Request
+from flaxchat.serve.security import authorized, key_matches
 from flaxchat.serve.server import ChatServer, ClientError, describe_errors, error_event, parse_json, thread_emitter
 
 # -----------------------------------------------------------------------------
@@ -55,6 +66,11 @@ class WsStop(_Strict):
 
 class WsReset(_Strict):
     type: Literal["reset"]
+
+
+class WsAuth(_Strict):
+    type: Literal["auth"]
+    key: str = Field(max_length=4096)
 
 
 CLIENT_MESSAGE = TypeAdapter(Annotated[Union[WsMessage, WsStop, WsReset], Field(discriminator="type")])
@@ -83,6 +99,26 @@ def ready_event(server: ChatServer) -> dict:
 # -----------------------------------------------------------------------------
 # Sessions
 
+CLOSE_CODES = {"idle": 1000, "unauthorized": 1008, "not_reading": 1008}
+
+
+class Outbox(asyncio.Queue):
+    """The events waiting to be sent to one client, at most `maxsize`. When a client stops reading it fills up;
+    `overflowed` is then set and further events are dropped (the session closes the client), so what a client
+    makes the server hold is bounded."""
+
+    def __init__(self, maxsize: int):
+        super().__init__(maxsize)
+        self.overflowed = asyncio.Event()
+
+    def put_nowait(self, item) -> None:
+        if self.overflowed.is_set():
+            return
+        try:
+            super().put_nowait(item)
+        except asyncio.QueueFull:
+            self.overflowed.set()
+
 
 class ChatSession:
     """One WebSocket: its conversation, the reply in flight, and a single writer task for all its frames."""
@@ -93,31 +129,80 @@ class ChatSession:
         self.current: Request | None = None
         self.current_tag: object | None = None
         self.pending_user: str | None = None
-        self.out: asyncio.Queue = asyncio.Queue()
+        self.out = Outbox(server.config.max_send_queue)
+        self.authorized = authorized(server.config.api_key, ws.headers)
 
     async def run(self) -> None:
+        """Read the client's frames until it leaves, or the server ends the socket: idle, unauthorized, or not
+        reading what it is sent."""
+        c = self.server.config
         writer = asyncio.create_task(self._write())
-        self.out.put_nowait((None, ready_event(self.server)))
+        overflow = asyncio.create_task(self.out.overflowed.wait())
+        self.out.put_nowait((None, ready_event(self.server) if self.authorized else {"type": "auth_required"}))
+        receive, why = None, None
         try:
-            while not writer.done():
-                message = await self.ws.receive()
-                if message["type"] == "websocket.disconnect":
-                    break
-                try:
-                    self._handle(message)
-                except ClientError as e:
-                    self.out.put_nowait((None, error_event(e.reason, e.message)))
+            while why is None:
+                receive = receive or asyncio.ensure_future(self.ws.receive())
+                timeout = c.idle_timeout if self.authorized else c.auth_timeout
+                done, _ = await asyncio.wait(
+                    (receive, writer, overflow), timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+                )
+                if overflow in done:
+                    why = "not_reading"
+                elif writer in done:
+                    break  # the client went away while we wrote to it
+                elif receive in done:
+                    message, receive = receive.result(), None
+                    if message["type"] == "websocket.disconnect":
+                        break
+                    why = self._receive(message)
+                elif self.current is None:  # quiet for `timeout` seconds, and no reply streaming
+                    why = "idle" if self.authorized else "unauthorized"
+                    reason = "idle_timeout" if self.authorized else "unauthorized"
+                    self.out.put_nowait((None, error_event(reason, f"closed after {timeout:g} s without a message")))
         except WebSocketDisconnect:
             pass
         finally:
             if self.current is not None:
                 self.server.scheduler.cancel(self.current)  # frees its slot at the next iteration
+            for task in (receive, overflow):
+                if task is not None:
+                    task.cancel()
+            if why is not None:
+                await self._close(why, writer)
             writer.cancel()
+
+    def _receive(self, message: dict) -> str | None:
+        """Handle one frame; a refusal is answered with an error event and costs the client. Returns why the
+        socket must close, if it must."""
+        try:
+            self._handle(message)
+        except ClientError as e:
+            if e.reason != "rate_limited":  # the rate limiter charged that one itself
+                self.server.charge_refusal(self.client)
+            self.out.put_nowait((None, error_event(e.reason, e.message)))
+            if not self.authorized:
+                return "unauthorized"
+        return None
+
+    async def _close(self, why: str, writer: asyncio.Task) -> None:
+        """End the socket from our side: after what is queued (a client that reads sees why), or at once for a
+        client that does not read."""
+        self.server.closed[why] += 1
+        if why == "not_reading":
+            writer.cancel()
+            with contextlib.suppress(Exception):  # its buffers are full: the close frame may never go out
+                await asyncio.wait_for(self.ws.close(CLOSE_CODES[why], why), 1.0)
+            return
+        self.out.put_nowait((None, (CLOSE_CODES[why], why)))
+        await asyncio.wait((writer,), timeout=5.0)
 
     def _handle(self, message: dict) -> None:
         if message.get("text") is None:
             raise ClientError("invalid_message", "binary frames are not part of the protocol; send JSON text")
         data = parse_json(message["text"], self.server.config.max_message_bytes)
+        if not self.authorized:
+            return self._authenticate(data)
         try:
             msg = CLIENT_MESSAGE.validate_python(data)
         except ValidationError as e:
@@ -134,20 +219,33 @@ class ChatSession:
         else:
             self._start_reply(msg)
 
+    def _authenticate(self, data) -> None:
+        try:
+            key = WsAuth.model_validate(data).key
+        except ValidationError:
+            raise ClientError(
+                "unauthorized", 'this server needs its API key first: {"type": "auth", "key": KEY}'
+            ) from None
+        if not key_matches(key, self.server.config.api_key):
+            raise ClientError("unauthorized", "wrong API key")
+        self.authorized = True
+        self.out.put_nowait((None, ready_event(self.server)))
+
     def _start_reply(self, msg: WsMessage) -> None:
         if self.current is not None:
             raise ClientError("busy", "a reply is still being generated; wait for it or send stop")
         settings = self.server.sampling(msg.temperature, msg.top_k, msg.max_tokens, msg.seed)
         messages = self.history + [{"role": "user", "content": msg.content}]
         prompt, dropped = self.server.render(messages, drop_old=True)
-        self.server.check_rate(self.client)
+        self.server.check_rate(self.client, settings["max_tokens"])
         tag = object()  # marks this reply's events, so a reset conversation's stragglers are dropped
         self.current = self.server.submit(prompt, settings, thread_emitter(self.out, tag))
         self.current_tag, self.pending_user = tag, msg.content
         self.history = self.history[dropped:]
 
     async def _write(self) -> None:
-        """Send every queued event in order; bookkeeping for a finished reply happens before its done frame."""
+        """Send every queued event in order; bookkeeping for a finished reply happens before its done frame.
+        A (code, reason) pair in place of an event closes the socket."""
         while True:
             source, event = await self.out.get()
             if source is not None:  # from the scheduler
@@ -161,6 +259,8 @@ class ChatSession:
                         ]
                     self.current = self.current_tag = self.pending_user = None
             try:
+                if isinstance(event, tuple):
+                    return await self.ws.close(*event)
                 await self.ws.send_text(json.dumps(event))
             except Exception:  # the client went away; the receive loop notices too
                 if self.current is not None:
