@@ -7,8 +7,8 @@ Routes
     GET  /v1/models             OpenAI model list (one model)
     POST /v1/chat/completions   OpenAI chat completions, streamed or not                      (openai.py)
     POST /v1/completions        OpenAI legacy completions; logprobs of generated and (echo) prompt tokens (openai.py)
-    POST /tokenize, /detokenize vLLM's tokenizer routes (lm-evaluation-harness's tokenizer_backend=remote)  (openai.py)
-    GET  /tokenizer_info        the tokenizer's BOS / EOS / special tokens and context length, as vLLM's (openai.py)
+    POST /tokenize, /detokenize vLLM's tokenizer routes (lm-evaluation-harness's tokenizer_backend=remote) (tokenize.py)
+    GET  /tokenizer_info        the tokenizer's BOS / EOS / special tokens and context length, as vLLM's (tokenize.py)
     WS   /ws                    the chat page's protocol                                       (websocket.py)
     GET  /docs, /openapi.json   only with ServeConfig.api_docs
 
@@ -36,9 +36,10 @@ from starlette.middleware.trustedhost import TrustedHostMiddleware
 from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
 from flaxchat.generate.scheduler import Scheduler
-from flaxchat.serve.openai import completions, holding_connection, legacy_completions, tokenizer_routes
+from flaxchat.serve.openai import completions, holding_connection, legacy_completions
 from flaxchat.serve.security import CuttingWebSocket, Guard, authorized, http_protocol
 from flaxchat.serve.server import ChatServer, ServeConfig, error_event
+from flaxchat.serve.tokenize import tokenizer_routes
 from flaxchat.serve.websocket import ChatSession
 
 # -----------------------------------------------------------------------------

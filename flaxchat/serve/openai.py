@@ -9,9 +9,8 @@
                                 temperature, top_p, top_k, seed, n, stop, echo, logprobs, stream (one prompt, no
                                 logprobs) and stream_options.include_usage; echo + logprobs scores the prompt
                                 (max_tokens 0: only the prompt).
-    POST /tokenize, POST /detokenize, GET /tokenizer_info
-                                vLLM's tokenizer routes, in its shapes: lm-evaluation-harness's
-                                `tokenizer_backend=remote` counts context lengths with them.
+
+vLLM's tokenizer routes (/tokenize, /detokenize, /tokenizer_info) live in tokenize.py.
 
 Logprobs are the raw model's (log_softmax of its logits, before temperature, top-k or top-p), as vLLM reports them
 by default (OpenAI does not say which it reports); they are reduced on the device to the chosen token's and the top
@@ -45,7 +44,7 @@ from flaxchat.serve.server import ChatServer, ClientError, describe_errors, pars
 # Requests
 
 
-class _OpenAI(BaseModel):
+class OpenAIModel(BaseModel):
     """OpenAI's request shapes: fields this server does not use (presence_penalty, logit_bias, user, store,
     metadata...) are accepted and ignored, as clients send them routinely; the fields it uses stay strict."""
 
@@ -56,26 +55,26 @@ MAX_CHOICES = 8  # most choices (`n`) one request may ask for: each takes a sche
 MAX_STOPS = 4  # as OpenAI
 
 
-class ContentPart(_OpenAI):
+class ContentPart(OpenAIModel):
     type: Literal["text", "python", "python_output"]  # python parts: flaxchat's tool calls, for round trips
     text: str
 
 
-class ChatMessage(_OpenAI):
+class ChatMessage(OpenAIModel):
     role: Literal["system", "user", "assistant"]
     content: str | list[ContentPart]
     name: str | None = None
 
 
-class StreamOptions(_OpenAI):
+class StreamOptions(OpenAIModel):
     include_usage: bool = False
 
 
-class ResponseFormat(_OpenAI):
+class ResponseFormat(OpenAIModel):
     type: Literal["text"]  # json_object / json_schema cannot be honoured, so they are refused
 
 
-class ChatCompletionRequest(_OpenAI):
+class ChatCompletionRequest(OpenAIModel):
     messages: list[ChatMessage] = Field(min_length=1)
     model: str | None = None  # any name is accepted; this server has one model
     stream: bool = False
@@ -100,7 +99,7 @@ class ChatCompletionRequest(_OpenAI):
         return stops
 
 
-class CompletionRequest(_OpenAI):
+class CompletionRequest(OpenAIModel):
     prompt: str | list[int] | list[str] | list[list[int]]
     model: str | None = None
     max_tokens: int = Field(16, ge=0)  # OpenAI's default; 0 with echo scores the prompt only
@@ -117,22 +116,6 @@ class CompletionRequest(_OpenAI):
     add_special_tokens: bool = False  # vLLM's: prepend <|bos|> to text prompts (a base model's documents start so)
 
     stops = ChatCompletionRequest.stops
-
-
-class TokenizeRequest(_OpenAI):
-    """vLLM's /tokenize: a prompt, or messages rendered as /v1/chat/completions renders them."""
-
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = Field(None, min_length=1)
-    add_special_tokens: bool = False  # prompt: prepend <|bos|> (default False: what /v1/completions reads)
-    add_generation_prompt: bool = True  # messages: end with <|assistant_start|>, as a chat prompt does
-    return_token_strs: bool = False
-
-
-class DetokenizeRequest(_OpenAI):
-    model: str | None = None
-    tokens: list[int]
 
 
 # -----------------------------------------------------------------------------
@@ -350,7 +333,7 @@ async def _gather(request, choices: Choices, events) -> list[str]:
 # Chat completions
 
 
-def openai_messages(req: ChatCompletionRequest | TokenizeRequest, last_user: bool = True) -> list[dict]:
+def openai_messages(req, last_user: bool = True) -> list[dict]:
     """OpenAI messages -> flaxchat conversation messages (text parts joined; tool parts kept for assistants);
     last_user: the last must be the user's (the prompt of a reply)."""
     out = []
@@ -632,79 +615,3 @@ def legacy_stream(server: ChatServer, req: CompletionRequest, prompt: tuple[str,
         media_type="text/event-stream",
         headers=SSE_HEADERS,
     )
-
-
-# -----------------------------------------------------------------------------
-# vLLM's tokenizer routes (lm-evaluation-harness's tokenizer_backend=remote reads context lengths through them)
-
-
-def chat_ids(server: ChatServer, req: TokenizeRequest) -> list[int]:
-    """Messages' ids as /v1/chat/completions renders them (add_generation_prompt: ending with <|assistant_start|>)."""
-    messages = openai_messages(req, last_user=req.add_generation_prompt)
-    try:
-        if req.add_generation_prompt:
-            conversation = {"messages": messages + [{"role": "assistant", "content": ""}]}
-            return server.tokenizer.render_for_completion(conversation, max_tokens=10**9)
-        return server.tokenizer.render_conversation({"messages": messages}, max_tokens=10**9)[0]
-    except (ValueError, KeyError, TypeError, UnicodeError) as e:
-        raise ClientError("invalid_message", f"messages: {e}") from None
-
-
-async def tokenize(server: ChatServer, request: HTTPRequest):
-    """POST /tokenize: {"prompt" | "messages", "add_special_tokens"} -> {"count", "max_model_len", "tokens"}."""
-    try:
-        req = await read_request(server, request, TokenizeRequest)
-        if (req.prompt is None) == (req.messages is None):
-            raise ClientError("invalid_message", "give either prompt or messages")
-        if req.prompt is not None:
-            bos = [server.tokenizer.get_bos_token_id()] if req.add_special_tokens else []
-            ids = bos + encode_text(server.tokenizer, req.prompt)
-        else:
-            ids = chat_ids(server, req)
-    except ClientError as e:
-        return openai_error(e)
-    strs = [server.tokenizer.decode([t]) for t in ids] if req.return_token_strs else None
-    return {"count": len(ids), "max_model_len": server.scheduler.capacity, "tokens": ids, "token_strs": strs}
-
-
-async def detokenize(server: ChatServer, request: HTTPRequest):
-    """POST /detokenize: {"tokens"} -> {"prompt"}."""
-    try:
-        req = await read_request(server, request, DetokenizeRequest)
-        vocab = server.tokenizer.get_vocab_size()
-        if any(not 0 <= t < vocab for t in req.tokens):
-            raise ClientError("invalid_message", f"tokens: token ids must be in 0..{vocab - 1}")
-    except ClientError as e:
-        return openai_error(e)
-    return {"prompt": server.tokenizer.decode(req.tokens)}
-
-
-def tokenizer_info(server: ChatServer) -> dict:
-    """GET /tokenizer_info: the tokenizer's settings in Hugging Face's config names, as vLLM answers. <|bos|> is both
-    BOS and EOS: every document starts with it, so a base model that writes it has ended its document (a chat reply
-    ends at <|assistant_end|>; generation stops at either). There is no Jinja chat_template: chats render in
-    flaxchat's tokenizer (render_conversation), reachable through /tokenize's messages and /v1/chat/completions."""
-    tok = server.tokenizer
-    bos = tok.decode([tok.get_bos_token_id()])
-    return {
-        "tokenizer_class": type(tok).__name__,
-        "bos_token": bos,
-        "eos_token": bos,
-        "pad_token": None,
-        "unk_token": None,
-        "additional_special_tokens": sorted(tok.get_special_tokens() - {bos}, key=tok.encode_special),
-        "add_bos_token": False,
-        "add_eos_token": False,
-        "model_max_length": server.scheduler.capacity,
-        "vocab_size": tok.get_vocab_size(),
-    }
-
-
-def tokenizer_routes(app, server: ChatServer) -> None:
-    """Register /tokenize, /detokenize and /tokenizer_info on the app; each holds a connection while it runs."""
-    app.post("/tokenize")(holding_connection(server, tokenize))
-    app.post("/detokenize")(holding_connection(server, detokenize))
-
-    @app.get("/tokenizer_info")
-    async def info():
-        return tokenizer_info(server)
