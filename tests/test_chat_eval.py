@@ -298,3 +298,21 @@ def test_run_chat_eval_reports_and_checks(tiny_gpt, tok):
     with pytest.raises(ValueError, match="unknown chat task"):
         chat_eval.make_task("TriviaQA")
     assert isinstance(chat_eval.make_task("GSM8K", "offline"), GSM8K)
+
+
+def test_problems_longer_than_the_context_are_skipped_and_counted_wrong(tiny_gpt, tok, capsys):
+    """A short-context model cannot hold every problem's prompt: those count as wrong and the line says how many,
+    instead of the run failing."""
+    long = ("Which word names a fruit? " * 40, ["apple", "stone"], "A")  # far beyond the 128-token context
+    task = Letters([long] + ITEMS[:3])
+    assert len(tok.render_for_completion(task[0])) > 128
+    acc = chat_eval.run_categorical_eval(task, tok, tiny_gpt, batch_size=2)
+    assert 0 not in task.picked and set(task.picked) == {1, 2, 3}
+    assert acc == pytest.approx(sum(task.picked[i] == ITEMS[i - 1][2] for i in (1, 2, 3)) / 4)
+    assert "skipped 1 of 4 problems" in capsys.readouterr().out
+    offline.write_jsonl(
+        offline.pack_path("gsm8k", "test"), [{**GSM_ROWS[0], "question": "Tom? " * 300}] + GSM_ROWS[1:2]
+    )
+    engine = Engine(tiny_gpt, tok, capacity=128)
+    acc = chat_eval.run_generative_eval(GSM8K(source="offline"), tok, engine, max_new_tokens=8, temperature=0.0)
+    assert acc == 0.0 and "skipped 1 of 2 problems" in capsys.readouterr().out

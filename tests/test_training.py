@@ -206,3 +206,21 @@ def test_model_splitting_meshes_run_micro_batches_whole(monkeypatch):
     with jax.set_mesh(mesh):
         jaxpr = jax.make_jaxpr(lambda x, y: accumulate_grads(model, x, y))(xs, ys).jaxpr
     assert 2 in _scan_lengths(jaxpr) and not {8, 64} & set(_scan_lengths(jaxpr))
+
+
+def test_a_micro_batch_without_targets_adds_nothing_and_counts_nothing():
+    """SFT at small batches can draw a micro-batch whose every target is masked: the step's loss and gradient are
+    those of the other micro-steps alone, never NaN."""
+    config = GPTConfig.from_depth(2, max_seq_len=32, vocab_size=128)
+    rng = np.random.default_rng(1)
+    xs = jnp.asarray(rng.integers(0, 128, (3, 2, 32), dtype=np.int32))
+    ys = jnp.asarray(rng.integers(0, 128, (3, 2, 32), dtype=np.int32)).at[:, :, :8].set(-1)
+    empty = ys.at[1].set(-1)  # the middle micro-batch: prompts only
+    loss, grads, _ = _accumulated(config, None, xs, empty)
+    kept = jnp.array([0, 2])
+    expected_loss, expected, _ = _accumulated(config, None, xs[kept], ys[kept])
+    assert np.isfinite(loss) and loss == pytest.approx(expected_loss, rel=1e-6)
+    for g, e in zip(grads, expected):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=1e-5, atol=1e-7)
+    nothing, zero, _ = _accumulated(config, None, xs, jnp.full_like(ys, -1))
+    assert nothing == 0.0 and all(not np.any(np.asarray(g)) for g in zero)

@@ -92,12 +92,12 @@ def letter_token_ids(tokenizer, letters) -> list[int]:
 def run_categorical_eval(
     task, tokenizer, model, batch_size: int = 8, max_problems: int | None = None, desc: str = "categorical"
 ) -> float:
-    """Accuracy of argmax over the choice letters' logits at the answer position, batched by prompt length."""
+    """Accuracy of argmax over the choice letters' logits at the answer position, batched by prompt length.
+    Problems whose prompt is longer than the model's context are skipped and counted as wrong (said in a line)."""
     n = len(task) if max_problems is None else min(len(task), max_problems)
     if n == 0:
         raise ValueError(f"{desc}: no problems to evaluate")
-    conversations = [task[i] for i in range(n)]
-    prompts = [tokenizer.render_for_completion(c) for c in conversations]
+    conversations, prompts = fitting([task[i] for i in range(n)], tokenizer, model.config.sequence_len, 0, desc)
     bos = tokenizer.get_bos_token_id()  # padding: positions after the answer never affect it (causal model)
     letter_ids: dict[str, int] = {}
     passed = 0
@@ -116,6 +116,20 @@ def run_categorical_eval(
             focus = logits[r, [letter_ids[letter] for letter in letters]]
             passed += int(task.evaluate(conversations[i], letters[int(np.argmax(focus))]))
     return passed / n
+
+
+def fitting(conversations: list, tokenizer, context: int, room: int, desc: str) -> tuple[list, list]:
+    """(conversations, their prompts) without those whose prompt leaves fewer than `room` positions of a
+    `context`-token model: a short-context model (the laptop demo's 256) cannot hold some problems' few-shot
+    prompts, and that is a wrong answer, not a failed run. Says how many it skipped."""
+    prompts = [tokenizer.render_for_completion(c) for c in conversations]
+    keep = [i for i, p in enumerate(prompts) if len(p) + room <= context]
+    if len(keep) < len(prompts):
+        print0(
+            f"{desc}: skipped {len(prompts) - len(keep)} of {len(prompts)} problems whose prompts do not fit the "
+            f"model's {context}-token context (counted as wrong)"
+        )
+    return [conversations[i] for i in keep], [prompts[i] for i in keep]
 
 
 # -----------------------------------------------------------------------------
@@ -156,11 +170,15 @@ def run_generative_eval(
     if n == 0:
         raise ValueError(f"{desc}: no problems to evaluate")
     passed = 0
-    with progress_bar(total=n, desc=desc, leave=False, disable=not is_main_process()) as bar:
+    context = getattr(engine, "capacity", None)  # a stand-in engine may have no context limit
+    conversations = [task[i] for i in range(n)]
+    if context is not None:
+        conversations, _ = fitting(conversations, tokenizer, context, 1, desc)
+    with progress_bar(total=len(conversations), desc=desc, leave=False, disable=not is_main_process()) as bar:
         for conversation, prompt, results, _ in sample_problems(
             engine,
             tokenizer,
-            [task[i] for i in range(n)],
+            conversations,
             num_samples,
             rows,
             seed,

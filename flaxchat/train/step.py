@@ -28,7 +28,9 @@ def accumulate_grads(model, xs, ys, wrt=nnx.Param):
     (one compile for any A).
 
     Each micro-step's loss is its mean over the non-ignored targets of the whole (global) micro-batch, and
-    the step's loss and gradient are the means over micro-steps, as nanochat's loss / grad_accum_steps. On a CPU
+    the step's loss and gradient are the means over micro-steps, as nanochat's loss / grad_accum_steps. A
+    micro-batch with no target at all (SFT at small batches: every row a prompt) adds nothing and counts nothing:
+    the means are over the micro-steps that have targets (nanochat's 0/0 would make the step NaN). On a CPU
     a micro-batch runs in cpu.sub_batches(): each sub-batch's summed loss is divided by its whole micro-batch's count,
     so the sub-batches add up to the micro-step's loss and gradient.
     """
@@ -57,7 +59,9 @@ def accumulate_grads(model, xs, ys, wrt=nnx.Param):
         split = lambda a: a.reshape(n * k, batch // k, T)
         grads, losses = jax.lax.scan(micro, zeros, (split(xs), split(ys), jnp.repeat(counts, k)))
         losses = losses.reshape(n, k).sum(axis=1)
-        return sharding.psum(jnp.mean(losses), axes), jax.tree.map(lambda g: g / n, sharding.psum(grads, axes))
+        steps = jnp.maximum(jnp.sum(counts > 0), 1).astype(jnp.float32)  # micro-steps with targets (counts: global)
+        loss = sharding.psum(jnp.sum(losses), axes) / steps
+        return loss, jax.tree.map(lambda g: g / steps, sharding.psum(grads, axes))
 
     rows = P(None, axes)
     return sharding.per_shard(local, axes, (P(), P(), rows, rows), (P(), P()))(params, rest, xs, ys)
