@@ -80,6 +80,9 @@ from tasks.smoltalk import SmolTalk
 from tasks.spellingbee import SimpleSpelling, SpellingBee
 from tasks.synthetic_chat import ArithmeticProblems, IdentityChat, StoryRequests
 
+CPU_EVAL_BATCHES = 16  # a CPU's val pass: this many micro-batches (a GPU's is 40 x 524,288 tokens, nanochat's)
+CPU_CHATCORE_CAT = 100  # a CPU's ChatCORE: this many problems per categorical task (MMLU alone has 14,042)
+
 # flag -> (fallback, where the base checkpoint keeps it): None means "inherit from the base model"
 INHERITED = {
     "max_seq_len": (2048, "meta"),
@@ -147,7 +150,13 @@ def build_parser():
     add_schedule_flags(p, warmup_ratio=0.0, warmdown_ratio=0.5, final_lr_frac=0.0)
     # evaluation
     p.add_argument("--eval-every", type=int, default=200, help="val bpb every N steps (-1 = only at the end)")
-    p.add_argument("--eval-tokens", type=int, default=40 * 524288, help="tokens of val conversations per evaluation")
+    p.add_argument(
+        "--eval-tokens",
+        type=int,
+        default=None,
+        help="tokens of val conversations per evaluation (default: nanochat's 40 x 524,288 on GPUs and TPUs; "
+        f"{CPU_EVAL_BATCHES} micro-batches on a CPU)",
+    )
     p.add_argument("--chatcore-every", type=int, default=200, help="ChatCORE every N steps and at the end (-1 = off)")
     p.add_argument(
         "--chatcore-tasks",
@@ -155,7 +164,12 @@ def build_parser():
         default="ARC-Easy,ARC-Challenge,MMLU,GSM8K,HumanEval",
         help="comma list of chat tasks",
     )
-    p.add_argument("--chatcore-max-cat", type=int, default=-1, help="problems per categorical task (-1 = all)")
+    p.add_argument(
+        "--chatcore-max-cat",
+        type=int,
+        default=None,
+        help=f"problems per categorical task (-1 = all; default: all on GPUs and TPUs, {CPU_CHATCORE_CAT} on a CPU)",
+    )
     p.add_argument("--chatcore-max-sample", type=int, default=24, help="problems per generative task (-1 = all)")
     p.add_argument(
         "--reply-check",
@@ -526,6 +540,20 @@ def reply_end_rate(
     return ended / max(len(conversations), 1)
 
 
+def sized_evaluation(args, global_batch: int, on_cpu: bool) -> str:
+    """Fill in the evaluation sizes left at their defaults (None) and say what they are. nanochat's are for 8 GPUs:
+    on a CPU a val pass of 40 x 524,288 tokens, or every MMLU question, would outlast the run."""
+    if args.eval_tokens is None:
+        args.eval_tokens = CPU_EVAL_BATCHES * global_batch * args.max_seq_len if on_cpu else 40 * 524288
+    if args.chatcore_max_cat is None:
+        args.chatcore_max_cat = CPU_CHATCORE_CAT if on_cpu else -1
+    per_task = "every" if args.chatcore_max_cat < 0 else f"{args.chatcore_max_cat:,}"
+    return (
+        f"evaluation: {args.eval_tokens:,} val tokens a pass, {per_task} categorical problems per ChatCORE task "
+        f"({'CPU' if on_cpu else 'accelerator'} defaults unless set: --eval-tokens, --chatcore-max-cat)"
+    )
+
+
 def run_chatcore(model, tokenizer, args, source: str) -> dict:
     """ChatCORE over --chatcore-tasks (flaxchat.eval.chat); {"chatcore", "chatcore_tasks", per-task accuracy}."""
     engine = Engine(model, tokenizer)
@@ -628,6 +656,7 @@ def main(argv=None):
         f"micro-batch: {global_batch} x {args.max_seq_len} | grad accumulation: {grad_accum}"
         + sub_batch_note(args.device_batch_size, args.max_seq_len, mesh)
     )
+    print0(sized_evaluation(args, global_batch, jax.default_backend() == "cpu"))
 
     if lora is not None:
         # the base stays frozen: only the adapters get gradients and optimizer state, so the base optimizer's

@@ -283,3 +283,17 @@ def test_a_new_run_replaces_an_earlier_runs_checkpoints(tmp_path):
     ckpt.save(4, model)  # this run's only checkpoint must be the one load_model picks
     assert ckpt.all_steps() == [4] and ckpt.latest_step() == 4
     ckpt.close()
+
+
+def test_evaluation_sizes_follow_the_device_unless_set():
+    from scripts.sft import CPU_CHATCORE_CAT, CPU_EVAL_BATCHES, build_parser, sized_evaluation
+
+    args = build_parser().parse_args(["--max-seq-len", "256"])
+    line = sized_evaluation(args, 4, on_cpu=True)
+    assert args.eval_tokens == CPU_EVAL_BATCHES * 4 * 256 and args.chatcore_max_cat == CPU_CHATCORE_CAT
+    assert f"{args.eval_tokens:,} val tokens" in line and "CPU defaults" in line
+    args = build_parser().parse_args(["--max-seq-len", "256"])
+    sized_evaluation(args, 4, on_cpu=False)
+    assert args.eval_tokens == 40 * 524288 and args.chatcore_max_cat == -1  # nanochat's, on GPUs and TPUs
+    args = build_parser().parse_args(["--eval-tokens", "999", "--chatcore-max-cat", "5"])
+    assert "999 val tokens a pass, 5 categorical" in sized_evaluation(args, 4, on_cpu=True)  # flags win
