@@ -27,6 +27,7 @@ from flaxchat.eval.report import Report
 from flaxchat.generate.engine import Engine
 from flaxchat.perf.machine import with_huge_pages
 from flaxchat.train.checkpoint import committed_steps, load_model
+from tasks import heldout_chat
 from tasks.common import hub_reachable
 
 # name -> (full, quick) settings. Sized so the full demo fits ~15 minutes on 2 CPU cores.
@@ -222,6 +223,27 @@ class Demo:
             print(f"\n[{prompt}]\n{text.strip() if chat else prompt + text}", flush=True)
         self.timings[f"{phase} samples"] = time.perf_counter() - t0
 
+    def heldout(self) -> dict[str, tuple[int, int]]:
+        """The chat model on prompts no stage trained on (tasks.heldout_chat), greedy: a score per category."""
+        t0 = time.perf_counter()
+        model, tokenizer, _ = load_model("sft", self.tag)
+        engine = Engine(model, tokenizer)
+        checks = heldout_chat.prompts()
+        inputs = [
+            tokenizer.render_for_completion(
+                {"messages": [{"role": "user", "content": p}, {"role": "assistant", "content": ""}]}
+            )
+            for _, p in checks
+        ]
+        outs = engine.generate_batches(inputs, max_tokens=160, temperature=0.0, seeds=0)
+        replies = [tokenizer.decode(out[0][len(tokens) :]) for tokens, (out, _) in zip(inputs, outs)]
+        scores = heldout_chat.score(replies)
+        print(f"\n=== held-out check (greedy; prompts no stage trained on): {heldout_chat.summary(scores)}", flush=True)
+        for (category, prompt), reply in zip(checks, replies):
+            print(f"  [{category}] {prompt}\n    -> {' '.join(reply.split())[:160]}", flush=True)
+        self.timings["held-out check"] = time.perf_counter() - t0
+        return scores
+
 
 def main(argv=None):
     parser = build_parser()
@@ -236,6 +258,7 @@ def main(argv=None):
     demo.samples("base", STORY_PROMPTS, chat=False)
     demo.sft()
     demo.samples("sft", CHAT_PROMPTS, chat=True)
+    scores = demo.heldout()
     total = time.perf_counter() - t0
     report = Report(args.base_dir)
     report.log(
@@ -243,6 +266,7 @@ def main(argv=None):
         {
             "mode": "quick" if args.quick else "full",
             "total minutes": total / 60,
+            **{f"held-out {k}": f"{p}/{n}" for k, (p, n) in scores.items()},
             **{f"{k} (s)": v for k, v in demo.timings.items()},
         },
     )

@@ -1,6 +1,7 @@
 """The laptop demo end to end in --quick mode (the README's first command, shrunk)."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -47,6 +48,9 @@ def test_quick_demo_runs_every_stage_and_resumes(tmp_path):
     assert (base / "chatsft_checkpoints" / "demo-d2-quick").is_dir()
     report = (base / "report" / "report.md").read_text()
     assert "## pretrain" in report and "## demo" in report
+    # the closing held-out check: a score per category, printed and on the report card
+    assert re.search(r"held-out check .*: identity \d/8, arithmetic \d/8, stories \d/4", out)
+    assert "held-out identity" in report and "held-out stories" in report
 
     # a second run reuses every finished stage instead of training again
     out = run_demo(base)
