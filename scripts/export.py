@@ -1,9 +1,15 @@
-"""Export a checkpoint: safetensors + config JSON, nanochat's own format, or LiteRT (TFLite) for phones and edge.
+"""Export a checkpoint: safetensors + config JSON, nanochat's own format, a Hugging Face model directory, or LiteRT
+(TFLite) for phones and edge.
 
     python -m scripts.export -i sft --format safetensors --out exports/d4-sft          # any framework
     python -m scripts.export -i base --model-tag d20 --format nanochat --out ~/.cache/nanochat/base_checkpoints/d20
     python -m scripts.export -i sft --format litert --litert-quantize int8 --out exports/d4-litert  # flaxchat[export]
     python -m scripts.litert_chat exports/d4-litert -p "Tell me a story"                # run it, no JAX needed
+    python -m scripts.export -i sft --format hf --out exports/d4-hf                     # transformers; flaxchat[hf]
+
+The hf format writes a directory that transformers loads offline (`AutoModelForCausalLM.from_pretrained(OUT,
+trust_remote_code=True)`, `AutoTokenizer.from_pretrained(OUT)`, whose chat template renders chats as flaxchat does);
+see docs/export.md. Writing it needs the `tokenizers` package; running it, torch and transformers.
 
 The nanochat format writes `model_<step>.pt` + `meta_<step>.json` (and, with --with-tokenizer, `tokenizer.pkl` +
 `token_bytes.pt` into --tokenizer-out) so nanochat's scripts can load flaxchat models; it needs `flaxchat[torch]`.
@@ -21,6 +27,7 @@ import sys
 import jax.numpy as jnp
 
 from flaxchat.common import get_base_dir, parse_args, print0, quiet_library_logs
+from flaxchat.export.hf import export_hf
 from flaxchat.export.litert import QUANTIZE, LiteRTExportError, export_litert
 from flaxchat.export.nanochat import save_nanochat_checkpoint, save_nanochat_tokenizer, save_safetensors
 from flaxchat.train.checkpoint import load_model, model_tag_arg
@@ -28,8 +35,8 @@ from flaxchat.train.checkpoint import load_model, model_tag_arg
 
 def build_parser():
     p = argparse.ArgumentParser(
-        description="Export a flaxchat checkpoint to safetensors, nanochat format or LiteRT "
-        "(model.tflite with prefill + KV-cache decode signatures; run it with "
+        description="Export a flaxchat checkpoint to safetensors, nanochat format, a Hugging Face model directory "
+        "or LiteRT (model.tflite with prefill + KV-cache decode signatures; run it with "
         "`python -m scripts.litert_chat OUT`)."
     )
     p.add_argument("-i", "--source", choices=["base", "sft", "rl"], default="sft", help="which training phase")
@@ -39,11 +46,14 @@ def build_parser():
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     p.add_argument(
         "--format",
-        choices=["safetensors", "nanochat", "litert"],
+        choices=["safetensors", "nanochat", "hf", "litert"],
         default="safetensors",
-        help="output format (litert: model.tflite + tokenizer/ + litert_config.json; needs flaxchat[export])",
+        help="output format (hf: a transformers model directory, needs flaxchat[hf]; litert: model.tflite + "
+        "tokenizer/ + litert_config.json, needs flaxchat[export])",
     )
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="safetensors weight dtype")
+    p.add_argument(
+        "--dtype", choices=["float32", "bfloat16"], default="float32", help="safetensors (and hf) weight dtype"
+    )
     p.add_argument("--out", type=str, required=True, help="output directory")
     p.add_argument("--with-tokenizer", action="store_true", help="also write the tokenizer in the target format")
     p.add_argument(
@@ -75,8 +85,9 @@ def main(argv=None):
     parser = build_parser()
     args = parse_args(parser, argv)
     try:
-        # LiteRT converts a float32 graph; its own quantization makes the smaller variants
-        dtype = jnp.float32 if args.format == "litert" else None
+        # LiteRT converts a float32 graph; its own quantization makes the smaller variants. hf: the embedding tables
+        # are stored in the compute dtype, so a float32 load keeps them exact (--dtype narrows them on writing)
+        dtype = jnp.float32 if args.format in ("litert", "hf") else None
         model, tokenizer, meta = load_model(args.source, args.model_tag, args.step, dtype=dtype)
     except (FileNotFoundError, ValueError) as e:
         sys.exit(f"error: {e}")
@@ -90,6 +101,8 @@ def main(argv=None):
                 shutil.copytree(
                     os.path.join(get_base_dir(), "tokenizer"), os.path.join(out, "tokenizer"), dirs_exist_ok=True
                 )
+        elif args.format == "hf":
+            path = export_hf(model, tokenizer, out, args.dtype, extra=extra)
         elif args.format == "litert":
             path = export_litert(
                 model,
@@ -106,7 +119,8 @@ def main(argv=None):
             if args.with_tokenizer:
                 save_nanochat_tokenizer(tokenizer, os.path.expanduser(args.tokenizer_out or out))
     except ImportError as e:
-        hint = '; install the export extra: pip install -e ".[export]"' if args.format == "litert" else ""
+        hints = {"litert": ' install the export extra: pip install -e ".[export]"', "hf": ' pip install -e ".[hf]"'}
+        hint = ";" + hints[args.format] if args.format in hints else ""
         sys.exit(f"error: {e}{hint}")
     except LiteRTExportError as e:
         sys.exit(f"error: {e}")
