@@ -27,7 +27,7 @@ import sys
 import jax.numpy as jnp
 
 from flaxchat.common import get_base_dir, parse_args, print0, quiet_library_logs
-from flaxchat.export.hf import export_hf
+from flaxchat.export.hf import export_hf, push_to_hub
 from flaxchat.export.litert import QUANTIZE, LiteRTExportError, export_litert
 from flaxchat.export.nanochat import save_nanochat_checkpoint, save_nanochat_tokenizer, save_safetensors
 from flaxchat.train.checkpoint import load_model, model_tag_arg
@@ -55,6 +55,15 @@ def build_parser():
         "--dtype", choices=["float32", "bfloat16"], default="float32", help="safetensors (and hf) weight dtype"
     )
     p.add_argument("--out", type=str, required=True, help="output directory")
+    p.add_argument(
+        "--push-to-hub",
+        type=str,
+        default=None,
+        metavar="REPO",
+        help="hf format: then upload the directory to the Hub as model repo REPO (user/name; HF_TOKEN or `hf auth "
+        "login`)",
+    )
+    p.add_argument("--private", action="store_true", help="with --push-to-hub: create the repo private")
     p.add_argument("--with-tokenizer", action="store_true", help="also write the tokenizer in the target format")
     p.add_argument(
         "--tokenizer-out", type=str, default=None, help="nanochat format: where tokenizer.pkl goes (default --out)"
@@ -92,6 +101,8 @@ def main(argv=None):
     except (FileNotFoundError, ValueError) as e:
         sys.exit(f"error: {e}")
     step = meta["step"]
+    if args.push_to_hub and args.format != "hf":
+        sys.exit("error: --push-to-hub uploads a Hugging Face export: add --format hf")
     out = os.path.expanduser(args.out)
     extra = {"phase": args.source, "step": step, "tokenizer_hash": tokenizer.content_hash}
     try:
@@ -103,6 +114,12 @@ def main(argv=None):
                 )
         elif args.format == "hf":
             path = export_hf(model, tokenizer, out, args.dtype, extra=extra)
+            if args.push_to_hub:
+                message = f"flaxchat {args.source} step {step}"
+                try:
+                    print0(f"uploaded to {push_to_hub(out, args.push_to_hub, args.private, message)}")
+                except OSError as e:  # the Hub's HTTP errors are OSErrors; the export itself is written
+                    sys.exit(f"error: {path} is written, but uploading it to {args.push_to_hub} failed: {e}")
         elif args.format == "litert":
             path = export_litert(
                 model,

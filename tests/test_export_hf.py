@@ -208,3 +208,84 @@ def test_script_writes_a_loadable_directory(tiny_base_dir, tmp_path):
     loaded, _, cfg = load_hf(str(tmp_path / "hf"))
     a, b = to_nanochat_state_dict(model), to_nanochat_state_dict(loaded)
     assert all(np.array_equal(a[k], b[k]) for k in a) and cfg["flaxchat"]["step"] == 7
+
+
+@pytest.fixture
+def hub_stand_in(monkeypatch):
+    """A loopback stand-in for the Hub's upload API: records every call, accepts every file as a regular upload."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    calls = []
+
+    class Hub(BaseHTTPRequestHandler):
+        def _reply(self, obj, code=200):
+            data = json.dumps(obj).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            calls.append(("GET", self.path, b""))
+            self._reply({}, 404)
+
+        def do_POST(self):
+            body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            calls.append(("POST", self.path, body))
+            root = f"http://{self.headers['Host']}"
+            if self.path == "/api/repos/create":
+                req = json.loads(body)
+                return self._reply({"url": f"{root}/{req.get('organization')}/{req['name']}"})
+            if "/preupload/" in self.path:
+                files = json.loads(body)["files"]
+                files = [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False} for f in files]
+                return self._reply({"files": files})
+            if "/commit/" in self.path:
+                return self._reply({"commitUrl": f"{root}/me/d2/commit/{'a' * 40}", "commitOid": "a" * 40})
+            self._reply({}, 404)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Hub)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{server.server_port}")
+    monkeypatch.setenv("HF_TOKEN", "hf_stand_in")
+    yield calls
+    server.shutdown()
+    server.server_close()
+
+
+def test_push_to_hub_uploads_every_file(hub_stand_in, tiny_base_dir, tmp_path):
+    pytest.importorskip("huggingface_hub", reason="--push-to-hub uploads through huggingface_hub")
+    from flaxchat.data.tokenizer import get_tokenizer
+    from flaxchat.train.checkpoint import Checkpointer, checkpoint_dir
+    from scripts.export import main
+
+    model = random_model(get_tokenizer(), n_layer=1, n_head=2, n_kv_head=2, n_embd=32)
+    ckpt = Checkpointer(checkpoint_dir("sft", "d1"), async_save=False)
+    ckpt.save(3, model, meta={})
+    ckpt.close()
+    main(["-i", "sft", "--format", "hf", "--out", str(tmp_path / "hf"), "--push-to-hub", "me/d2"])
+    posts = [(path, body) for method, path, body in hub_stand_in if method == "POST"]
+    created = json.loads(posts[0][1])
+    assert posts[0][0] == "/api/repos/create" and (created["organization"], created["name"]) == ("me", "d2")
+    assert posts[-1][0] == "/api/models/me/d2/commit/main"
+    lines = [json.loads(line) for line in posts[-1][1].splitlines()]
+    assert lines[0]["value"]["summary"] == "flaxchat sft step 3"
+    assert {x["value"]["path"] for x in lines[1:]} == set(os.listdir(tmp_path / "hf"))
+
+
+def test_push_to_hub_needs_the_hf_format(tiny_base_dir, tmp_path):
+    from flaxchat.data.tokenizer import get_tokenizer
+    from flaxchat.train.checkpoint import Checkpointer, checkpoint_dir
+    from scripts.export import main
+
+    model = random_model(get_tokenizer(), n_layer=1, n_head=2, n_kv_head=2, n_embd=32)
+    ckpt = Checkpointer(checkpoint_dir("sft", "d1"), async_save=False)
+    ckpt.save(3, model, meta={})
+    ckpt.close()
+    with pytest.raises(SystemExit, match="add --format hf"):
+        main(["-i", "sft", "--format", "safetensors", "--out", str(tmp_path / "st"), "--push-to-hub", "me/d2"])

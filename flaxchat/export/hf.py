@@ -7,7 +7,8 @@ names, fp32 or bf16), tokenizer.json (the tiktoken ranks as a byte-level BPE: th
 way of splitting a token into two tokens as a merge ranked by the token, specials added after the merged tokens),
 tokenizer_config.json with a Jinja chat template that renders conversations as `Tokenizer.render_conversation` does,
 and generation_config.json whose stop tokens are <|assistant_end|> and <|bos|>. Writing needs the `tokenizers`
-package (the hf extra), not torch. `load_hf` reads the weights and the tokenizer back, bit for bit.
+package (the hf extra), not torch. `load_hf` reads the weights and the tokenizer back, bit for bit; `push_to_hub`
+uploads the directory through huggingface_hub.
 """
 
 from __future__ import annotations
@@ -205,6 +206,21 @@ def export_hf(model, tokenizer: Tokenizer, out_dir: str, dtype: str = "float32",
         },
     )
     return out_dir
+
+
+def push_to_hub(out_dir: str, repo_id: str, private: bool = False, message: str | None = None) -> str:
+    """Upload an exported directory to the Hub as model repo `repo_id` (created if missing); returns the commit URL.
+
+    The endpoint and token are read when called (HF_ENDPOINT, HF_TOKEN or `hf auth login`'s token), not when
+    huggingface_hub was imported, so a mirror or a test's stand-in set later is the one used."""
+    from huggingface_hub import HfApi
+
+    api = HfApi(endpoint=os.environ.get("HF_ENDPOINT") or None, token=os.environ.get("HF_TOKEN") or None)
+    api.create_repo(repo_id, repo_type="model", private=private, exist_ok=True)
+    commit = api.upload_folder(
+        repo_id=repo_id, folder_path=out_dir, repo_type="model", commit_message=message or "flaxchat export"
+    )
+    return str(commit)
 
 
 def load_hf(out_dir: str, dtype=None):
