@@ -1,6 +1,6 @@
 """Engine: cached decode == full forward at every step, jitted loop == naive loop, row independence, stop tokens,
 sampling filters, streaming == one loop, tool injection (mock model), speculative sampling (greedy identity and
-distribution)."""
+distribution, under any rule, one compile for every rule)."""
 
 import dataclasses
 import re
@@ -15,8 +15,16 @@ from flaxchat import sharding
 from flaxchat.data.tokenizer import Tokenizer
 from flaxchat.generate.engine import COMPACT_MIN_ROWS, Engine, generate
 from flaxchat.generate.programs import attention_span, bucket_length, controls, pad_prompts, programs
-from flaxchat.generate.sampling import TOP_K_TIERS, argmax, inverse_cdf, sample_next_token
+from flaxchat.generate.sampling import (
+    TOP_K_TIERS,
+    argmax,
+    inverse_cdf,
+    rule_probs,
+    sample_next_token,
+    traced_rule_probs,
+)
 from flaxchat.generate.speculative import generate_speculative, speculative_program
+from flaxchat.generate.speculative import programs as speculative_programs
 from flaxchat.model.config import GPTConfig
 from flaxchat.model.gpt import GPT, KVCache
 from flaxchat.perf.measure import measure_generation
@@ -385,12 +393,16 @@ def test_speculative_greedy_equals_target_greedy(pair):
     assert 0 < stats["rounds"] <= 12 and stats["accepted"] <= 3 * stats["rounds"]
 
 
-def test_speculative_sampling_preserves_distribution(pair):
-    """The joint law of the first three sampled tokens matches the target model's exactly computed law
-    (chi-square), while the draft's own law is far from it."""
+@pytest.mark.parametrize("rule", [(1.0, None, None), (0.7, 5, 0.9)])
+def test_speculative_sampling_preserves_distribution(pair, rule):
+    """The joint law of the first three sampled tokens matches the target model's exactly computed law under the
+    rule (chi-square; nothing outside its top_k / top_p support), while the draft's own law is far from it."""
     target, draft = pair
     n, prompt = 24000, [1, 5]
-    run, params = speculative_program(target, draft, max_tokens=3, draft_steps=2, capacity=16)
+    temperature, top_k, top_p = rule
+    run, params = speculative_program(
+        target, draft, max_tokens=3, draft_steps=2, capacity=16, temperature=temperature, top_k=top_k, top_p=top_p
+    )
     tokens, lengths = pad_prompts([prompt], 16, 3)
     keys = jax.random.split(jax.random.key(0), n)
     sample_many = jax.jit(jax.vmap(run, in_axes=(None, None, None, 0)))
@@ -400,19 +412,50 @@ def test_speculative_sampling_preserves_distribution(pair):
     seqs = np.stack(np.meshgrid(*[np.arange(V)] * 3, indexing="ij"), -1).reshape(-1, 3)
     full = jnp.asarray(np.concatenate([np.tile(prompt, (len(seqs), 1)), seqs], axis=1))
 
-    def law(m):  # exact probability of every 3-token continuation
-        logp = jax.nn.log_softmax(full_forward(m, full), axis=-1)[:, len(prompt) - 1 : -1]  # (N, 3, V)
-        return np.exp(np.asarray(jnp.take_along_axis(logp, jnp.asarray(seqs)[..., None], -1)).sum(axis=(1, 2)))
+    def law(m):  # exact probability of every 3-token continuation under the rule
+        probs = rule_probs(full_forward(m, full)[:, len(prompt) - 1 : -1], *rule)  # (N, 3, V)
+        return np.prod(np.asarray(jnp.take_along_axis(probs, jnp.asarray(seqs)[..., None], -1)), axis=(1, 2))
 
     def chi2(p):
         expected = n * p
         keep = expected >= 5
         return np.sum((observed[keep] - expected[keep]) ** 2 / expected[keep]), keep.sum() - 1
 
-    stat, dof = chi2(law(target))
+    p_target = law(target)
+    assert observed[p_target == 0].sum() == 0 and (top_k is None or (p_target == 0).any())
+    stat, dof = chi2(p_target)
     assert stat < dof + 5 * np.sqrt(2 * dof), (stat, dof)  # chi-square: mean dof, sd sqrt(2 dof)
     stat_draft, dof_draft = chi2(law(draft))
     assert stat_draft > 10 * dof_draft  # the test can tell the draft's law from the target's
+
+
+def test_traced_rule_is_the_static_rule():
+    """traced_rule_probs (the rule as traced values) keeps the same tokens as rule_probs and gives them the same
+    probabilities, for every kind of setting, top_k at, between and past the static tiers included."""
+    probs = jax.jit(traced_rule_probs)
+    for V in (8, 333):  # 333: not a multiple of the top-k block
+        logits = 3 * jax.random.normal(jax.random.key(V), (2, 3, V))
+        for t, k, p in [(0.0, None, None), (1.0, None, None), (0.7, 5, None), (0.9, None, 0.8), (1.3, 120, 0.5)] + [
+            (1.0, k, None) for k in (1, 50, 51, 250, V - 1, V + 7)
+        ]:
+            want = np.asarray(rule_probs(logits, t, k, p))
+            got = np.asarray(probs(logits, np.float32(t), np.int32(k or 0), np.float32(p or 1.0)))
+            assert np.array_equal(got > 0, want > 0), (V, t, k, p)
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+    assert probs._cache_size() == 2  # one per shape
+
+
+def test_speculative_sampling_settings_compile_nothing(pair):
+    """The sampling rule is a traced argument of the speculative programs: requests with new temperature, top_k
+    and top_p run the programs the first request compiled, and the settings still act (greedy = greedy)."""
+    target, draft = pair
+    progs, _ = speculative_programs(target, draft)
+    sizes, outs = [], []
+    for t, k, p in [(1.0, None, None), (0.5, 3, None), (1.5, None, 0.7), (0.0, None, None)]:
+        outs.append(generate_speculative(target, draft, [1, 5], 10, draft_steps=3, temperature=t, top_k=k, top_p=p))
+        sizes.append((progs.jitted_start._cache_size(), progs.jitted_run._cache_size()))
+    assert sizes[1:] == sizes[:1] * 3, sizes
+    assert outs[-1] == naive_greedy(target, [1, 5], 10, width=16)
 
 
 def test_measure_generation_reports(model):

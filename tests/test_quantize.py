@@ -182,7 +182,8 @@ def test_int8_speculative_loop_reads_int8_weights(users_codegen):
     padded, lengths = pad_prompts([[1, 2, 3, 4]], 64, 8)
     greedy = (0.0, None, None)
     spec, _ = progs.start(params, padded[0], lengths[0], jax.random.key(0), capacity=64, rule=greedy)
-    lowered = progs.run.lower(params, spec, np.int32(8), k=2, rule=greedy, stops=(), tool_end=-1, chunk=8)
+    rule = speculative.traced_rule(greedy)  # the arguments progs.run passes its jitted program
+    lowered = progs.jitted_run.lower(params, spec, np.int32(8), k=2, rule=rule, stops=(), tool_end=-1, chunk=8)
     hlo = lowered.compile(compiler_options=users_codegen).as_text()
     assert not float_copies_of_int8_matrices(hlo, params)
     plain = generate(model, [[1, 2, 3, 4]], 10, temperature=0.0)[0]

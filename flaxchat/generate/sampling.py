@@ -4,7 +4,7 @@ Greedy rows take the argmax; sampled rows divide their logits by the temperature
 (through a few static top-k sizes, `TOP_K_TIERS`, so one compiled program serves every setting) and then to its
 top_p nucleus, and draw by inverse CDF from one uniform. The decode programs (flaxchat.generate.programs) sample
 through `sample_rows`; speculative sampling, whose acceptance test needs the whole distribution, through
-`rule_probs` and `inverse_cdf`.
+`traced_rule_probs` (the rule as traced values, so one compiled program serves every setting) and `inverse_cdf`.
 
 `token_logprobs` is what the OpenAI routes' `logprobs` report: the raw model distribution's log-probability of each
 chosen token and its k likeliest alternatives, computed on the device, so a (tokens, vocabulary) array never
@@ -18,6 +18,9 @@ import jax.numpy as jnp
 
 MAX_TOP_K = 200  # largest per-row top_k the server's sampler takes (0 = no top-k cut)
 TOP_K_TIERS = (50, MAX_TOP_K)  # the server's static top-k sizes; a chunk uses the smallest covering its rows
+# traced_rule_probs' top-k sizes: its callers take any top_k (no MAX_TOP_K cut), so one more tier keeps a few hundred
+# cheap; a top_k past the last one pays for a full sort of the vocabulary
+RULE_TOP_K_TIERS = (*TOP_K_TIERS, 1024)
 MAX_TOP_LOGPROBS = 20  # most alternatives per token `logprobs` reports (OpenAI's chat limit); one static size
 
 
@@ -210,3 +213,20 @@ def rule_probs(logits, temperature=1.0, top_k=None, top_p=None):
     flat = logits.reshape(-1, logits.shape[-1])
     (t, k, p), tiers = _rule(flat.shape[0], temperature, top_k, top_p)
     return jax.nn.softmax(kept_logits(flat, t, k, p, tiers), axis=-1).reshape(logits.shape)
+
+
+def traced_rule_probs(logits, temperature, top_k, top_p, tiers=RULE_TOP_K_TIERS):
+    """rule_probs with the rule as traced scalars: temperature (<= 0 = greedy), top_k (0 = all), top_p (1 = all).
+
+    Speculative sampling's programs take the rule as an argument rather than compiling it in, so a new setting
+    costs no compile (issue finding 7). Greedy is the one-hot argmax under a lax.cond, so a greedy round pays for
+    no cut; top_k runs through the static `tiers` plus the whole vocabulary (a full sort, only when a top_k above
+    the largest tier asks), so every top_k is honoured exactly; the nucleus runs only when top_p < 1.
+    """
+    shape, V = logits.shape, logits.shape[-1]
+    flat = logits.reshape(-1, V)
+    rows = lambda value, dtype: jnp.full((flat.shape[0],), value, dtype)
+    t, k, p = rows(temperature, jnp.float32), rows(top_k, jnp.int32), rows(top_p, jnp.float32)
+    greedy = lambda: jax.nn.one_hot(argmax(flat), V, dtype=jnp.float32)
+    sampled = lambda: jax.nn.softmax(kept_logits(flat, t, k, p, tuple(tiers) + (V,)), axis=-1)
+    return jax.lax.cond(jnp.asarray(temperature) <= 0, greedy, sampled).reshape(shape)

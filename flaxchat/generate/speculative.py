@@ -4,9 +4,10 @@ Rejection sampling keeps the model's own distribution exactly (Leviathan et al. 
 al. 2023, arXiv:2302.01318): the tokens are distributed as the model alone would sample them, and at temperature
 0 they are its greedy tokens. It pays when the draft is much cheaper than the model and agrees with it often.
 
-Built on the generation core: its sampling rule (flaxchat.generate.sampling: `rule_probs`, `inverse_cdf`), its
-cache helpers and prompt padding (flaxchat.generate.programs), its forced-queue size (flaxchat.generate.reply).
-The state is explicit and the programs are jitted once per pair of model structures, so the Engine and the
+Built on the generation core: its sampling rule (flaxchat.generate.sampling: `traced_rule_probs`, `inverse_cdf`),
+its cache helpers and prompt padding (flaxchat.generate.programs), its forced-queue size (flaxchat.generate.reply).
+The state is explicit and the programs are jitted once per pair of model structures and shapes (the sampling rule
+is a traced argument, so a new temperature, top_k or top_p compiles nothing), so the Engine and the
 server's SpeculativeScheduler stream from it (`--draft-model` on chat_cli, chat_web and bench) and a tool's
 output can be forced into it between calls. It imports neither of them: they import it.
 
@@ -37,7 +38,7 @@ from flaxchat.generate.programs import (
     rewind,
 )
 from flaxchat.generate.reply import FORCED_CAPACITY, until_stop
-from flaxchat.generate.sampling import check_sampling, inverse_cdf, rule_probs
+from flaxchat.generate.sampling import check_sampling, inverse_cdf, traced_rule_probs
 from flaxchat.model.gpt import KVCache
 
 
@@ -77,7 +78,7 @@ def _start(graphs, params, prompt, length, key, *, capacity, rule):
     logits, tcache = prefill(target)
     _, dcache = prefill(draft)
     key, sub = jax.random.split(key)
-    first = _draw(sub, rule_probs(logits, *rule))  # the first token needs no draft: the prefill scored it
+    first = _draw(sub, traced_rule_probs(logits, *rule))  # the first token needs no draft: the prefill scored it
     zero = jnp.zeros((), jnp.int32)
     return Speculation(target=tcache, draft=dcache, last=first, key=key, rounds=zero, accepted=zero), first
 
@@ -86,7 +87,7 @@ def _run(graphs, params, spec: Speculation, limit, *, k, rule, stops, tool_end, 
     """Rounds until at least `limit` (<= chunk) tokens are committed, a committed token is a stop token or
     `tool_end`, or the cache is full -> (Speculation, tokens (chunk + k + 1,), count)."""
     target, draft = _models(graphs, params)
-    probs = functools.partial(rule_probs, temperature=rule[0], top_k=rule[1], top_p=rule[2])
+    probs = functools.partial(traced_rule_probs, temperature=rule[0], top_k=rule[1], top_p=rule[2])
     ends = jnp.asarray(tuple(stops) + (tool_end,), jnp.int32)
     capacity = spec.target.k[0].shape[2]
 
@@ -157,19 +158,37 @@ def _force(graphs, params, spec: Speculation, queue, length):
     return dataclasses.replace(spec, target=caches[0], draft=caches[1], last=queue[length - 1])
 
 
+def traced_rule(rule) -> tuple:
+    """A rule (temperature, top_k, top_p; None = off) as the programs' traced arguments: float32, int32 (0 = off),
+    float32 (1 = off). Fixed dtypes, so every rule (Python or numpy numbers) has one signature and one compile."""
+    temperature, top_k, top_p = rule
+    return np.float32(temperature), np.int32(top_k or 0), np.float32(1.0 if top_p is None else top_p)
+
+
 class SpeculativePrograms:
-    """start / run / force jitted for one (model, draft) pair of structures; sampling settings are static."""
+    """start / run / force jitted for one (model, draft) pair of structures; the sampling rule is traced, so one
+    compile per shape (capacity; k, stops, tool_end, chunk) serves every temperature, top_k and top_p."""
 
     def __init__(self, graphs, options: tuple = ()):
         self.graphs, self.options = graphs, options
         jit = functools.partial(jax.jit, compiler_options=dict(options) or None)  # see programs.compiler_options
-        self.start = jit(functools.partial(_start, graphs), static_argnames=("capacity", "rule"))
-        self.run = jit(
+        self.jitted_start = jit(functools.partial(_start, graphs), static_argnames=("capacity",))
+        self.jitted_run = jit(
             functools.partial(_run, graphs),
             donate_argnames=("spec",),
-            static_argnames=("k", "rule", "stops", "tool_end", "chunk"),
+            static_argnames=("k", "stops", "tool_end", "chunk"),
         )
         self.force = jit(functools.partial(_force, graphs), donate_argnames=("spec",))
+
+    def start(self, params, prompt, length, key, *, capacity, rule):
+        """Prefill both models -> (Speculation, first token) under rule (temperature, top_k, top_p)."""
+        return self.jitted_start(params, prompt, length, key, capacity=capacity, rule=traced_rule(rule))
+
+    def run(self, params, spec: Speculation, limit, *, k, rule, stops, tool_end, chunk):
+        """Rounds under rule until `limit` tokens, a stop or tool end, or a full cache (see _run)."""
+        return self.jitted_run(
+            params, spec, limit, k=k, rule=traced_rule(rule), stops=stops, tool_end=tool_end, chunk=chunk
+        )
 
     def push(self, params, spec: Speculation, tokens) -> Speculation:
         """spec with `tokens` (a tool's output, host ints) forced in after its last token, through the one
@@ -199,12 +218,12 @@ def programs(model, draft_model) -> tuple[SpeculativePrograms, tuple]:
 
 
 def speculative_rule(temperature, top_k, top_p, draft_steps) -> tuple:
-    """Checked settings -> the sampling rule (temperature, top_k, top_p) the programs compile in (a static
-    argument, so equal settings share one compilation: top_p 1.0 is spelled None)."""
+    """Checked settings -> the sampling rule the programs take, as `traced_rule` spells it (top_k 0 and top_p 1 are
+    off)."""
     check_sampling(temperature, top_k, top_p)
     if draft_steps < 1:
         raise ValueError(f"draft_steps must be >= 1, got {draft_steps}")
-    return (float(temperature), top_k, None if top_p in (None, 1.0) else float(top_p))
+    return traced_rule((temperature, top_k, top_p))
 
 
 def speculative_program(
