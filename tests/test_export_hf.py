@@ -159,6 +159,20 @@ def test_chat_template_renders_as_flaxchat(exports, tokenizer, chat):
     assert prompt == tokenizer.render_for_completion(chat)
 
 
+def test_chat_template_refuses_what_render_conversation_refuses(exports, tokenizer):
+    _, path, _ = exports["gqa-windows"]
+    hf_tok = transformers.AutoTokenizer.from_pretrained(path)
+    for messages in (
+        [{"role": "assistant", "content": "Hi"}],
+        [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}],
+        [{"role": "user", "content": "a"}, {"role": "system", "content": "b"}],
+    ):
+        with pytest.raises(ValueError):
+            tokenizer.render_conversation({"messages": messages})
+        with pytest.raises(Exception, match="alternate|system"):
+            hf_tok.apply_chat_template(messages, tokenize=False)
+
+
 def test_generation_config_stops_on_assistant_end_and_bos(exports, tokenizer):
     _, path, hf = exports["gqa-windows"]
     with open(os.path.join(path, "generation_config.json")) as f:
