@@ -151,7 +151,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--api-docs", action="store_true", help="serve /docs and /openapi.json")
     add_quantize_flag(p)
     add_draft_flags(p)
-    p.add_argument("--no-warmup", action="store_true", help="compile lazily instead of before serving")
+    p.add_argument(
+        "--no-warmup", action="store_true", help="compile each program on its first use instead of ahead of it"
+    )
+    p.add_argument(
+        "--warmup-all",
+        action="store_true",
+        help="compile every program before serving (a minute or more; by default the server compiles the widest "
+        "programs, serves with them at once and compiles the narrower ones in the background)",
+    )
     p.add_argument("--load-test", default=None, help="comma-separated client counts: measure them and exit")
     p.add_argument("--load-tokens", type=int, default=128, help="tokens each load-test client asks for")
     p.add_argument("--load-repeats", type=int, default=3, help="rounds of the load test (client counts interleaved)")
@@ -184,6 +192,8 @@ def get_args(argv=None) -> argparse.Namespace:
     ):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.no_warmup and args.warmup_all:
+        parser.error("--no-warmup and --warmup-all contradict each other: choose one")
     if not 0 <= args.port <= 65535:
         parser.error(f"--port must be in 0..65535, got {args.port}")
     if not 0 <= args.temperature <= 2:
@@ -360,9 +370,13 @@ def main(argv=None) -> int:
             args.slots, why = auto_slots(model)
             print(f"slots: {why} (--slots sets it)")
         scheduler = Scheduler(model, tokenizer, slots=args.slots, chunk=args.chunk)
-    if not args.no_warmup:
+    if args.warmup_all:
         print(f"compiling for {args.slots} slots...", flush=True)
         print(f"compiled in {scheduler.warmup(progress=True):.1f} s")
+    elif not args.no_warmup:
+        print(f"compiling the widest programs for {args.slots} slots...", flush=True)
+        seconds = scheduler.warmup_in_background(progress=True)
+        print(f"compiled in {seconds:.1f} s; the narrower ones compile in the background while it serves")
     config = ServeConfig(
         model_name=name,
         max_prompt_tokens=args.max_prompt_tokens,
@@ -384,6 +398,7 @@ def main(argv=None) -> int:
             config, rate_limit=0.0, max_connections=most, max_connections_per_client=most, api_key=None
         )
         with BackgroundServer(create_app(scheduler, tokenizer, config)) as url:
+            scheduler.wait_compiled()  # the load test measures the steady state: every program compiled
             load_test_in_subprocess(url, 1, 8)  # settles the first-request paths before measuring
             runs = {n: [] for n in args.load_test}
             for _ in range(args.load_repeats):  # interleaved, so a busy moment on the machine hits every count

@@ -289,6 +289,55 @@ def test_warmup_compiles_every_variant_and_shows_its_progress(model, tok, capsys
     s.close()
 
 
+def test_serves_with_the_widest_programs_until_the_background_has_compiled_the_rest(model, tok):
+    """warmup_in_background: while the background compiles are held back, requests are served, correctly, by the
+    widest programs (every row, the whole cache, the longest prompt bucket); once they are done, requests run the
+    narrow programs compiled there (one row, the short bucket, a move) without compiling anything, and the greedy
+    replies are the same."""
+    bos = tok.get_bos_token_id()
+    prompts = [[bos] + tok.encode(t) for t in ("The cat", "3*7 is")]
+    expected = [greedy_reference(model, p, 10, stop_tokens(tok)) for p in prompts]
+    s, shapes, buckets, hold = Scheduler(model, tok, slots=2, chunk=4, capacity=32), [], [], threading.Event()
+    compile_variant, decode, padded = s._compile, s._decode, s._padded
+
+    def held(key, options=None):  # the background's compiles (the quick widest ones pass options) wait for `hold`
+        assert options is not None or hold.wait(120)
+        return compile_variant(key, options)
+
+    def counted(controls, limit, rows, span, **kw):
+        shapes.append((rows, span))
+        return decode(controls, limit, rows=rows, span=span, **kw)
+
+    s._compile, s._decode = held, counted
+    s._padded = lambda prompt: buckets.append(len(padded(prompt))) or padded(prompt)
+    compiles = []
+    listener = lambda event, seconds, **kw: compiles.append(event) if event.startswith("/jax/core/compile") else None
+    try:
+        assert s.warmup_in_background() > 0
+        s.start()
+        req, q = submit(s, prompts[0], 10, temperature=0.0)
+        assert collect(q)[-1]["type"] == "done" and req.tokens == expected[0]
+        assert set(shapes) == {(2, 32)} and set(buckets) == {32} and s.stats()["programs_compiling"] == 5
+        hold.set()
+        assert s.wait_compiled(300) and s.stats()["programs_compiling"] == 0
+        shapes.clear(), buckets.clear()
+        jax.monitoring.register_event_duration_secs_listener(listener)
+        try:
+            req, q = submit(s, prompts[0], 10, temperature=0.0)
+            assert collect(q)[-1]["type"] == "done" and req.tokens == expected[0]
+            assert set(shapes) == {(1, 32)} and buckets == [16]
+            short, q_short = submit(s, prompts[0], 3, temperature=0.0)  # ends first: the long one moves down
+            long, q_long = submit(s, prompts[1], 10, temperature=0.0)
+            assert collect(q_short)[-1]["type"] == collect(q_long)[-1]["type"] == "done"
+            assert short.tokens == expected[0][:3] and long.tokens == expected[1]
+            assert shapes[-1] == (1, 32) and (2, 32) in shapes and s.stats()["moved"] == 1
+        finally:
+            jax.monitoring.unregister_event_duration_listener(listener)
+        assert compiles == []
+    finally:
+        s.close()
+
+
 def test_seeded_reply_does_not_depend_on_neighbours(scheduler, tok):
     prompt = [tok.get_bos_token_id()] + tok.encode("The cat sat")
     alone, q = submit(scheduler, prompt, 12, temperature=1.0, top_k=20, seed=7)

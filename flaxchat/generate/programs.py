@@ -13,6 +13,8 @@
 - Log-probabilities when asked (the OpenAI routes' `logprobs`): the decode loop can also return each emitted
   token's raw logprob and top alternatives, and `score` gives a prompt's, both reduced on the device to a few
   numbers per token; without `top_logprobs` the decode loop computes nothing extra.
+- Compiling ahead (`Precompiler`): programs lowered from abstract shapes and compiled in a thread of their own,
+  most wanted first, while another thread runs the ones already compiled (the server's warmup).
 
 `Programs` holds them jitted for one model structure; `programs(model)` finds them (models of the same shape
 share compilations). Randomness is explicit: token n of row `lane` of a request with `seed` draws with
@@ -25,17 +27,24 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
+import threading
+import time
+from typing import Callable, Hashable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from flaxchat.common import progress_bar
 from flaxchat.generate.reply import FORCED_CAPACITY
 from flaxchat.generate.sampling import sample_rows, token_logprobs
 from flaxchat.model import cpu
 from flaxchat.model.attention import write_cache
 from flaxchat.model.gpt import KVCache, rms_norm
+
+log = logging.getLogger(__name__)
 
 MIN_BUCKET = 16  # smallest padded prompt length
 
@@ -474,3 +483,77 @@ def programs(model) -> tuple[Programs, nnx.State]:
 def decode_chunk(n: int) -> int:
     """Static chunk size (a power of two) that holds n decode steps."""
     return 1 << max(n - 1, 0).bit_length()
+
+
+# -----------------------------------------------------------------------------
+# Compiling ahead
+
+
+def abstract(tree):
+    """The shapes and dtypes of a tree's arrays (JAX or NumPy) as jax.ShapeDtypeStruct: what `jitted.lower` needs to
+    compile a program before its first call, without reading (or racing another thread for) any buffer. Without
+    shardings: lowered for the default device, as a call with single-device arrays is, so that call finds the
+    program in jit's cache (a ShapeDtypeStruct that names its sharding lowers, and compiles, apart)."""
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, weak_type=bool(getattr(x, "weak_type", False))), tree
+    )
+
+
+class Precompiler:
+    """Runs compile jobs in order in a thread of its own; another thread (the scheduler's, which owns the device
+    state) takes the keys of those done with `take()` and from then on calls their programs.
+
+    A job is (key, a function that lowers programs from abstract shapes and compiles them: `jitted.lower(...)
+    .compile()`). The executable stays with jit's cached lowering, so the owner's later `jitted(...)` call with
+    arrays of those shapes runs it without compiling; nothing here touches a device buffer. A job that fails is
+    logged and skipped (its key never comes back: the owner keeps using what it has). `progress`: a bar of the
+    jobs done, on stderr."""
+
+    def __init__(self, jobs: list[tuple[Hashable, Callable[[], object]]], progress: bool = False, desc: str = ""):
+        self.jobs, self.progress, self.desc = list(jobs), progress, desc or "compiling"
+        self._done: list = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._finished = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="flaxchat-precompiler", daemon=True)
+        self.pending, self.seconds = len(self.jobs), None
+
+    def start(self) -> "Precompiler":
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            with progress_bar(total=len(self.jobs), desc=self.desc, unit="program", disable=not self.progress) as bar:
+                for key, compile_job in self.jobs:
+                    if self._stop.is_set():
+                        break
+                    try:
+                        compile_job()
+                    except Exception:
+                        log.exception("compiling %s in the background failed; serving without it", key)
+                    else:
+                        with self._lock:
+                            self._done.append(key)
+                    self.pending -= 1
+                    bar.update()
+        finally:
+            self.seconds = time.perf_counter() - t0
+            self._finished.set()
+
+    def take(self) -> list:
+        """Keys of the jobs finished since the last call (from any thread; the owner's)."""
+        with self._lock:
+            done, self._done = self._done, []
+        return done
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until every job has run; True if they have."""
+        return self._finished.wait(timeout)
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Run no further jobs; wait (at most `timeout` seconds) for the one compiling to end."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)

@@ -22,6 +22,12 @@ log-probability and its top alternatives (computed on the device: a few numbers 
 chunk none of whose rows asks runs the plain decode program. `score` gives a prompt's log-probabilities the same
 way, from one forward pass.
 
+Programs: a decode chunk needs one per (rows, span) pair, a prefill one per prompt bucket, a move one per count.
+`warmup` compiles them all before serving; `warmup_in_background` compiles only the widest (every row, the whole
+cache; the longest bucket), which can run any batch, and the rest in a thread of their own (programs.Precompiler),
+narrowest first, while the scheduler serves: each step then uses the narrowest program compiled so far that holds
+its rows, span or prompt (padding more changes no reply), and the scheduler thread alone touches the device state.
+
 Newcomers take the lowest free slot, and step 3 keeps active rows packed at the bottom of the cache.
 Randomness is per request: token n of a request uses fold_in(fold_in(key(seed), 0), n), so a seeded request
 gives the same reply whichever slot it lands in and whoever else is being served (and the same as the Engine's
@@ -36,8 +42,11 @@ Events a request receives (dicts, in the order they happen; flaxchat.serve.app f
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
+import functools
 import logging
+import math
 import os
 import threading
 import time
@@ -51,6 +60,8 @@ from flax import nnx
 from flaxchat.common import progress_bar
 from flaxchat.generate import speculative
 from flaxchat.generate.programs import (
+    Precompiler,
+    abstract,
     attention_span,
     bucket_length,
     compiler_options,
@@ -162,6 +173,13 @@ def auto_slots(
     )
 
 
+# XLA:CPU compiles a program several times faster without LLVM's optimisations and with its older fusion code
+# generator (the test suite's flags, tests/conftest.py), for slower machine code: a little slower for the widest
+# decode program, several times for narrow ones (docs/LOG.md, 2026-12-02). So only the widest programs are compiled
+# this way, to serve while a server's optimised programs compile.
+QUICK_CPU_COMPILE = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
+
+
 class QueueFull(Exception):
     """Raised by submit() when the waiting queue is at its limit."""
 
@@ -207,6 +225,12 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self._closing = False
         self.counters = collections.Counter()
+        # warmup_in_background: the variants compiled ({kind: {size}}; None: any, compiled on first use), the
+        # quickly compiled widest programs standing in until their optimised build is ready, the compiling thread
+        self._ready: dict[str, set[tuple]] | None = None
+        self._quick: dict[tuple, Callable] = {}
+        self._precompiler: Precompiler | None = None
+        self._shapes = None  # (parameters, state) as abstract shapes, for compiling ahead
 
     def _fresh_state(self):
         return empty_slots(self.model, self.slots, self.capacity)
@@ -219,15 +243,26 @@ class Scheduler:
         next while rows and span stay the same and written back only when they change or a prefill or a move
         needs the whole cache (_settle): copying that part out and back around every chunk costs a sizeable
         share of a chunk on a CPU."""
+        static = self._decode_static(rows, span, top_logprobs)
+        if (rows, span) == (self.slots, self.capacity):  # the whole cache: decoded in place, nothing copied
+            self._settle()
+            quick = self._quick.get(("decode", rows, span)) if top_logprobs is None else None
+            run = quick or functools.partial(self._programs.decode, **static)
+            self._state, out, _, steps, scores = run(self.params, self._state, controls, np.int32(limit))
+            return jax.device_get((out, steps, scores))
         part = self._part
         if part is None or extent(part.cache) != (rows, span):
             self._settle()
             self._part = self._programs.extract(self._state, rows=rows, span=span)
         self._part, out, _, steps, scores = self._programs.decode(
-            self.params,
-            self._part,
-            controls,
-            np.int32(limit),
+            self.params, self._part, controls, np.int32(limit), **static
+        )
+        return jax.device_get((out, steps, scores))
+
+    def _decode_static(self, rows, span, top_logprobs=None) -> dict:
+        """The decode program's static arguments, passed alike by the call and by the lowering ahead of it (jit's
+        cache tells apart an argument passed and one left to its default)."""
+        return dict(
             rows=rows,
             span=span,
             chunk=self.chunk,
@@ -236,7 +271,6 @@ class Scheduler:
             tiers=TOP_K_TIERS,
             top_logprobs=top_logprobs,
         )
-        return jax.device_get((out, steps, scores))
 
     def _settle(self) -> None:
         """Write the decoded part back into the whole cache."""
@@ -296,10 +330,12 @@ class Scheduler:
     def stats(self) -> dict:
         with self._lock:
             queued = len(self._queue)
+        compiling = {} if self._precompiler is None else {"programs_compiling": self._precompiler.pending}
         return {
             "slots": self.slots,
             "active": sum(r is not None for r in self._active),
             "queued": queued,
+            **compiling,
             **dict(self.counters),
         }
 
@@ -317,6 +353,8 @@ class Scheduler:
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
+        if self._precompiler is not None:
+            self._precompiler.stop(timeout)
         self._fail_everything("shutting_down", "the server is shutting down")
 
     def warmup(self, buckets: bool = True, progress: bool = False) -> float:
@@ -327,16 +365,8 @@ class Scheduler:
         pairs, 5 move counts), minutes on a GPU the first time (then JAX's persistent cache has them).
         """
         t0 = time.perf_counter()
-        lengths = self._prompt_buckets()
+        lengths, rows, spans, moves = self._variants()
         lengths = lengths if buckets else lengths[:1]
-        rows = sorted({batch_rows(i, self.slots) for i in range(self.slots)})
-        spans = sorted({attention_span(n, self.capacity) for n in range(1, self.capacity + 1)})
-        # _compact's move counts: powers of two holding at most half the slots
-        moves = (
-            [np.arange(1 << p, dtype=np.int32) for p in range((self.slots // 2 - 1).bit_length() + 1)]
-            if self.slots > 1
-            else []
-        )
         with progress_bar(
             total=len(lengths) + len(rows) * len(spans) + len(moves),
             desc="compiling",
@@ -354,10 +384,95 @@ class Scheduler:
                     bar.update()
             self._settle()
             for m in moves:
-                self._state = self._programs.move(self._state, self.slots - 1 - m, m)
+                dst = np.arange(m, dtype=np.int32)
+                self._state = self._programs.move(self._state, self.slots - 1 - dst, dst)
                 bar.update()
             jax.block_until_ready(self._state)
         return time.perf_counter() - t0
+
+    def warmup_in_background(self, progress: bool = False) -> float:
+        """Compile the widest programs now and every other variant in a thread of its own; returns seconds.
+
+        Call it before start(). The widest decode program (every row, the whole cache) and prefill (the longest
+        bucket) serve any batch and prompt, so the server takes requests once they are compiled (on a CPU, quickly:
+        QUICK_CPU_COMPILE). The rest follow narrowest first (what one or two conversations use), then the widest
+        ones' optimised builds; each step takes the narrowest variant ready (_fit). `progress`: a bar of them.
+        """
+        t0 = time.perf_counter()
+        self._shapes = abstract((self.params, self._state))
+        lengths, rows, spans, moves = self._variants()
+        variants = [("prefill", T) for T in lengths] + [("decode", n, s) for n in rows for s in spans]
+        variants += [("move", m) for m in moves]
+        widest = [("prefill", lengths[-1]), ("decode", rows[-1], spans[-1])]
+        quick = QUICK_CPU_COMPILE if jax.default_backend() == "cpu" else None
+        self._ready = {"prefill": set(), "decode": set(), "move": set()}
+        # one thread each: lowering holds the interpreter lock, XLA's compiling lets it go, so one program's compiling
+        # overlaps the other's lowering
+        with concurrent.futures.ThreadPoolExecutor(len(widest)) as pool:
+            for key, compiled in zip(widest, pool.map(functools.partial(self._compile, options=quick), widest)):
+                if quick:
+                    (self._quick[key],) = compiled
+                self._ready[key[0]].add(key[1:])
+        # narrowest first: a variant's cost is the cache positions it computes over or copies (a move copies rows)
+        cost = lambda key: math.prod(key[1:]) * (self.capacity if key[0] == "move" else 1)
+        rest = sorted((k for k in variants if k not in widest), key=cost) + (widest if quick else [])
+        jobs = [(key, functools.partial(self._compile, key)) for key in rest]
+        self._precompiler = Precompiler(jobs, progress=progress, desc="compiling (serving meanwhile)").start()
+        return time.perf_counter() - t0
+
+    def wait_compiled(self, timeout: float | None = None) -> bool:
+        """Wait for warmup_in_background's thread to compile every variant; True once it has (or if none runs)."""
+        return self._precompiler is None or self._precompiler.wait(timeout)
+
+    def _variants(self) -> tuple[list[int], list[int], list[int], list[int]]:
+        """(prompt buckets, decode rows, decode spans, move counts) a server may use."""
+        rows = sorted({batch_rows(i, self.slots) for i in range(self.slots)})
+        spans = sorted({attention_span(n, self.capacity) for n in range(1, self.capacity + 1)})
+        # _compact's move counts: powers of two holding at most half the slots
+        moves = [1 << p for p in range((self.slots // 2 - 1).bit_length() + 1)] if self.slots > 1 else []
+        return self._prompt_buckets(), rows, spans, moves
+
+    def _lowerings(self, key: tuple) -> list:
+        """The programs behind a variant, lowered from the abstract shapes of the parameters and state (no buffer is
+        read: any thread may do it), with the very arguments the scheduler's own calls pass, so that those calls
+        find them compiled in jit's cache."""
+        params, state = self._shapes
+        kind, *size = key
+        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+        if kind == "prefill":
+            return [self._programs.prefill.lower(params, state, i32(), i32(1, size[0]), i32(1))]
+        if kind == "move":
+            return [self._programs.move.lower(state, i32(size[0]), i32(size[0]))]
+        rows, span = size
+        ctl, static = abstract(controls(rows)), self._decode_static(rows, span)
+        if (rows, span) == (self.slots, self.capacity):
+            return [self._programs.decode.lower(params, state, ctl, i32(), **static)]
+        part = abstract(jax.eval_shape(functools.partial(self._programs.extract, rows=rows, span=span), state))
+        return [
+            self._programs.extract.lower(state, rows=rows, span=span),
+            self._programs.decode.lower(params, part, ctl, i32(), **static),
+            self._programs.flush.lower(state, part),
+        ]
+
+    def _compile(self, key: tuple, options: dict | None = None) -> list:
+        """A variant's programs compiled: with `options` (QUICK_CPU_COMPILE), returned to be called; without, also
+        left in jit's cache, where the scheduler's calls find them."""
+        return [lowered.compile(options) for lowered in self._lowerings(key)]
+
+    def _take_compiled(self) -> None:
+        """Scheduler thread: variants the background thread finished become the ones to choose from."""
+        if self._precompiler is not None:
+            for kind, *size in self._precompiler.take():
+                self._quick.pop((kind, *size), None)  # its optimised build replaces the quick one
+                self._ready[kind].add(tuple(size))
+
+    def _fit(self, kind: str, *need: int) -> tuple | None:
+        """The cheapest compiled variant of `kind` at least `need` in every size (prompt bucket; rows, span; move
+        count): `need` itself unless warming up in the background; None if none is ready."""
+        if self._ready is None:
+            return need
+        fits = [v for v in self._ready[kind] if all(a >= b for a, b in zip(v, need))]
+        return min(fits, key=math.prod, default=None)
 
     # --- the loop (scheduler thread) -----------------------------------------
 
@@ -380,6 +495,7 @@ class Scheduler:
 
     def _iteration(self) -> bool:
         """One round: drop cancelled, admit, decode a chunk. False when there was nothing to run."""
+        self._take_compiled()
         for i, req in enumerate(self._active):
             if req is not None and req.cancelled:
                 self._finish(i, "cancelled")
@@ -418,9 +534,12 @@ class Scheduler:
         high = [i for i in live if i >= rows]
         if not high:
             return live
+        moves = self._fit("move", 1 << (len(high) - 1).bit_length())  # a power of two of moves: few compilations
+        if moves is None:  # no move program compiled yet: wider decode chunks meanwhile
+            return live
         free = [i for i in range(rows) if self._active[i] is None][: len(high)]  # enough: rows >= len(live)
         self._settle()
-        pad = (1 << (len(high) - 1).bit_length()) - len(high)  # a power of two of moves: few compilations
+        pad = moves[0] - len(high)
         self._state = self._programs.move(
             self._state, np.array(high + high[:1] * pad, np.int32), np.array(free + free[:1] * pad, np.int32)
         )
@@ -434,17 +553,14 @@ class Scheduler:
 
     def _prefill(self, slot: int, req: Request) -> None:
         self._settle()
-        self._state = self._programs.prefill(
-            self.params,
-            self._state,
-            np.int32(slot),
-            self._padded(req.prompt)[None],
-            np.array([len(req.prompt)], np.int32),
-        )
+        tokens = self._padded(req.prompt)
+        run = self._quick.get(("prefill", len(tokens)), self._programs.prefill)
+        self._state = run(self.params, self._state, np.int32(slot), tokens[None], np.array([len(req.prompt)], np.int32))
 
     def _padded(self, prompt: list[int]) -> np.ndarray:
-        """The prompt padded (with its last token) to its bucket's length: one compilation per bucket."""
-        T = bucket_length(len(prompt), self.capacity)
+        """The prompt padded (with its last token) to its bucket's length, or a longer compiled one's (_fit): one
+        compilation per bucket."""
+        (T,) = self._fit("prefill", bucket_length(len(prompt), self.capacity))
         return np.array(prompt + [prompt[-1]] * (T - len(prompt)), np.int32)
 
     def _prompt_buckets(self) -> list[int]:
@@ -475,6 +591,8 @@ class Scheduler:
         # with logprobs, one static top: one more program per (rows, span), not one per k
         wants = any(r is not None and r.logprobs is not None for r in self._active[:rows])
         scoring = {"top_logprobs": MAX_TOP_LOGPROBS} if wants else {}
+        if not wants:  # (with logprobs: compiled on first use, not ahead, so the exact size is as good as any)
+            rows, span = self._fit("decode", rows, span)
         out, steps, scores = self._decode(self._controls(pushes, rows), limit, rows=rows, span=span, **scoring)
         self.counters["chunks"] += 1
         n = int(steps)
@@ -590,6 +708,10 @@ class SpeculativeScheduler(Scheduler):
 
     def stats(self) -> dict:
         return {**super().stats(), "draft_steps": self.draft_steps}
+
+    def warmup_in_background(self, progress: bool = False) -> float:
+        """warmup, at once: one conversation at a time needs only a prefill per bucket and a round."""
+        return self.warmup(progress=progress)
 
     def warmup(self, buckets: bool = True, progress: bool = False) -> float:
         """Compile prefill for every prompt bucket and a round, under greedy settings; returns seconds (`progress`:
