@@ -224,7 +224,9 @@ class Scheduler:
         self._pushes: dict[int, list[int]] = {}
         self._thread: threading.Thread | None = None
         self._closing = False
-        self.counters = collections.Counter()
+        self.counters = collections.Counter(
+            dict.fromkeys(("admitted", "chunks", "failures", "moved", "tokens"), 0)
+        )  # all in stats() from the start
         # warmup_in_background: the variants compiled ({kind: {size}}; None: any, compiled on first use), the
         # quickly compiled widest programs standing in until their optimised build is ready, the compiling thread
         self._ready: dict[str, set[tuple]] | None = None
