@@ -302,7 +302,9 @@ print(repr((os.path.exists(os.path.join(repo, "pyproject.toml")), os.path.exists
     # the top level: system directories, and the first part of each path the interpreter lives under
     interpreter = {p.split(os.sep)[1] for p in (sys.prefix, sys.base_prefix, os.path.realpath(sys.executable))}
     assert set(top) <= {"usr", "lib", "lib32", "lib64", "libx32", "proc", "dev", "tmp", "etc"} | interpreter, top
-    assert set(repo) <= {".venv"} and uid == sandbox.SANDBOX_UID  # of the project, at most its virtual environment
+    # of the project, at most the virtual environment the interpreter runs from (.venv, CI's .ci-venv)
+    venvs = {os.path.relpath(p, REPO_ROOT).split(os.sep)[0] for p in (sys.prefix, os.path.realpath(sys.executable))}
+    assert set(repo) <= {v for v in venvs if v != ".."} and uid == sandbox.SANDBOX_UID
 
 
 def _marked_processes(marker: str) -> list[int]:
