@@ -130,6 +130,8 @@ class ScriptedEngine:
     """generate_batches like the Engine's: per prompt, prompt + completion tokens per sample; completions from
     `reply`."""
 
+    capacity = 10**9  # no context limit: every problem fits
+
     def __init__(self, tokenizer, reply):
         self.tokenizer, self.reply, self.calls = tokenizer, reply, []
 

@@ -170,10 +170,7 @@ def run_generative_eval(
     if n == 0:
         raise ValueError(f"{desc}: no problems to evaluate")
     passed = 0
-    context = getattr(engine, "capacity", None)  # a stand-in engine may have no context limit
-    conversations = [task[i] for i in range(n)]
-    if context is not None:
-        conversations, _ = fitting(conversations, tokenizer, context, 1, desc)
+    conversations, _ = fitting([task[i] for i in range(n)], tokenizer, engine.capacity, 1, desc)
     with progress_bar(total=len(conversations), desc=desc, leave=False, disable=not is_main_process()) as bar:
         for conversation, prompt, results, _ in sample_problems(
             engine,
