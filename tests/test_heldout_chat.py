@@ -9,9 +9,11 @@ from tasks import synthetic_chat as sc
 
 def test_the_prompts_are_not_in_the_training_generators():
     trained = {q.lower() for questions, _ in sc.IDENTITY_TOPICS.values() for q in questions}
-    assert not {p.lower() for p in h.IDENTITY} & trained
-    names = set(sc.WORDS.girl_names + sc.WORDS.boy_names)
+    asked = {m["content"].lower() for c in sc.IdentityChat(3000) for m in c["messages"] if m["role"] == "user"}
+    assert not {p.lower() for p in h.IDENTITY} & (trained | asked)  # nor a phrasing the generator writes
+    names = {name for name, _ in sc.PEOPLE} | set(sc.WORDS.girl_names + sc.WORDS.boy_names)
     assert not {q.split()[0] for q, _ in h.ARITHMETIC} & names  # names the problems generator never draws
+    assert {q.split()[0] for q, _ in h.ARITHMETIC if q[0] != "A"} <= sc.HELD_OUT_NAMES
     task = sc.ArithmeticProblems(size=2000)
     drawn = {task.get_example(i)["messages"][0]["content"] for i in range(len(task))}  # nor a question it writes
     assert not {q for q, _ in h.ARITHMETIC} & drawn

@@ -9,6 +9,8 @@ from flaxchat.generate.sandbox import use_calculator
 from tasks.common import TaskMixture
 from tasks.gsm8k import extract_answer
 from tasks.synthetic_chat import (
+    GREETINGS,
+    THANKS,
     ArithmeticProblems,
     IdentityChat,
     StoryRequests,
@@ -49,32 +51,48 @@ def test_deterministic_per_seed_with_disjoint_splits(make):
 
 
 def test_identity_says_flaxchat_trained_with_jax():
-    replies = [c["messages"][-1]["content"] for c in IdentityChat(300)]
-    assert sum("flaxchat" in r for r in replies) > 150 and sum("JAX" in r for r in replies) > 100
+    conversations = list(IdentityChat(300))
+    replies = [c["messages"][-1]["content"] for c in conversations]
+    assert sum("flaxchat" in r for r in replies) > 200 and sum("JAX" in r for r in replies) > 100
+    # every answer about the assistant names it (a thank-you reply or a greeting's reply need not)
+    for c in conversations:
+        for question, answer in zip(c["messages"][::2], c["messages"][1::2]):
+            if question["content"] not in THANKS and question["content"] not in GREETINGS:
+                assert "flaxchat" in answer["content"], (question, answer)
     name_answers = [
         c["messages"][-1]["content"]
-        for c in IdentityChat(300)
+        for c in conversations
         if re.search(r"who are you|what is your name", c["messages"][-2]["content"], re.I)
     ]
     assert name_answers and all("flaxchat" in a and "JAX" in a for a in name_answers)
+    questions = {c["messages"][-2]["content"] for c in conversations}
+    assert len(questions) > 250  # phrasings with a greeting before and a polite word after
 
 
 def test_arithmetic_uses_the_calculator_in_gsm8k_format():
     problems = [arithmetic_problem(i, "train") for i in range(300)]
     for p in problems:
         types = [part["type"] for part in p.parts]
-        assert types[0] == "text" and types[-1] == "text" and "python" in types
-        for i, part in enumerate(p.parts):
-            if part["type"] == "python":
-                assert p.parts[i + 1] == {"type": "python_output", "text": use_calculator(part["text"])}
+        assert types == ["text", "python", "python_output", "text"]
+        expr = p.parts[1]["text"]
+        assert (
+            p.parts[2]
+            == {"type": "python_output", "text": use_calculator(expr)}
+            == {
+                "type": "python_output",
+                "text": str(p.answer),
+            }
+        )
         assert p.parts[-1]["text"].endswith(f"#### {p.answer}")
         assert extract_answer(p.parts[-1]["text"]) == str(p.answer)
-        # the last tool call computes the answer itself
-        last_call = [part["text"] for part in p.parts if part["type"] == "python"][-1]
-        assert use_calculator(last_call) == str(p.answer)
-        assert p.answer >= 0 and p.question.endswith("?")
-    steps = [sum(part["type"] == "python" for part in p.parts) for p in problems]
-    assert steps.count(2) > 100 and steps.count(3) > 5  # two- and three-step problems
+        assert p.answer >= 0 and p.question.endswith("?") and "~" not in p.question
+        # the expression copies the question's numbers; any other is "twice" (2), "three times" (3), ...
+        asked = re.findall(r"\d+", p.question)
+        assert all(n in asked or n in ("2", "3", "4", "5") for n in re.findall(r"\d+", expr)), (p.question, expr)
+    ops = [len(re.findall(r"//|[-+*]", p.parts[1]["text"])) for p in problems]
+    assert ops.count(2) > 100 and ops.count(1) > 10 and ops.count(3) > 5  # mostly two steps
+    past = sum(bool(re.search(r"\b(had|gave|bought|were)\b", p.question)) for p in problems)
+    assert 50 < past < 200  # told in the present and in the past
     assert len({p.question for p in problems}) == 300
 
 
