@@ -361,18 +361,34 @@ def offline_mixture(args):
     ]
     train = [task(size, "train", args.seed) for task, size in synthetic if size]
     val = [task(args.val_size, "val", args.seed) for task, _ in synthetic]
-    if args.spelling_size:
-        train += [SpellingBee(args.spelling_size, "train"), SimpleSpelling(args.spelling_size, "train")]
-        val += [SpellingBee(args.val_size, "test")]
-    for _ in range(args.mc_epochs):
-        train += [
+
+    def spelling():
+        return (
+            [SpellingBee(args.spelling_size, "train"), SimpleSpelling(args.spelling_size, "train")],
+            [SpellingBee(args.val_size, "test")],
+        )
+
+    def multiple_choice():
+        one_epoch = [
             MMLU("all", "dev", source="offline"),
             MMLU("all", "validation", source="offline"),
             ARC("ARC-Easy", "validation", source="offline"),
             ARC("ARC-Challenge", "validation", source="offline"),
         ]
-    if args.mc_epochs:
-        val += [MMLU("all", "test", source="offline", stop=args.val_size)]
+        return one_epoch * args.mc_epochs, [MMLU("all", "test", source="offline", stop=args.val_size)]
+
+    for flag, make in (("spelling_size", spelling), ("mc_epochs", multiple_choice)):
+        if not getattr(args, flag):
+            continue
+        try:
+            more_train, more_val = make()
+        except FileNotFoundError as e:
+            if getattr(args, flag) != build_parser().get_default(flag):
+                raise  # asked for by name: its data must be there
+            print0(f"offline mixture: leaving out --{flag.replace('_', '-')} data, not on this machine: {e}")
+            continue
+        train += more_train
+        val += more_val
     if not train:
         raise ValueError("the offline mixture is empty: every size flag is 0")
     return TaskMixture(train), TaskMixture(val)
@@ -558,19 +574,30 @@ def run_chatcore(model, tokenizer, args, source: str) -> dict:
     """ChatCORE over --chatcore-tasks (flaxchat.eval.chat); {"chatcore", "chatcore_tasks", per-task accuracy}."""
     engine = Engine(model, tokenizer)
     accuracies = {}
+    chosen = args.chatcore_tasks != build_parser().get_default("chatcore_tasks")
     for name in [t.strip() for t in args.chatcore_tasks.split(",") if t.strip()]:
         categorical = name in ("ARC-Easy", "ARC-Challenge", "MMLU")
         limit = args.chatcore_max_cat if categorical else args.chatcore_max_sample
-        result = chat_eval.run_chat_eval(
-            name,
-            model,
-            tokenizer,
-            engine,
-            batch_size=args.device_batch_size,
-            max_problems=None if limit < 0 else limit,
-            source=source,
-        )
+        try:
+            result = chat_eval.run_chat_eval(
+                name,
+                model,
+                tokenizer,
+                engine,
+                batch_size=args.device_batch_size,
+                max_problems=None if limit < 0 else limit,
+                source=source,
+            )
+        except FileNotFoundError as e:
+            if chosen:  # named with --chatcore-tasks: its data must be there
+                raise
+            print0(f"ChatCORE: leaving out {name}, its data is not on this machine: {e}")
+            continue
         accuracies[name] = result["accuracy"]
+    if not accuracies:
+        raise FileNotFoundError(
+            "none of the ChatCORE tasks' data is on this machine; run `python -m tasks.offline --fetch`"
+        )
     score, n = chat_eval.chatcore(accuracies)
     return {"chatcore": score, "chatcore_tasks": n, **{f"chatcore/{k}": v for k, v in accuracies.items()}}
 
@@ -700,7 +727,9 @@ def main(argv=None):
     try:
         train_ds, val_ds, which = build_mixtures(args, custom)
     except (FileNotFoundError, ValueError) as e:
-        hint = "" if args.mixture in ("online", "none") else " (or leave out the multiple choice: --mc-epochs 0)"
+        hint = (
+            "" if args.mixture in ("online", "none") else " (or leave that part out: --mc-epochs 0, --spelling-size 0)"
+        )
         sys.exit(f"error: {e}{hint}")
     print0(
         f"{which} mixture{' + ' + str(len(custom)) + ' --chats' if custom else ''}: {len(train_ds):,} training "
@@ -864,11 +893,17 @@ def main(argv=None):
         if do_chatcore:
             try:
                 result = run_chatcore(for_sampling(), tokenizer, args, data_source)
-            except (FileNotFoundError, ValueError) as e:
+            except FileNotFoundError as e:
+                if args.chatcore_tasks != parser.get_default("chatcore_tasks"):
+                    sys.exit(f"error: ChatCORE: {e} (or turn it off: --chatcore-every -1)")
+                say(f"step {step:05d} | ChatCORE skipped: {e}")  # the default check, not a failure of the run
+                result = None
+            except ValueError as e:
                 sys.exit(f"error: ChatCORE: {e} (or turn it off: --chatcore-every -1)")
-            say(f"step {step:05d} | ChatCORE {result['chatcore']:.4f} over {result['chatcore_tasks']} tasks")
-            log({"step": step, **result})
-            summary.update(result)
+            if result is not None:
+                say(f"step {step:05d} | ChatCORE {result['chatcore']:.4f} over {result['chatcore_tasks']} tasks")
+                log({"step": step, **result})
+                summary.update(result)
         if last_step:
             break
 

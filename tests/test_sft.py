@@ -266,8 +266,29 @@ def test_bad_input_is_a_one_line_error(tiny_base_dir, tiny_base_ckpt, capsys):
         with pytest.raises(SystemExit):
             main(SFT_TINY + argv)
         assert message in capsys.readouterr().err
-    with pytest.raises(SystemExit, match="offline pack|--mc-epochs 0"):
-        main(SFT_TINY[:2] + ["--mc-epochs", "1"] + SFT_TINY[4:])
+    with pytest.raises(SystemExit, match="offline pack|--mc-epochs 0"):  # asked for by name: an error
+        main(SFT_TINY[:2] + ["--mc-epochs", "2"] + SFT_TINY[4:])
+
+
+def test_the_default_offline_mixture_leaves_out_what_this_machine_lacks(tmp_path, monkeypatch, capsys):
+    """A laptop without the offline packs or a word list still fine-tunes: the default parts it lacks are left out
+    with a note; a part asked for by name is an error."""
+    import tasks.spellingbee
+    from scripts.sft import build_parser, offline_mixture
+
+    monkeypatch.setenv("FLAXCHAT_BASE_DIR", str(tmp_path))  # no eval_data/ packs here
+    monkeypatch.setattr(tasks.spellingbee.offline, "SYSTEM_DICT", str(tmp_path / "no-dict"))
+    tasks.spellingbee.load_words.cache_clear()
+    try:
+        args = build_parser().parse_args(["--identity-size", "5", "--arithmetic-size", "5", "--story-size", "5"])
+        train, val = offline_mixture(args)
+        assert len(train) == 15
+        out = capsys.readouterr().out
+        assert "leaving out --spelling-size" in out and "leaving out --mc-epochs" in out
+        with pytest.raises(FileNotFoundError, match="word list"):
+            offline_mixture(build_parser().parse_args(["--spelling-size", "7"]))
+    finally:
+        tasks.spellingbee.load_words.cache_clear()
 
 
 def test_a_new_run_replaces_an_earlier_runs_checkpoints(tmp_path):
@@ -297,3 +318,26 @@ def test_evaluation_sizes_follow_the_device_unless_set():
     assert args.eval_tokens == 40 * 524288 and args.chatcore_max_cat == -1  # nanochat's, on GPUs and TPUs
     args = build_parser().parse_args(["--eval-tokens", "999", "--chatcore-max-cat", "5"])
     assert "999 val tokens a pass, 5 categorical" in sized_evaluation(args, 4, on_cpu=True)  # flags win
+
+
+def test_the_default_chatcore_leaves_out_tasks_without_data(monkeypatch, capsys):
+    import scripts.sft as sft
+
+    def run_chat_eval(name, *args, **kwargs):
+        if name != "MMLU":
+            raise FileNotFoundError(f"{name} is not available")
+        return {"accuracy": 0.5}
+
+    monkeypatch.setattr(sft, "Engine", lambda model, tokenizer: None)
+    monkeypatch.setattr(sft.chat_eval, "run_chat_eval", run_chat_eval)
+
+    def args(*argv):
+        parsed = sft.build_parser().parse_args(argv)
+        parsed.chatcore_max_cat = parsed.chatcore_max_sample = 10  # main() sizes these to the device
+        return parsed
+
+    result = sft.run_chatcore(None, None, args(), "offline")
+    assert result["chatcore_tasks"] == 1 and result["chatcore/MMLU"] == 0.5
+    assert "leaving out GSM8K" in capsys.readouterr().out
+    with pytest.raises(FileNotFoundError, match="GSM8K is not available"):  # named: its data must be there
+        sft.run_chatcore(None, None, args("--chatcore-tasks", "GSM8K,MMLU"), "offline")
