@@ -75,3 +75,16 @@ def test_demo_writes_under_the_base_dir(tmp_path, monkeypatch, capsys):
     demo = run_tinystories.Demo(run_tinystories.build_parser().parse_args(["--base-dir", str(tmp_path / "d")]))
     assert demo.env["FLAXCHAT_BASE_DIR"] == str(tmp_path / "d")
     assert HUGE_PAGES_TUNABLE in demo.env["GLIBC_TUNABLES"].split(":")  # its stages start with huge pages
+
+
+def test_demo_trains_in_bf16_where_the_cpu_multiplies_bf16(tmp_path, monkeypatch):
+    from scripts import run_tinystories
+
+    def demo(native_bf16):
+        monkeypatch.setattr(run_tinystories, "cpu_bf16_instructions", lambda: native_bf16)
+        return run_tinystories.Demo(run_tinystories.build_parser().parse_args(["--base-dir", str(tmp_path)]))
+
+    assert demo(True).dtype == ["--dtype", "bfloat16"] and demo(False).dtype == []
+    full = demo(False).size
+    # the SFT mixture leans on arithmetic, the skill that takes the most practice
+    assert full["arithmetic_size"] > full["identity_size"] > full["story_size"]
