@@ -84,7 +84,10 @@ def test_demo_trains_in_bf16_where_the_cpu_multiplies_bf16(tmp_path, monkeypatch
         monkeypatch.setattr(run_tinystories, "cpu_bf16_instructions", lambda: native_bf16)
         return run_tinystories.Demo(run_tinystories.build_parser().parse_args(["--base-dir", str(tmp_path)]))
 
+    monkeypatch.delenv("FLAXCHAT_DTYPE", raising=False)
     assert demo(True).dtype == ["--dtype", "bfloat16"] and demo(False).dtype == []
+    monkeypatch.setenv("FLAXCHAT_DTYPE", "float32")  # the user's choice wins
+    assert demo(True).dtype == []
     full = demo(False).size
     # the SFT mixture leans on arithmetic, the skill that takes the most practice
     assert full["arithmetic_size"] > full["identity_size"] > full["story_size"]
