@@ -40,13 +40,13 @@ SIZES = {
     "max_seq_len": (256, 256),
     "device_batch_size": (32, 16),
     "total_batch_size": (8192, 4096),
-    "pretrain_iterations": (240, 50),
-    "sft_iterations": (300, 15),
+    "pretrain_iterations": (200, 50),
+    "sft_iterations": (400, 15),
     "sft_batch_size": (16, 8),
     # the SFT mixture: arithmetic takes the most practice, stories the least (pretraining already taught them)
     "story_size": (800, 300),
     "identity_size": (1500, 300),
-    "arithmetic_size": (12000, 600),
+    "arithmetic_size": (16000, 600),
 }
 STORY_PROMPTS = ["Once upon a time, there was a little", "One day, a girl named Lily", "Tom had a red ball."]
 CHAT_PROMPTS = ["Tell me a story about a cat named Tom.", "Who are you?"]
