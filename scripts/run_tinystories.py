@@ -80,7 +80,7 @@ class Demo:
         # huge pages: each stage's XLA:CPU temporaries without a page fault per 4 KB (flaxchat.common)
         self.env = with_huge_pages({**os.environ, "FLAXCHAT_BASE_DIR": args.base_dir})
         self.timings = {}
-        # bf16 products where the CPU multiplies bf16 in hardware: ~1.4x faster training here, the same val bpb;
+        # bf16 products where the CPU multiplies bf16 in hardware: faster for the same val bpb (docs/cpu-speed.md);
         # FLAXCHAT_DTYPE, when set, decides instead
         native = cpu_bf16_instructions() and not os.environ.get("FLAXCHAT_DTYPE")
         self.dtype = ["--dtype", "bfloat16"] if native else []

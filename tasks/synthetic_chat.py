@@ -538,6 +538,11 @@ PAST = {
     "take": "took",
     "grows": "grew",
     "pick": "picked",
+    "fly": "flew",
+    "swim": "swam",
+    "join": "joined",
+    "land": "landed",
+    "do": "did",
 }
 
 
@@ -586,7 +591,7 @@ LOSS = {
 OTHERS_TAKE = {
     "any": ("{f.name} ~takes {n}", "{f.name} ~takes {n} of them", "{P.his} {rel} ~takes {n}"),
     "food": ("{P.his} family ~eats {n} of them", "{P.his} {rel} ~eats {n}", "{f.name} ~eats {n} of them"),
-    "outdoor": ("the wind ~blows", "a dog ~runs off with {n}"),
+    "outdoor": ("a dog ~runs off with {n}",),
 }
 STARTS = (
     "{p.name} ~has {n} {t}.",
@@ -639,7 +644,7 @@ def _event(rng, kind: str, gain: bool, n: int, p: Person, f: Person) -> str:
 
 def _sentence(rng, kind: str, gain: bool, n: int, p: Person, f: Person, first: bool) -> str:
     """One change as a clause: mostly the person acts ("she finds 5 more"), sometimes someone else takes some."""
-    others = [x for x in OTHERS_TAKE["any"] + OTHERS_TAKE.get(kind, ()) if "{n}" in x]
+    others = OTHERS_TAKE["any"] + OTHERS_TAKE.get(kind, ())
     if not gain and first and rng.random() < 0.2:
         return _fill(rng.choice(others), n=n, p=p, f=f, rel=rng.choice(RELATIVES))
     clause = _event(rng, kind, gain, n, p, f)
@@ -772,21 +777,15 @@ def _share(rng, past):
         a, k = n * each, rng.randint(1, each - 1)
         gain = rng.random() < 0.4
         if gain:
-            after = rng.choice(
-                (
-                    f"Then {p.he} ~adds {k} more to one of them.",
-                    f"Then {p.he} ~gives one {one} {k} more."
-                    if one != "of them"
-                    else f"Then {p.he} ~adds {k} more to one of them.",
-                )
-            )
+            to_one = f"~adds {k} more to one of them"
+            after = f"Then {p.he} {rng.choice((to_one, f'~gives one {one} {k} more' if one != 'of them' else to_one))}."
         else:
             verb = rng.choice(("~takes out", "~removes", "~takes") + (("~eats",) if kind == "food" else ()))
             after = f"Then {p.he} {verb} {k} from one of them."
-        ask = rng.choice(("How many {t} are in that one now?", "How many {t} does that one have now?"))
+        ask = rng.choice((f"How many {t} are in that one now?", f"How many {t} does that one have now?"))
         if one in ("friend", "child"):
-            ask = f"How many {{t}} does that {one} have now?"
-        q = f"{_start(rng, kind, a, p, t)} {p.He} {way} {among}. {after} {ask.format(t=t)}"
+            ask = f"How many {t} does that {one} have now?"
+        q = f"{_start(rng, kind, a, p, t)} {p.He} {way} {among}. {after} {ask}"
         return q, f"{a}//{n}{'+' if gain else '-'}{k}", t
     if style < 0.7:  # a change first, then share what there is
         total = n * each
@@ -828,9 +827,9 @@ def _rate_then_change(rng, past):
     a, w = rng.randint(2, 60), rng.randint(2, 12)
     earn, spend = rng.choice(MONEY_VERBS)
     per, unit = rng.choice(PERIODS)
-    earned = f"{p.name} {earn} {_dollars(rng, a)} {per} for {w} {unit}"
+    earning = f"{earn} {_dollars(rng, a)} {per} for {w} {unit}"  # the subject goes in front
     if unit == "hours" and rng.random() < 0.5:
-        earned = f"{p.name} {rng.choice(('~earns', '~gets'))} {_dollars(rng, a)} {per} and ~works {w} hours"
+        earning = f"{rng.choice(('~earns', '~gets'))} {_dollars(rng, a)} {per} and ~works {w} hours"
     style = rng.random()
     if style < 0.5:
         b = rng.randint(1, a * w - 1)
@@ -844,11 +843,11 @@ def _rate_then_change(rng, past):
                 f"How many dollars does {p.he} have?",
             )
         )
-        return f"{earned}{tail} {ask}", f"{a}*{w}-{b}", "dollars"
+        return f"{p.name} {earning}{tail} {ask}", f"{a}*{w}-{b}", "dollars"
     if style < 0.75:
         had = rng.randint(2, 300)
-        q = f"{p.name} already ~has {_dollars(rng, had)}. {earned[len(p.name) + 1 :].join((p.He + ' ', '.'))} "
-        return q + f"How many dollars does {p.he} have now?", f"{had}+{a}*{w}", "dollars"
+        q = f"{p.name} already ~has {_dollars(rng, had)}. {p.He} {earning}. How many dollars does {p.he} have now?"
+        return q, f"{had}+{a}*{w}", "dollars"
     verb, noun = rng.choice((("~reads", "pages"), ("~writes", "pages"), ("~runs", "laps"), ("~swims", "laps")))
     total = a * w + rng.randint(1, 300)
     goal = {"pages": "The book ~has", "laps": "The goal ~is"}[noun]
@@ -896,7 +895,6 @@ CROWDS = (
     ("ducks", "on the pond", "~swim away", "~leave", "~join them", "on the pond now"),
     ("players", "on the field", "~sit down", "~leave the game", "~join", "on the field now"),
 )
-PAST.update({"fly": "flew", "swim": "swam", "join": "joined", "land": "landed", "blows": "blew"})
 
 
 def _crowd(rng, past):
@@ -1000,14 +998,7 @@ def _times_as_many(rng, past):
     q = f"{p.name} ~has {a} {t}. {f.name} ~has {word} as many {t} as {p.name}."
     if k and rng.random() < 0.35:
         return f"{q} How many more {t} ~does {f.name} have than {p.name}?", f"{a}*{k}-{a}", t
-    return (
-        f"{q} How many {t} ~does {f.name} and {p.name} have {rng.choice(TOGETHER)}?".replace("~does", "~do"),
-        f"{a}+{second}",
-        t,
-    )
-
-
-PAST["do"] = "did"
+    return f"{q} How many {t} ~do {f.name} and {p.name} have {rng.choice(TOGETHER)}?", f"{a}+{second}", t
 
 
 def _compare(rng, past):
