@@ -41,6 +41,11 @@ checkpoints and report are left alone). One device, as base_train runs in one pr
 GPUs: CUDA_VISIBLE_DEVICES=0):
     python -m scripts.bench --what run --depth 4 --head-dim 64 --window-pattern SL --max-seq-len 256 \
         --device-batch-size 16 --grad-accum 2 --steps 150 --warmup 9 --nanochat ~/src/nanochat
+The chat server as a new user meets it (scripts.chat_web started with an empty compilation cache; a streamed reply
+asked for as soon as /health answers, one as soon as the background compiles are done, then steady ones: each
+reply's pace, seconds to its first token, tokens per SSE chunk and the largest gap between chunks):
+    python -m scripts.bench --what serve --depth 12 --max-seq-len 2048 --max-new-tokens 96
+    python -m scripts.bench --what serve --checkpoint sft:d4 --max-new-tokens 96
 Everything:
     python -m scripts.bench --what all --depth 4 --max-seq-len 512
 On a GPU or TPU add --expect-backend gpu|tpu so a silent fall-back to the CPU stops the run at once.
@@ -53,6 +58,7 @@ import os
 import platform
 import re
 import resource
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -89,6 +95,7 @@ from flaxchat.perf.processes import (
 )
 from flaxchat.perf.products import format_census, product_census
 from flaxchat.perf.profiler import StepProfiler, profile_summary
+from flaxchat.perf.serving import first_minute
 from flaxchat.perf.trace import format_summary
 from flaxchat.train.checkpoint import checkpoint_dir, load_named_model
 from flaxchat.train.flags import add_batch_flags, add_dtype_flag
@@ -106,10 +113,11 @@ def build_parser():
     p = argparse.ArgumentParser(description="Benchmark training, generation or data loading; prints JSON.")
     p.add_argument(
         "--what",
-        choices=["train", "comms", "generate", "data", "run", "all"],
+        choices=["train", "comms", "generate", "data", "run", "serve", "all"],
         default="train",
         help="what to measure (all = train, generate, data; run = a real scripts.pretrain run of --steps "
-        "steps on one device, beside nanochat's base_train with --nanochat)",
+        "steps on one device, beside nanochat's base_train with --nanochat; serve = scripts.chat_web "
+        "started cold, a streamed reply at once, after its background compiles and steady)",
     )
     add_model_flags(p, depth=4, max_seq_len=512)
     p.add_argument("--vocab-size", type=int, default=32768, help="vocabulary size (random tokens)")
@@ -159,6 +167,12 @@ def build_parser():
         help="generate: time a trained checkpoint (e.g. sft:d4) instead of a random model of the flags' shape",
     )
     add_draft_flags(p)
+    p.add_argument(
+        "--serve-flags",
+        default="",
+        metavar="FLAGS",
+        help='serve: more scripts.chat_web flags, in one string (e.g. "--slots 32 --chunk 8")',
+    )
     p.add_argument("-t", "--temperature", type=float, default=1.0, help="generate: sampling temperature (0 = greedy)")
     p.add_argument(
         "--show-ops", action="store_true", help="comms: list every collective (kind, shape, times, source op)"
@@ -747,6 +761,22 @@ def run_main(parser, args) -> None:
     print(json.dumps(record, indent=2))
 
 
+def serve_main(args) -> None:
+    """--what serve: scripts.chat_web in a process of its own (this one starts no JAX backend), --checkpoint's model
+    or a random one of --depth and --max-seq-len, replies of --max-new-tokens tokens (flaxchat.perf.serving)."""
+    if args.checkpoint:
+        source, _, tag = args.checkpoint.rpartition(":")
+        flags = ["-i", source or "sft", "-g", tag]
+    else:
+        flags = ["--random-init", "--depth", str(args.depth), "--seq-len", str(args.max_seq_len)]
+    flags += shlex.split(args.serve_flags)
+    try:
+        record = first_minute(flags, "Tell me a story about a cat and a dog.", args.max_new_tokens)
+    except RuntimeError as e:
+        sys.exit(f"error: {e}")
+    print(json.dumps({"what": "serve", "chat_web_flags": flags, **record}, indent=2))
+
+
 def main(argv=None):
     quiet_library_logs()
     parser = build_parser()
@@ -769,6 +799,8 @@ def main(argv=None):
         parser.error("--fresh-batches draws random tokens; --real-data's batches are new every step already")
     if args.what == "run":
         return run_main(parser, args)
+    if args.what == "serve":
+        return serve_main(args)
     if args.nanochat:
         if args.what not in ("train", "all"):
             parser.error("--nanochat times nanochat's training step: use it with --what train")

@@ -39,7 +39,7 @@ from flax import nnx
 
 from flaxchat.common import enable_compilation_cache, get_base_dir, parse_args
 from flaxchat.data.tokenizer import get_tokenizer
-from flaxchat.generate.scheduler import Scheduler, SpeculativeScheduler, auto_slots
+from flaxchat.generate.scheduler import STREAM_INTERVAL, Scheduler, SpeculativeScheduler, auto_slots
 from flaxchat.generate.speculative import add_draft_flags
 from flaxchat.model.config import GPTConfig
 from flaxchat.model.gpt import GPT
@@ -83,7 +83,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="conversations generated at once (rows of the KV cache); default: the largest power of two "
         "up to 32 whose KV cache fits in a quarter of the free memory",
     )
-    p.add_argument("--chunk", type=int, default=8, help="decode steps per scheduler iteration")
+    p.add_argument("--chunk", type=int, default=8, help="most decode steps per scheduler iteration")
+    p.add_argument(
+        "--stream-interval",
+        type=float,
+        default=STREAM_INTERVAL,
+        help="seconds a sampled token may wait before it is streamed: each iteration decodes as many steps as fit "
+        "(at the measured step time, at most --chunk), so a slow model streams token by token",
+    )
     p.add_argument("--max-tokens", type=int, default=512, help="most new tokens one reply may ask for")
     p.add_argument("--default-max-tokens", type=int, default=256, help="new tokens when a request does not say")
     p.add_argument("--max-prompt-tokens", type=int, default=None, help="longest prompt (default: 3/4 of the context)")
@@ -194,6 +201,8 @@ def get_args(argv=None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.no_warmup and args.warmup_all:
         parser.error("--no-warmup and --warmup-all contradict each other: choose one")
+    if not args.stream_interval > 0:
+        parser.error(f"--stream-interval must be > 0 seconds, got {args.stream_interval}")
     if not 0 <= args.port <= 65535:
         parser.error(f"--port must be in 0..65535, got {args.port}")
     if not 0 <= args.temperature <= 2:
@@ -364,12 +373,21 @@ def main(argv=None) -> int:
             f"speculative sampling: draft {args.draft_model} ({draft.config.n_layer} layers) proposes "
             f"{args.draft_steps} tokens a round; one conversation at a time, the others wait"
         )
-        scheduler = SpeculativeScheduler(model, tokenizer, draft, draft_steps=args.draft_steps, chunk=args.chunk)
+        scheduler = SpeculativeScheduler(
+            model,
+            tokenizer,
+            draft,
+            draft_steps=args.draft_steps,
+            chunk=args.chunk,
+            stream_interval=args.stream_interval,
+        )
     else:
         if args.slots is None:
             args.slots, why = auto_slots(model)
             print(f"slots: {why} (--slots sets it)")
-        scheduler = Scheduler(model, tokenizer, slots=args.slots, chunk=args.chunk)
+        scheduler = Scheduler(
+            model, tokenizer, slots=args.slots, chunk=args.chunk, stream_interval=args.stream_interval
+        )
     if args.warmup_all:
         print(f"compiling for {args.slots} slots...", flush=True)
         print(f"compiled in {scheduler.warmup(progress=True):.1f} s")

@@ -14,7 +14,7 @@ from flax import nnx
 from flaxchat import sharding
 from flaxchat.data.tokenizer import Tokenizer
 from flaxchat.generate.engine import COMPACT_MIN_ROWS, Engine, generate
-from flaxchat.generate.programs import attention_span, bucket_length, controls, pad_prompts, programs
+from flaxchat.generate.programs import DecodeSettings, attention_span, bucket_length, controls, pad_prompts, programs
 from flaxchat.generate.sampling import (
     TOP_K_TIERS,
     argmax,
@@ -95,21 +95,21 @@ def test_bucket_and_padding():
 def test_cached_logits_equal_full_forward_every_step(model):
     """Padded prefill of different-length rows, then one decode step per call: the logits the loop samples from
     equal a full forward over each row's whole sequence so far. The cache has room for 1024 positions and each
-    call attends over (and writes back) only the span its rows use."""
+    call attends over only the span its rows use (an extracted part), flushed back at the end."""
     progs, params = programs(model)
     tokens, lengths = pad_prompts(PROMPTS, 1024, 24)
     slots = progs.start(params, tokens, lengths, copies=1, rows=3, capacity=1024)
     cached, spans, columns = [], set(), []
+    span = attention_span(max(map(len, PROMPTS)) + 24, 1024)
+    part = progs.extract(slots, rows=3, span=span)
     for step in range(24):
-        cached.append(np.array(slots.logits))  # a copy: the next call donates the slots
-        span = attention_span(max(map(len, PROMPTS)) + step + 1, 1024)
-        spans.add(span)
+        cached.append(np.array(part.logits))  # a copy: the next call donates the part
+        spans.add(part.extent[1])
         ctl = controls(3, remaining=24 - step, offset=step, temperature=0.0)
-        slots, out, forced, steps, _ = progs.decode(
-            params, slots, ctl, np.int32(1), rows=3, span=span, chunk=1, stop_tokens=(), tool_end=-1, tiers=()
-        )
-        assert int(steps) == 1 and not np.asarray(forced).any()
-        columns.append(np.asarray(out)[:, 0])
+        part, out = progs.decode(params, part, ctl, np.int32(1), settings=DecodeSettings(chunk=1))
+        assert int(out.steps) == 1 and not np.asarray(out.forced).any()
+        columns.append(np.asarray(out.tokens)[:, 0])
+    slots = progs.flush(slots, part)
     assert spans == {64} and slots.cache.k[0].shape[2] == 1024  # 64 of 1024 positions read
     assert np.asarray(slots.cache.pos).tolist() == [len(p) + 24 for p in PROMPTS]
     columns = np.stack(columns, axis=1)
@@ -273,7 +273,7 @@ def test_tool_runs_per_row_in_a_batch_of_prompts(tok):
         crowded = engine.generate_batches([short, *enders, prompt], num_samples=2, max_tokens=40, temperature=0.0)
     finally:
         progs.move = move
-    assert moves[0][:4] == [0, 1, 8, 9]  # short's and prompt's rows, into slots 0-3 of 4
+    assert moves[0] == [8, 9]  # prompt's rows, into the enders' free slots 2-3: rows 0-3 hold all four left
     assert crowded[0] == engine.generate_batch(short, num_samples=2, max_tokens=40, temperature=0.0)
     assert crowded[4] == engine.generate_batch(prompt, num_samples=2, max_tokens=40, temperature=0.0)
     assert crowded[4][0][0] == prompt + call + forced + after[:-1]
@@ -316,8 +316,8 @@ def test_rows_still_going_are_packed_into_fewer_slots(model, tok):
     assert [alive for _, _, alive in want] == live.tolist() and live.sum(axis=0).tolist() == [4, 4, 6, 6, 8, 8, 61, 61]
     for (a, ma, alive), (b, mb, _) in zip(got, want):  # every live entry agrees
         assert [x for x, on in zip(a, alive) if on] == [x for x, on in zip(b, alive) if on] and ma == mb
-    # 4 rows left of 8: slots 4-7 move to 0-3 (padded with a repeated pair); none go below COMPACT_MIN_ROWS
-    assert COMPACT_MIN_ROWS == 4 and moves == [([4, 5, 6, 7, 4, 4, 4, 4], [0, 1, 2, 3, 0, 0, 0, 0])]
+    # 4 rows left of 8: slots 4-7 move to 0-3; when 2 are left they stay (none go below COMPACT_MIN_ROWS)
+    assert COMPACT_MIN_ROWS == 4 and moves == [([4, 5, 6, 7], [0, 1, 2, 3])]
     assert packed.generate_batches(prompts, **kwargs) == [
         plain.generate_batch(p, num_samples=2, seed=seed, temperature=1.0, top_k=50)
         for p, seed in zip(prompts, [1, 2, 3, 4])
@@ -502,16 +502,7 @@ def test_decode_loop_updates_the_cache_in_place(model, users_codegen):
         padded, lengths = pad_prompts([[1, 2, 3]] * rows, 64, 8)
         slots = progs.start(params, padded, lengths, copies=1, rows=rows, capacity=64)
         lowered = progs.decode.lower(
-            params,
-            slots,
-            controls(rows, remaining=8),
-            np.int32(8),
-            rows=rows,
-            span=64,
-            chunk=8,
-            stop_tokens=(),
-            tool_end=-1,
-            tiers=(),
+            params, slots, controls(rows, remaining=8), np.int32(8), settings=DecodeSettings(8)
         )
         hlo = lowered.compile(compiler_options=users_codegen).as_text()
         loop = next(line for line in hlo.splitlines() if " while(" in line and 'op_name="jit(_decode)/while"' in line)
@@ -532,36 +523,25 @@ def test_decode_loop_updates_the_cache_in_place(model, users_codegen):
 
 
 def test_an_extracted_part_decodes_like_the_whole_cache(model):
-    """The scheduler decodes a (rows, span) part extracted from the slots and flushes it back later: the same
-    tokens, cache, positions and logits as decoding the whole slots over those rows and that span."""
+    """The runner decodes a (rows, span) part extracted from the slots and flushes it back later: the same tokens,
+    cache, positions and logits in those rows as decoding the whole slots (the other rows inactive)."""
     progs, params = programs(model)
     prompts = PROMPTS + [[3, 1, 4, 1, 5, 9]]
     tokens, lengths = pad_prompts(prompts, 256, 12)
+    settings = DecodeSettings(chunk=4, tiers=TOP_K_TIERS)
 
     def run(rows, part):
         slots = progs.start(params, tokens, lengths, copies=1, rows=4, capacity=256)
         work = progs.extract(slots, rows=rows, span=64) if part else slots
-        outs = []
+        n, outs = work.extent[0], []
         for chunk in range(3):
-            n = rows if part else 4  # controls cover every row of what is decoded
-            ctl = controls(n, remaining=12 - 4 * chunk, offset=4 * chunk, seed=list(range(n)))
-            work, out, _, steps, _ = progs.decode(
-                params,
-                work,
-                ctl,
-                np.int32(4),
-                rows=rows,
-                span=64,
-                chunk=4,
-                stop_tokens=(),
-                tool_end=-1,
-                tiers=TOP_K_TIERS,
-            )
-            outs.append(np.asarray(out)[:, : int(steps)])
+            ctl = controls(n, active=np.arange(n) < rows, remaining=12 - 4 * chunk, offset=4 * chunk, seed=range(n))
+            work, out = progs.decode(params, work, ctl, np.int32(4), settings=settings)
+            outs.append(np.asarray(out.tokens)[:rows, : int(out.steps)])
         if part:
             assert work.cache.k[0].shape[:3] == (rows, 1, 64) and work.logits.shape[0] == rows
             work = progs.flush(slots, work)
-        return np.concatenate(outs, axis=1), jax.tree.map(np.asarray, work)
+        return np.concatenate(outs, axis=1), jax.tree.map(lambda x: np.asarray(x)[:rows], work)
 
     for rows in (4, 2):
         (a, whole), (b, flushed) = run(rows, part=False), run(rows, part=True)

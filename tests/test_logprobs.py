@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from flaxchat.data.tokenizer import Tokenizer
-from flaxchat.generate.programs import controls, pad_prompts, programs
+from flaxchat.generate.programs import DecodeSettings, controls, pad_prompts, programs
 from flaxchat.generate.sampling import token_logprobs, top_values
 from flaxchat.generate.scheduler import Scheduler
 from flaxchat.model.config import GPTConfig
@@ -96,22 +96,11 @@ def test_decode_tokens_do_not_change_when_the_loop_also_scores_them(scheduler):
     runs = []
     for top in (None, 4):
         tokens, lengths = pad_prompts(prompts, 128, 12)
-        slots = progs.start(params, tokens, lengths, copies=1, rows=2, capacity=128)
+        slots = progs.start(params, tokens, lengths, copies=1, rows=2, capacity=64)
         ctl = controls(2, remaining=12, seed=[3, 4], temperature=[0.0, 1.0], top_k=[0, 50])
-        _, out, _, steps, scores = progs.decode(
-            params,
-            slots,
-            ctl,
-            np.int32(12),
-            rows=2,
-            span=64,
-            chunk=16,
-            stop_tokens=(),
-            tool_end=-1,
-            tiers=(50,),
-            top_logprobs=top,
-        )
-        runs.append((np.asarray(out)[:, : int(steps)], scores))
+        settings = DecodeSettings(chunk=16, tiers=(50,), top_logprobs=top)
+        _, out = progs.decode(params, slots, ctl, np.int32(12), settings=settings)
+        runs.append((np.asarray(out.tokens)[:, : int(out.steps)], out.scores))
     (plain, none), (scored, scores) = runs
     assert none is None and [s.shape for s in scores] == [(2, 16), (2, 16, 4), (2, 16, 4)]
     np.testing.assert_array_equal(plain, scored)

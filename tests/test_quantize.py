@@ -13,7 +13,14 @@ from flaxchat import sharding
 from flaxchat.data.tokenizer import Tokenizer
 from flaxchat.generate import speculative
 from flaxchat.generate.engine import Engine, generate
-from flaxchat.generate.programs import compiler_options, controls, in_compute_dtype, pad_prompts, programs
+from flaxchat.generate.programs import (
+    DecodeSettings,
+    compiler_options,
+    controls,
+    in_compute_dtype,
+    pad_prompts,
+    programs,
+)
 from flaxchat.model.config import GPTConfig
 from flaxchat.model.gpt import GPT, Linear
 from flaxchat.model.quantize import MODES, Int8Linear, quantize_for_generation, weight_bytes
@@ -149,18 +156,7 @@ def test_int8_decode_loop_reads_int8_weights(users_codegen):
     padded, lengths = pad_prompts([[1, 2, 3, 4]], 64, 8)
     slots = progs.start(params, padded, lengths, copies=1, rows=1, capacity=64)
     hlo = (
-        progs.decode.lower(
-            params,
-            slots,
-            controls(1, remaining=8),
-            np.int32(8),
-            rows=1,
-            span=64,
-            chunk=8,
-            stop_tokens=(),
-            tool_end=-1,
-            tiers=(),
-        )
+        progs.decode.lower(params, slots, controls(1, remaining=8), np.int32(8), settings=DecodeSettings(8))
         .compile(compiler_options=users_codegen)
         .as_text()
     )

@@ -16,7 +16,8 @@ from flaxchat.generate.engine import generate
 from flaxchat.generate.programs import attention_span, compiler_options
 from flaxchat.generate.reply import FORCED_CAPACITY, Reply, stop_tokens
 from flaxchat.generate.sampling import sample_rows
-from flaxchat.generate.scheduler import Request, Scheduler, SpeculativeScheduler, batch_rows
+from flaxchat.generate.scheduler import Request, Scheduler, SpeculativeScheduler
+from flaxchat.generate.warmup import Precompiler, batch_rows, variants
 from flaxchat.model.config import GPTConfig
 from flaxchat.model.gpt import GPT, rms_norm
 from flaxchat.model.quantize import quantize_for_generation
@@ -224,7 +225,7 @@ def test_an_int8_model_is_served_like_its_own_greedy_generation(model, tok):
     int8 = quantize_for_generation(nnx.clone(model), "int8")
     s = Scheduler(int8, tok, slots=2, chunk=4).start()
     try:
-        assert s._programs.options == compiler_options(nnx.state(int8)) == (("xla_cpu_prefer_vector_width", 512),)
+        assert s.programs.options == compiler_options(nnx.state(int8)) == (("xla_cpu_prefer_vector_width", 512),)
         bos = tok.get_bos_token_id()
         prompts = [[bos] + tok.encode(t) for t in ("The cat", "3*7 is")]
         jobs = [submit(s, p, 8, temperature=0.0) for p in prompts]
@@ -243,13 +244,8 @@ def test_a_long_reply_left_in_a_high_slot_moves_down_and_goes_on_unchanged(model
 
     def serve(shorts, **settings):  # -> (the long request's tokens, rows moved, rows of each decode chunk)
         s, widths = Scheduler(model, tok, slots=4, chunk=4), []
-        decode = s._decode
-
-        def counted(controls, limit, rows, span):
-            widths.append(rows)
-            return decode(controls, limit, rows=rows, span=span)
-
-        s._decode = counted
+        decode = s.batch.runner.decode
+        s.batch.runner.decode = lambda rows, pushes, limit: widths.append(len(rows)) or decode(rows, pushes, limit)
         jobs = [submit(s, [bos] + tok.encode(t), 2, **settings) for t in ("The cat", "12", "mat.")[:shorts]]
         long, q = submit(s, prompt, 24, **settings)
         s.start()  # after every submit: they land in slots 0, 1, ... in order
@@ -269,47 +265,56 @@ def test_a_long_reply_left_in_a_high_slot_moves_down_and_goes_on_unchanged(model
 
 
 def test_warmup_compiles_every_variant_and_shows_its_progress(model, tok, capsys):
-    """warmup decodes every (rows, span) pair once and, asked to, counts the variants on stderr as it goes (a
-    large server's first start compiles for minutes on a GPU)."""
-    s, pairs = Scheduler(model, tok, slots=4, chunk=4), []
-    decode = s._decode
-
-    def counted(controls, limit, rows, span):
-        pairs.append((rows, span))
-        return decode(controls, limit, rows=rows, span=span)
-
-    s._decode = counted
+    """warmup compiles every prompt bucket, (rows, span) pair and move count before serving and, asked to, counts
+    them on stderr as it goes (a large server's first start compiles for minutes on a GPU); requests then run the
+    exact variant they need, compiling nothing."""
+    s = Scheduler(model, tok, slots=4, chunk=4)
     assert s.warmup(progress=True) > 0
+    keys = variants(4, s.capacity)
     rows = sorted({batch_rows(i, 4) for i in range(4)})
     spans = sorted({attention_span(n, s.capacity) for n in range(1, s.capacity + 1)})
-    assert pairs == [(n, span) for n in rows for span in spans] and len(rows) == 3
-    total = len(s._prompt_buckets()) + len(pairs) + 2  # and two move counts (one and two rows) for 4 slots
+    assert [k[1:] for k in keys if k[0] == "decode"] == [(n, span) for n in rows for span in spans] and len(rows) == 3
+    assert [k for k in keys if k[0] == "move"] == [("move", 1), ("move", 2)]
+    assert all(s.batch.runner.ahead.program(k) for k in keys)
+    total = len(keys)
     err = capsys.readouterr().err
     assert "compiling" in err and f"{total}/{total}" in err
-    s.close()
+    compiles = []
+    listener = lambda event, seconds, **kw: compiles.append(event) if event.startswith("/jax/core/compile") else None
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    s.start()
+    try:
+        bos = tok.get_bos_token_id()
+        req, q = submit(s, [bos] + tok.encode("The cat"), 6, temperature=0.0)
+        assert collect(q)[-1]["type"] == "done" and req.completion_tokens == 6
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+        s.close()
+    assert compiles == []
 
 
-def test_serves_with_the_widest_programs_until_the_background_has_compiled_the_rest(model, tok):
-    """warmup_in_background: while the background compiles are held back, requests are served, correctly, by the
-    widest programs (every row, the whole cache, the longest prompt bucket); once they are done, requests run the
-    narrow programs compiled there (one row, the short bucket, a move) without compiling anything, and the greedy
-    replies are the same."""
+def test_serves_with_the_widest_programs_until_the_background_has_compiled_the_rest(model, tok, monkeypatch):
+    """warmup_in_background: while the background compiles are held back, requests are served, correctly, by what
+    was compiled before serving (the widest programs: every row, the whole cache, the longest prompt bucket; and the
+    one-row decodes); once they are done, requests run the narrow programs compiled there (the short bucket, two
+    rows, a move) without compiling anything, and the greedy replies are the same."""
     bos = tok.get_bos_token_id()
     prompts = [[bos] + tok.encode(t) for t in ("The cat", "3*7 is")]
     expected = [greedy_reference(model, p, 10, stop_tokens(tok)) for p in prompts]
-    s, shapes, buckets, hold = Scheduler(model, tok, slots=2, chunk=4, capacity=32), [], [], threading.Event()
-    compile_variant, decode, padded = s._compile, s._decode, s._padded
+    s, used, hold = Scheduler(model, tok, slots=2, chunk=4, capacity=32), [], threading.Event()
+    compile_variant, fit = Precompiler.compile, Precompiler.fit
 
-    def held(key, options=None):  # the background's compiles (the quick widest ones pass options) wait for `hold`
-        assert options is not None or hold.wait(120)
-        return compile_variant(key, options)
+    def held(self, key, options=None, pool=None):  # the background thread's compiles wait
+        assert threading.current_thread().name != "flaxchat-compile" or hold.wait(120)
+        return compile_variant(self, key, options, pool)
 
-    def counted(controls, limit, rows, span, **kw):
-        shapes.append((rows, span))
-        return decode(controls, limit, rows=rows, span=span, **kw)
+    def fitted(self, kind, *need):  # the variants the runner runs
+        key = fit(self, kind, *need)
+        used.append(key)
+        return key
 
-    s._compile, s._decode = held, counted
-    s._padded = lambda prompt: buckets.append(len(padded(prompt))) or padded(prompt)
+    monkeypatch.setattr(Precompiler, "compile", held)
+    monkeypatch.setattr(Precompiler, "fit", fitted)
     compiles = []
     listener = lambda event, seconds, **kw: compiles.append(event) if event.startswith("/jax/core/compile") else None
     try:
@@ -317,20 +322,21 @@ def test_serves_with_the_widest_programs_until_the_background_has_compiled_the_r
         s.start()
         req, q = submit(s, prompts[0], 10, temperature=0.0)
         assert collect(q)[-1]["type"] == "done" and req.tokens == expected[0]
-        assert set(shapes) == {(2, 32)} and set(buckets) == {32} and s.stats()["programs_compiling"] == 5
+        assert set(used) == {("decode", 1, 32), ("prefill", 32)} and s.stats()["programs_compiling"] == 4
         hold.set()
         assert s.wait_compiled(300) and s.stats()["programs_compiling"] == 0
-        shapes.clear(), buckets.clear()
+        used.clear()
         jax.monitoring.register_event_duration_secs_listener(listener)
         try:
             req, q = submit(s, prompts[0], 10, temperature=0.0)
             assert collect(q)[-1]["type"] == "done" and req.tokens == expected[0]
-            assert set(shapes) == {(1, 32)} and buckets == [16]
+            assert set(used) == {("decode", 1, 32), ("prefill", 16)}
             short, q_short = submit(s, prompts[0], 3, temperature=0.0)  # ends first: the long one moves down
             long, q_long = submit(s, prompts[1], 10, temperature=0.0)
             assert collect(q_short)[-1]["type"] == collect(q_long)[-1]["type"] == "done"
             assert short.tokens == expected[0][:3] and long.tokens == expected[1]
-            assert shapes[-1] == (1, 32) and (2, 32) in shapes and s.stats()["moved"] == 1
+            assert used[-1] == ("decode", 1, 32) and ("decode", 2, 32) in used and ("move", 1) in used
+            assert s.stats()["moved"] == 1
         finally:
             jax.monitoring.unregister_event_duration_listener(listener)
         assert compiles == []
@@ -497,7 +503,7 @@ def test_speculative_scheduler_greedy_tools_and_cancel(model, tok):
         rngs=nnx.Rngs(5),
     )
     s = SpeculativeScheduler(model, tok, draft, draft_steps=3, chunk=4)
-    assert s.warmup(buckets=False) > 0
+    assert s.warmup() > 0
     s.start()
     try:
         bos = tok.get_bos_token_id()

@@ -64,13 +64,13 @@ def strict_url(scheduler, tok):
 def slow_decoding(monkeypatch, scheduler, seconds=0.02):
     """Make each decode chunk take a while longer, so a client can leave while its reply is still running
     (a tiny model on a fast CPU may otherwise finish 100 tokens before the server hears of the disconnect)."""
-    decode = scheduler._decode
+    decode = scheduler.batch.runner.decode
 
     def slow(*args, **kwargs):
         time.sleep(seconds)
         return decode(*args, **kwargs)
 
-    monkeypatch.setattr(scheduler, "_decode", slow)
+    monkeypatch.setattr(scheduler.batch.runner, "decode", slow)
 
 
 def run(coro, timeout=90):

@@ -1,16 +1,17 @@
-"""Inference: `generate` (one call) and nanochat's streaming `Engine`, built on the generation core.
+"""Inference: `generate` (one call) and nanochat's streaming `Engine`, both on the generation core.
 
-The core is four files, each one idea:
-- flaxchat.generate.sampling: the sampler (greedy, temperature, top-k, top-p, per row, by inverse CDF);
-- flaxchat.generate.programs: the device state (`Slots`, a KV cache of N rows) and the jitted prefill and
-  `lax.while_loop` decode programs over it, with each row's own settings, seed and forced tokens;
-- flaxchat.generate.reply: the tool state machine (`Reply`), which also decodes text incrementally for streaming;
-- flaxchat.generate.sandbox: the tool itself (the calculator, and the opt-in Python sandbox).
+The core, one idea a file:
+- sampling: the sampler (greedy, temperature, top-k, top-p, per row, by inverse CDF);
+- programs: the device state (`Slots`, a KV cache of N rows) and the jitted prefill and `lax.while_loop` decode;
+- runner: N slots on the device and the narrowest program variant for each call (warmup: compiled ahead);
+- batch: the slot driver: which request each slot holds; admit, decode a chunk, feed each row's `Reply`, compact;
+- reply: the tool state machine, which also decodes text incrementally for streaming;
+- sandbox: the tool itself (the calculator, and the opt-in Python sandbox);
+- speculative: a draft model proposes and the model checks, as one more runner.
 
-The Engine (the CLI, evaluation, RL rollouts, SFT's reply check) streams token columns from the decode programs
-and runs each row's tool between calls; with a draft model it streams from speculative sampling
-(flaxchat.generate.speculative) instead. The server's continuous batching (flaxchat.generate.scheduler) is the
-other user of the same core. The same seed gives the same tokens however the loop is cut into calls.
+The Engine (the CLI, evaluation, RL rollouts, SFT's reply check) drives a `Batch` in the caller's thread and streams
+its token columns; the server's `Scheduler` drives one on a thread of its own. The same seed gives the same tokens
+however the loop is cut into calls.
 """
 
 from __future__ import annotations
@@ -21,11 +22,13 @@ import jax
 import numpy as np
 
 from flaxchat.common import from_main_process, is_main_process
-from flaxchat.generate import speculative
-from flaxchat.generate.programs import Slots, attention_span, controls, decode_chunk, pad_prompts, programs
-from flaxchat.generate.reply import Reply, stop_tokens, until_stop
+from flaxchat.generate.batch import Batch, Request
+from flaxchat.generate.programs import DecodeSettings, attention_span, controls, decode_chunk, pad_prompts, programs
+from flaxchat.generate.reply import stop_tokens, until_stop
+from flaxchat.generate.runner import Runner
 from flaxchat.generate.sampling import check_sampling
 from flaxchat.generate.sandbox import run_python, use_calculator
+from flaxchat.generate.speculative import SpeculativeRunner
 
 STREAM_CHUNK = 16  # most decode steps per jitted call while streaming: smooth to watch, few calls to pay for
 COMPACT_MIN_ROWS = 4  # generate_many packs its rows still going into no fewer slots: each width is a compile
@@ -36,15 +39,16 @@ def generate(
 ) -> list[list[int]]:
     """Continue each prompt (a list of ids; lengths may differ) by up to max_tokens tokens, in one jitted loop.
 
-    Row b samples as lane b of `seed`. A row ends after its first stop token, which is included. Returns the
-    new tokens of each row.
+    Row b samples as lane b of `seed`. A row ends after its first stop token, which is included. Returns the new
+    tokens of each row.
     """
     check_sampling(temperature, top_k, top_p)
     capacity = capacity or model.config.sequence_len
     tokens, lengths = pad_prompts(prompts, capacity, max_tokens)
     n, stop_tokens = len(prompts), tuple(int(t) for t in stop_tokens)
+    span = attention_span(int(lengths.max()) + max_tokens, capacity)  # a cache of only the positions it uses
     progs, params = programs(model)
-    slots = progs.start(params, tokens, lengths, copies=1, rows=n, capacity=capacity)
+    slots = progs.start(params, tokens, lengths, copies=1, rows=n, capacity=span)
     ctl = controls(
         n,
         remaining=max_tokens,
@@ -54,20 +58,9 @@ def generate(
         top_k=top_k or 0,
         top_p=top_p or 1.0,
     )
-    span = attention_span(int(lengths.max()) + max_tokens, capacity)
-    _, out, _, steps, _ = progs.decode(
-        params,
-        slots,
-        ctl,
-        np.int32(max_tokens),
-        rows=n,
-        span=span,
-        chunk=decode_chunk(max_tokens),
-        stop_tokens=stop_tokens,
-        tool_end=-1,
-        tiers=(top_k,) if top_k else (),
-    )
-    out, steps = jax.device_get((out, steps))
+    settings = DecodeSettings(decode_chunk(max_tokens), stop_tokens, tiers=(top_k,) if top_k else ())
+    _, out = progs.decode(params, slots, ctl, np.int32(max_tokens), settings=settings)
+    out, steps = jax.device_get((out.tokens, out.steps))
     return [until_stop(row[: int(steps)].tolist(), stop_tokens) for row in out]
 
 
@@ -87,9 +80,9 @@ class Engine:
         compact=False,
     ):
         self.model, self.draft_model, self.draft_steps = model, draft_model, draft_steps
-        # compact=True: generate_many packs the rows still going into fewer slots once half of them have stopped.
-        # It pays on a CPU, where a decode step's time grows with its rows, for long jobs (RL): each width is
-        # one more compile, which a short job does not earn back
+        # compact=True: generate_many packs the rows still going into fewer slots as they stop. It pays on a CPU,
+        # where a decode step's time grows with its rows, for long jobs (RL): each width is one more compile, which
+        # a short job does not earn back
         self.compact = compact
         self.tokenizer = tokenizer
         lengths = [m.config.sequence_len for m in (model, draft_model) if m is not None]
@@ -103,8 +96,8 @@ class Engine:
         """The calculator (arithmetic, str.count), as nanochat; with use_sandbox=True anything else runs in the
         sandbox (flaxchat.generate.sandbox, 5 s limit): opt-in, so training, evaluation and chat score the same tool.
 
-        With several processes, process 0 runs it and every process forces its answer: a sandbox that timed
-        out on one host only would otherwise send the processes' decode loops different ways (a hang).
+        With several processes, process 0 runs it and every process forces its answer: a sandbox that timed out on
+        one host only would otherwise send the processes' decode loops different ways (a hang).
         """
         if jax.process_count() > 1:
             return from_main_process(self._run_tool(expr) if is_main_process() else None)
@@ -119,141 +112,88 @@ class Engine:
     def generate(self, tokens, num_samples=1, max_tokens=None, temperature=1.0, top_k=None, seed=42, top_p=None):
         """Yield (token_column, mask_column) lists, one entry per row; mask 1 = sampled, 0 = forced by the tool.
 
-        One prefill of `tokens` is shared by num_samples rows (lanes 0.. of `seed`). Stops when every row has
-        emitted <|assistant_end|> or <|bos|>, after max_tokens columns, or when the KV cache is full. Entries
-        of a row after its stop token are meaningless. With a draft model, one sample is drawn by speculative
-        sampling (the same distribution; several samples use the plain loop).
+        One prefill of `tokens` is shared by num_samples rows (lanes 0.. of `seed`). Stops when every row has emitted
+        <|assistant_end|> or <|bos|>, after max_tokens columns, or when the KV cache is full. Entries of a row after
+        its stop token are meaningless. With a draft model, one sample is drawn by speculative sampling (the same
+        distribution; several samples use the plain loop).
         """
-        check_prompt(tokens)
-        if self.draft_model is not None and num_samples == 1:
-            tokens = [int(t) for t in tokens]
-            room = self.capacity - len(tokens)
-            max_tokens = room if max_tokens is None else min(max_tokens, room)
-            padded, lengths = pad_prompts([tokens], self.capacity, max(max_tokens, 1))
-            yield from self._speculate(padded[0], lengths[0], max_tokens, temperature, top_k, top_p, seed)
-            return
-        for column, mask_column, _ in self.generate_many(
-            [tokens], num_samples, max_tokens, temperature, top_k, [seed], top_p
-        ):
+        stream = self.generate_many([tokens], num_samples, max_tokens, temperature, top_k, [seed], top_p)
+        for column, mask_column, _ in stream:
             yield column, mask_column
 
+    def _batch(self, rows: int, top_k) -> Batch:
+        """A slot driver for `rows` rows: speculative sampling for one row with a draft model, else the batched
+        decode loop (compacting when self.compact)."""
+        if self.draft_model is not None and rows == 1:
+            runner = SpeculativeRunner(
+                self.model,
+                self.draft_model,
+                draft_steps=self.draft_steps,
+                capacity=self.capacity,
+                chunk=self.stream_chunk,
+                stop_tokens=self.stop_tokens,
+                tool_end=self.python_end,
+            )
+        else:
+            progs, params = programs(self.model)
+            settings = DecodeSettings(self.stream_chunk, self.stop_tokens, self.python_end, (top_k,) if top_k else ())
+            runner = Runner(progs, params, self.model, slots=rows, capacity=self.capacity, settings=settings)
+        return Batch(runner, self.tokenizer, self.run_tool, text=False, compact=self.compact, min_rows=COMPACT_MIN_ROWS)
+
     def generate_many(self, prompts, num_samples=1, max_tokens=None, temperature=1.0, top_k=None, seeds=42, top_p=None):
-        """`generate` for several prompts in one batch (evaluation, RL rollouts): yield (token_column,
-        mask_column, live) lists, where live[i] says row i had not stopped before this column (else its entry is
-        meaningless). Rows p * num_samples + j are prompt p's samples, drawn as generate(prompts[p],
-        num_samples, seed=seeds[p]) draws them (lane j of seeds[p]; `seeds` may be one int for every prompt).
-        Each row stops at its stop token, after max_tokens tokens, or when its prompt's room in the KV cache is
-        spent; the columns end when every row has stopped. A decode step reads the weights once for all its
-        rows, so one batch of many prompts beats a call per prompt.
+        """`generate` for several prompts in one batch (evaluation, RL rollouts): yield (token_column, mask_column,
+        live) lists, where live[i] says row i had not stopped before this column (else its entry is meaningless).
+        Rows p * num_samples + j are prompt p's samples, drawn as generate(prompts[p], num_samples, seed=seeds[p])
+        draws them (lane j of seeds[p]; `seeds` may be one int for every prompt). Each row stops at its stop token,
+        after max_tokens tokens, or when its prompt's room in the KV cache is spent; the columns end when every row
+        has stopped. A decode step reads the weights once for all its rows, so one batch of many prompts beats a
+        call per prompt.
         """
         for p in prompts:
             check_prompt(p)
         check_sampling(temperature, top_k, top_p)
-        prompts = [[int(t) for t in p] for p in prompts]
-        n = len(prompts) * num_samples
         seeds = [seeds] * len(prompts) if isinstance(seeds, numbers.Integral) else list(seeds)
         if len(seeds) != len(prompts):
             raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
-        padded, lengths = pad_prompts(prompts, self.capacity)  # every prompt leaves room for a token
-        rooms = np.repeat(self.capacity - lengths, num_samples)
-        budget = rooms if max_tokens is None else np.minimum(rooms, max_tokens)
-        progs, params = programs(self.model)
-        slots = progs.start(params, padded, lengths, copies=num_samples, rows=n, capacity=self.capacity)
-        replies = [Reply(self.tokenizer, self.run_tool, text=False) for _ in range(n)]
-        row_seeds, lanes = np.repeat(seeds, num_samples), np.tile(np.arange(num_samples), len(prompts))
-        held = np.arange(n)  # held[s]: the row in slot s (-1: none); decode runs over these len(held) slots
-        last = np.zeros(n, np.int64)  # each row's latest token: what a row no slot holds shows in a column
-        pushes: dict[int, list[int]] = {}
-        # the first call makes one token: time to first token is one prefill + one step
-        emitted, chunk, longest = 0, 1, int(lengths.max())
-        going_at = lambda k: np.array([not r.ended and k < b for r, b in zip(replies, budget)])  # rows going at k
-        while (going := going_at(emitted)).any():
-            if self.compact and going.sum() <= len(held) // 2 and len(held) > COMPACT_MIN_ROWS:
-                slots, held = compact(progs, slots, held, going)
-            on = held >= 0
-            slot_row = np.zeros(n, int)  # controls cover all n slots; those past len(held) are inactive
-            slot_row[: len(held)] = np.maximum(held, 0)
-            active = np.zeros(n, bool)
-            active[: len(held)] = on & going[slot_row[: len(held)]]
-            limit = min(emitted + chunk, int(budget.max())) - emitted
-            ctl = controls(
-                n,
-                active=active,
-                remaining=np.where(active, np.maximum(budget[slot_row] - emitted, 0), 0),
-                offset=emitted,
-                seed=row_seeds[slot_row],
-                lane=lanes[slot_row],
+        _, lengths = pad_prompts(prompts, self.capacity)  # every prompt leaves room for a token
+        budgets = [
+            int(self.capacity - n) if max_tokens is None else min(int(self.capacity - n), max_tokens) for n in lengths
+        ]
+        rows = [
+            Request(
+                [int(t) for t in p],
+                budget,
+                seed=seed,
+                lane=j,
                 temperature=temperature,
                 top_k=top_k or 0,
                 top_p=top_p or 1.0,
-                pushes={int(np.flatnonzero(held == r)[0]): tokens for r, tokens in pushes.items()},
             )
-            span = attention_span(longest + emitted + limit, self.capacity)  # every position this call can write
-            slots, out, forced, steps, _ = progs.decode(
-                params,
-                slots,
-                ctl,
-                np.int32(limit),
-                rows=len(held),
-                span=span,
-                chunk=self.stream_chunk,
-                stop_tokens=self.stop_tokens,
-                tool_end=self.python_end,
-                tiers=(top_k,) if top_k else (),
-            )
-            out, forced, steps = jax.device_get((out, forced, steps))
-            pushes = {}
-            for t in range(int(steps)):
-                live = going_at(emitted + t)
-                last[held[on]] = out[on, t]
-                sampled = np.ones(n, bool)
-                sampled[held[on]] = ~forced[on, t]
-                column = last.tolist()
-                for i in np.flatnonzero(live):
-                    _, push = replies[i].feed(column[i])
-                    if push:  # the loop paused right after the python_end: forced from the next call on
-                        pushes[int(i)] = push
-                yield column, sampled.astype(int).tolist(), live.tolist()
-            emitted, chunk = emitted + int(steps), min(2 * chunk, self.stream_chunk)
-
-    def _speculate(self, prompt, length, max_tokens, temperature, top_k, top_p, seed):
-        """One sample by speculative sampling, streamed as (column, mask) pairs like `generate`."""
-        rule = speculative.speculative_rule(temperature, top_k, top_p, self.draft_steps)
-        progs, params = speculative.programs(self.model, self.draft_model)
-        spec, first = progs.start(params, prompt, length, jax.random.key(seed), capacity=self.capacity, rule=rule)
-        reply = Reply(self.tokenizer, self.run_tool, text=False)
-        queue, emitted, chunk = [(int(first), 1)], 0, 1
-        while queue:
-            push = None
-            for token, mask in queue:
-                yield [token], [mask]
-                emitted += 1
-                ended, push = reply.feed(token)
-                if ended or emitted >= max_tokens:
-                    return
-            if push:  # the last token was the tool's end: its output goes into both caches, then on
-                spec = progs.push(params, spec, push)
-                queue = [(t, 0) for t in push]
-                continue
-            spec, out, n = progs.run(
-                params,
-                spec,
-                np.int32(min(chunk, max_tokens - emitted)),
-                k=self.draft_steps,
-                rule=rule,
-                stops=self.stop_tokens,
-                tool_end=self.python_end,
-                chunk=self.stream_chunk,
-            )
-            queue = [(t, 1) for t in np.asarray(out)[: int(n)].tolist()]  # none: the cache is full
+            for p, budget, seed in zip(prompts, budgets, seeds)
+            for j in range(num_samples)
+        ]
+        batch = self._batch(len(rows), top_k)
+        batch.start(rows, copies=num_samples)
+        last, chunk = [0] * len(rows), 1  # the first call makes one token: time to first token is a prefill + a step
+        while batch.live:
+            batch.compact()
+            held = {id(r): slot for slot, r in enumerate(batch.rows) if r is not None}
+            before = [len(r.tokens) for r in rows]
+            out = batch.step(min(chunk, max(r.max_tokens - r.completion_tokens for r in batch.rows if r)))
+            for t in range(int(out.steps)):
+                live = [len(r.tokens) > b + t for r, b in zip(rows, before)]
+                if not any(live):  # a speculative round may commit past every row's end
+                    break
+                column, sampled = list(last), [1] * len(rows)
+                for i in (i for i, going in enumerate(live) if going):
+                    column[i] = last[i] = rows[i].tokens[before[i] + t]
+                    sampled[i] = int(not out.forced[held[id(rows[i])], t])
+                yield column, sampled, live
             chunk = min(2 * chunk, self.stream_chunk)
 
     def generate_batch(self, tokens, num_samples=1, **kwargs):
-        """Non-streaming: (sequences, masks), each sequence = prompt + generated tokens without the terminal
-        token (nanochat's return value); decode with tokenizer.decode(seq[len(tokens):]) for the text."""
-        if self.draft_model is not None and num_samples == 1:
-            stream = ((column, masks, [True]) for column, masks in self.generate(tokens, 1, **kwargs))
-            return collect(stream, [tokens], 1, self.stop_tokens)[0]
+        """Non-streaming: (sequences, masks), each sequence = prompt + generated tokens without the terminal token
+        (nanochat's return value); decode with tokenizer.decode(seq[len(tokens):]) for the text."""
         return self.generate_batches([tokens], num_samples, seeds=kwargs.pop("seed", 42), **kwargs)[0]
 
     def generate_batches(
@@ -264,20 +204,6 @@ class Engine:
         return collect(stream, prompts, num_samples, self.stop_tokens)
 
 
-def compact(progs, slots: Slots, held: np.ndarray, going: np.ndarray) -> tuple[Slots, np.ndarray]:
-    """Move the slots of the rows still going to the lowest slots; the next decode runs over the smallest power
-    of two holding them, at least COMPACT_MIN_ROWS (on a CPU a decode step costs about its rows, and much of an
-    RL batch's work would otherwise go to rows that have stopped). -> (slots, held)."""
-    src = np.flatnonzero((held >= 0) & going[np.maximum(held, 0)])
-    if len(src) == 0:
-        return slots, held
-    if (src != np.arange(len(src))).any():
-        pad = np.full(len(held) - len(src), src[0])  # a fixed shape; a repeated (src, dst) pair is harmless
-        slots = progs.move(slots, np.concatenate([src, pad]), np.concatenate([np.arange(len(src)), np.zeros_like(pad)]))
-    width = max(1 << (len(src) - 1).bit_length(), COMPACT_MIN_ROWS)
-    return slots, np.concatenate([held[src], np.full(width - len(src), -1)])
-
-
 def check_prompt(tokens) -> None:
     """Refuse a prompt that is not a sequence of token ids (a string, say), with one clear sentence."""
     if isinstance(tokens, (str, bytes)) or not all(isinstance(t, numbers.Integral) for t in tokens):
@@ -286,8 +212,8 @@ def check_prompt(tokens) -> None:
 
 def collect(stream, prompts, num_samples: int, stop_tokens) -> list[tuple[list[list[int]], list[list[int]]]]:
     """generate_many's (column, mask column, live) triples as nanochat's generate_batch returns them, grouped by
-    prompt: for each prompt (sequences, masks), a sequence being the prompt and its sample's tokens up to
-    (without) its stop token."""
+    prompt: for each prompt (sequences, masks), a sequence being the prompt and its sample's tokens up to (without)
+    its stop token."""
     rows = [p for p in prompts for _ in range(num_samples)]
     results = [[int(t) for t in p] for p in rows]
     masks = [[0] * len(p) for p in rows]

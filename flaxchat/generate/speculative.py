@@ -7,9 +7,9 @@ al. 2023, arXiv:2302.01318): the tokens are distributed as the model alone would
 Built on the generation core: its sampling rule (flaxchat.generate.sampling: `traced_rule_probs`, `inverse_cdf`),
 its cache helpers and prompt padding (flaxchat.generate.programs), its forced-queue size (flaxchat.generate.reply).
 The state is explicit and the programs are jitted once per pair of model structures and shapes (the sampling rule
-is a traced argument, so a new temperature, top_k or top_p compiles nothing), so the Engine and the
-server's SpeculativeScheduler stream from it (`--draft-model` on chat_cli, chat_web and bench) and a tool's
-output can be forced into it between calls. It imports neither of them: they import it.
+is a traced argument, so a new temperature, top_k or top_p compiles nothing). `SpeculativeRunner` plugs one row of
+it into the slot driver (flaxchat.generate.batch), so the Engine and the server (`--draft-model` on chat_cli,
+chat_web and bench) stream from it as from the batched runner, and a tool's output is forced into it between calls.
 
 Both caches always hold the committed sequence minus its last token `last`. A round: the draft feeds `last`
 and then samples x1..xk one at a time (k+1 forwards, so xk lands in its cache too); the model scores
@@ -22,13 +22,18 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from flaxchat.common import progress_bar
 from flaxchat.generate.programs import (
+    Emitted,
+    bucket_length,
     cast_for_compute,
     compiler_options,
     decode_chunk,
@@ -83,6 +88,18 @@ def _start(graphs, params, prompt, length, key, *, capacity, rule):
     return Speculation(target=tcache, draft=dcache, last=first, key=key, rounds=zero, accepted=zero), first
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Rounds:
+    """The verification loop's state, carried from round to round."""
+
+    spec: Speculation
+    out: jax.Array  # (chunk + k + 1,): the committed tokens
+    n: jax.Array  # (): how many
+    stopped: jax.Array  # () bool: a stop token or the tool's end was committed
+    weights: Any  # narrow weights carried through the loop (programs.narrow_weights), or None
+
+
 def _run(graphs, params, spec: Speculation, limit, *, k, rule, stops, tool_end, chunk):
     """Rounds until at least `limit` (<= chunk) tokens are committed, a committed token is a stop token or
     `tool_end`, or the cache is full -> (Speculation, tokens (chunk + k + 1,), count)."""
@@ -91,15 +108,11 @@ def _run(graphs, params, spec: Speculation, limit, *, k, rule, stops, tool_end, 
     ends = jnp.asarray(tuple(stops) + (tool_end,), jnp.int32)
     capacity = spec.target.k[0].shape[2]
 
-    weights = params if narrow_weights(params, target.dtype) else None  # int8/bf16 weights: see narrow_weights
+    def going(r: Rounds):
+        return (r.n < limit) & ~r.stopped & (r.spec.target.pos[0] + k + 1 <= capacity)
 
-    def cond(c):
-        s, _, n, stopped, _ = c
-        return (n < limit) & ~stopped & (s.target.pos[0] + k + 1 <= capacity)
-
-    def body(c):
-        s, out, n, _, weights = c
-        t, d = target, draft
+    def round_(r: Rounds) -> Rounds:
+        s, t, d, weights = r.spec, target, draft, r.weights
         if weights is not None:
             (t, wt), (d, wd) = (loop_weights(g, w) for g, w in zip(graphs, weights))
             weights = (wt, wd)
@@ -128,7 +141,6 @@ def _run(graphs, params, spec: Speculation, limit, *, k, rule, stops, tool_end, 
         # commit new[:cut + 1]: everything, or up to the first stop / tool end
         hit = jnp.isin(new, ends) & (jnp.arange(k + 1) <= n_ok)
         cut = jnp.where(jnp.any(hit), jnp.argmax(hit), n_ok).astype(jnp.int32)
-        out = jax.lax.dynamic_update_slice(out, new, (n,))
         # both caches keep [.., last, new[:cut]]; new[cut] becomes `last` (fed[cut] is the last cached token)
         pos = s.target.pos + 1 + cut
         s = Speculation(
@@ -139,11 +151,13 @@ def _run(graphs, params, spec: Speculation, limit, *, k, rule, stops, tool_end, 
             rounds=s.rounds + 1,
             accepted=s.accepted + jnp.minimum(n_ok, cut),
         )
-        return s, out, n + cut + 1, jnp.any(hit), weights
+        out = jax.lax.dynamic_update_slice(r.out, new, (r.n,))
+        return Rounds(spec=s, out=out, n=r.n + cut + 1, stopped=jnp.any(hit), weights=weights)
 
+    weights = params if narrow_weights(params, target.dtype) else None  # int8/bf16 weights: see narrow_weights
     out = jnp.zeros((chunk + k + 1,), jnp.int32)
-    spec, out, n, _, _ = jax.lax.while_loop(cond, body, (spec, out, jnp.int32(0), jnp.bool_(False), weights))
-    return spec, out, n
+    end = jax.lax.while_loop(going, round_, Rounds(spec, out, jnp.int32(0), jnp.bool_(False), weights))
+    return end.spec, end.out, end.n
 
 
 def _force(graphs, params, spec: Speculation, queue, length):
@@ -215,6 +229,77 @@ def programs(model, draft_model) -> tuple[SpeculativePrograms, tuple]:
             return p, (tp, dp)
     _PROGRAMS[:] = _PROGRAMS[-3:] + [SpeculativePrograms((tg, dg), options)]
     return _PROGRAMS[-1], (tp, dp)
+
+
+class SpeculativeRunner:
+    """One row of speculative sampling, as a runner for the slot driver (flaxchat.generate.batch): the Engine's one
+    sample and the server's one conversation at a time (--draft-model) stream from it like from the batched runner.
+    The row's sampling rule is set at its prefill; a tool's output goes into both caches and comes back as forced
+    tokens. Generated tokens' logprobs are not computed (its rounds do not need them)."""
+
+    slots, ahead = 1, None
+
+    def __init__(self, model, draft_model, *, draft_steps: int, capacity: int, chunk: int, stop_tokens, tool_end):
+        speculative_rule(1.0, None, None, draft_steps)  # checks draft_steps
+        self.programs, self.params = programs(model, draft_model)
+        self.draft_steps, self.capacity, self.chunk = draft_steps, capacity, chunk
+        self.stop_tokens, self.tool_end = tuple(stop_tokens), tool_end
+        self.reset()
+
+    def reset(self) -> None:
+        self.spec, self.rule, self.first = None, None, []
+
+    def prefill(self, start: int, requests: list, copies: int = 1) -> None:
+        (request,) = requests
+        self.rule = speculative_rule(request.temperature, request.top_k or None, request.top_p, self.draft_steps)
+        tokens, lengths = pad_prompts([request.prompt], self.capacity)
+        key = jax.random.key(request.seed)
+        self.spec, first = self.programs.start(
+            self.params, tokens[0], lengths[0], key, capacity=self.capacity, rule=self.rule
+        )
+        self.first = [int(first)]  # the prefill's token: handed out by the next decode call
+
+    def move(self, src, dst) -> bool:
+        return False  # one row: nothing to pack
+
+    def decode(self, rows: list, pushes: dict[int, list[int]], limit: int):
+        (request,) = rows
+        tokens, forced = self.first, False
+        if 0 in pushes:  # the tool's output goes into both caches; the reply gets it as forced tokens
+            tokens, forced = pushes[0], True
+            self.spec = self.programs.push(self.params, self.spec, tokens)
+        elif not tokens:
+            limit = min(limit, request.max_tokens - request.completion_tokens)
+            self.spec, out, n = self.programs.run(self.params, self.spec, np.int32(limit), **self._static())
+            tokens = np.asarray(out)[: int(n)].tolist()  # none: no room for another round in the cache
+        self.first = []
+        return Emitted(np.array([tokens], np.int32), np.full((1, len(tokens)), forced), len(tokens), None)
+
+    def _static(self) -> dict:
+        return dict(
+            k=self.draft_steps, rule=self.rule, stops=self.stop_tokens, tool_end=self.tool_end, chunk=self.chunk
+        )
+
+    def warmup(self, progress: bool = False) -> float:
+        """Compile the prefill of every prompt bucket and a round (under greedy settings); returns seconds."""
+        t0, rule = time.perf_counter(), (0.0, None, None)
+        buckets = sorted({bucket_length(1 << p, self.capacity) for p in range(self.capacity.bit_length())})
+        with progress_bar(total=len(buckets) + 1, desc="compiling", unit="program", disable=not progress) as bar:
+            for T in buckets:
+                self.spec, _ = self.programs.start(
+                    self.params,
+                    np.zeros(T, np.int32),
+                    np.int32(1),
+                    jax.random.key(0),
+                    capacity=self.capacity,
+                    rule=rule,
+                )
+                bar.update()
+            self.rule = traced_rule(rule)
+            jax.block_until_ready(self.programs.run(self.params, self.spec, np.int32(1), **self._static()))
+            bar.update()
+        self.reset()
+        return time.perf_counter() - t0
 
 
 def speculative_rule(temperature, top_k, top_p, draft_steps) -> tuple:

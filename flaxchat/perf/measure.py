@@ -15,7 +15,7 @@ import numpy as np
 
 from flaxchat.data.dataloader import make_loader
 from flaxchat.generate.engine import generate
-from flaxchat.generate.programs import attention_span, controls, decode_chunk, pad_prompts, programs
+from flaxchat.generate.programs import DecodeSettings, attention_span, controls, decode_chunk, pad_prompts, programs
 from flaxchat.generate.speculative import generate_speculative
 
 
@@ -34,16 +34,9 @@ def measure_generation(
     prompts = rng.integers(0, model.config.vocab_size, (batch_size, prompt_len)).tolist()
     tokens, lengths = pad_prompts(prompts, capacity, max_new_tokens)
     progs, params = programs(model)
-    span = attention_span(prompt_len + max_new_tokens, capacity)
-    decode = functools.partial(
-        progs.decode,
-        rows=batch_size,
-        span=span,
-        chunk=decode_chunk(max_new_tokens),
-        stop_tokens=(),
-        tool_end=-1,
-        tiers=(top_k,) if top_k else (),
-    )
+    span = attention_span(prompt_len + max_new_tokens, capacity)  # the cache holds only the positions decoded
+    settings = DecodeSettings(decode_chunk(max_new_tokens), tiers=(top_k,) if top_k else ())
+    decode = functools.partial(progs.decode, settings=settings)
     ctl = controls(
         batch_size,
         remaining=max_new_tokens,
@@ -54,18 +47,18 @@ def measure_generation(
     )
 
     def prefill():
-        return progs.start(params, tokens, lengths, copies=1, rows=batch_size, capacity=capacity)
+        return progs.start(params, tokens, lengths, copies=1, rows=batch_size, capacity=span)
 
     def one_run():
         t0 = time.perf_counter()
         slots = jax.block_until_ready(prefill())
         t1 = time.perf_counter()
-        slots, out, _, steps, _ = jax.block_until_ready(decode(params, slots, ctl, np.int32(max_new_tokens)))
+        slots, out = jax.block_until_ready(decode(params, slots, ctl, np.int32(max_new_tokens)))
         t2 = time.perf_counter()
-        _, first, _, _, _ = decode(params, prefill(), ctl, np.int32(1))
-        np.asarray(first[:, 0])  # the first tokens, on the host
+        _, first = decode(params, prefill(), ctl, np.int32(1))
+        np.asarray(first.tokens[:, 0])  # the first tokens, on the host
         t3 = time.perf_counter()
-        assert int(steps) == max_new_tokens
+        assert int(out.steps) == max_new_tokens
         return t1 - t0, t2 - t1, t3 - t2
 
     t0 = time.perf_counter()
