@@ -538,3 +538,25 @@ def test_speculative_scheduler_greedy_tools_and_cancel(model, tok):
         assert events[-1]["finish_reason"] == "stop" and req.tokens[-1] == sp("<|assistant_end|>")
     finally:
         s.close()
+
+
+def test_chunks_are_as_long_as_the_stream_interval_allows(model, tok):
+    """A chunk runs as many decode steps as fit --stream-interval at the measured step time (a newcomer's first chunk
+    is one step): a short interval streams every token as it is sampled, a long one runs `chunk` steps a call. The
+    reply is the same either way."""
+    prompt = [tok.get_bos_token_id()] + tok.encode("The cat")
+    replies = []
+    for interval, most in ((1e-6, 1), (60.0, 4)):
+        s, limits = Scheduler(model, tok, slots=2, chunk=4, stream_interval=interval), []
+        decode = s.batch.runner.decode
+        s.batch.runner.decode = lambda rows, pushes, limit: limits.append(limit) or decode(rows, pushes, limit)
+        s.start()
+        try:
+            req, q = submit(s, prompt, 13, temperature=0.0)
+            assert collect(q)[-1]["type"] == "done" and req.completion_tokens == 13
+            assert limits[0] == 1 and set(limits[1:]) == {most}
+            assert s.stats()["decode_step_ms"] > 0
+            replies.append(req.tokens)
+        finally:
+            s.close()
+    assert replies[0] == replies[1]
