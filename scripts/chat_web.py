@@ -91,6 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds a sampled token may wait before it is streamed: each iteration decodes as many steps as fit "
         "(at the measured step time, at most --chunk), so a slow model streams token by token",
     )
+    p.add_argument(
+        "--no-prefix-reuse",
+        action="store_true",
+        help="prefill every prompt whole: do not keep a finished reply's KV cache for its conversation's next turn",
+    )
     p.add_argument("--max-tokens", type=int, default=512, help="most new tokens one reply may ask for")
     p.add_argument("--default-max-tokens", type=int, default=256, help="new tokens when a request does not say")
     p.add_argument("--max-prompt-tokens", type=int, default=None, help="longest prompt (default: 3/4 of the context)")
@@ -386,7 +391,12 @@ def main(argv=None) -> int:
             args.slots, why = auto_slots(model)
             print(f"slots: {why} (--slots sets it)")
         scheduler = Scheduler(
-            model, tokenizer, slots=args.slots, chunk=args.chunk, stream_interval=args.stream_interval
+            model,
+            tokenizer,
+            slots=args.slots,
+            chunk=args.chunk,
+            stream_interval=args.stream_interval,
+            prefix_reuse=not args.no_prefix_reuse,
         )
     if args.warmup_all:
         print(f"compiling for {args.slots} slots...", flush=True)

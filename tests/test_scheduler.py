@@ -274,7 +274,8 @@ def test_warmup_compiles_every_variant_and_shows_its_progress(model, tok, capsys
     rows = sorted({batch_rows(i, 4) for i in range(4)})
     spans = sorted({attention_span(n, s.capacity) for n in range(1, s.capacity + 1)})
     assert [k[1:] for k in keys if k[0] == "decode"] == [(n, span) for n in rows for span in spans] and len(rows) == 3
-    assert [k for k in keys if k[0] == "move"] == [("move", 1), ("move", 2)]
+    assert [k for k in keys if k[0] == "move"] == [("move", 1), ("move", 2), ("move", 4)]
+    assert [k[1] for k in keys if k[0] == "extend"] == [k[1] for k in keys if k[0] == "prefill"]
     assert all(s.batch.runner.ahead.program(k) for k in keys)
     total = len(keys)
     err = capsys.readouterr().err
@@ -301,7 +302,7 @@ def test_serves_with_the_widest_programs_until_the_background_has_compiled_the_r
     bos = tok.get_bos_token_id()
     prompts = [[bos] + tok.encode(t) for t in ("The cat", "3*7 is")]
     expected = [greedy_reference(model, p, 10, stop_tokens(tok)) for p in prompts]
-    s, used, hold = Scheduler(model, tok, slots=2, chunk=4, capacity=32), [], threading.Event()
+    s, used, hold = Scheduler(model, tok, slots=2, chunk=4, capacity=32, prefix_reuse=False), [], threading.Event()
     compile_variant, fit = Precompiler.compile, Precompiler.fit
 
     def held(self, key, options=None, pool=None):  # the background thread's compiles wait
@@ -322,7 +323,7 @@ def test_serves_with_the_widest_programs_until_the_background_has_compiled_the_r
         s.start()
         req, q = submit(s, prompts[0], 10, temperature=0.0)
         assert collect(q)[-1]["type"] == "done" and req.tokens == expected[0]
-        assert set(used) == {("decode", 1, 32), ("prefill", 32)} and s.stats()["programs_compiling"] == 4
+        assert set(used) == {("decode", 1, 32), ("prefill", 32)} and s.stats()["programs_compiling"] == 5
         hold.set()
         assert s.wait_compiled(300) and s.stats()["programs_compiling"] == 0
         used.clear()
@@ -560,3 +561,77 @@ def test_chunks_are_as_long_as_the_stream_interval_allows(model, tok):
         finally:
             s.close()
     assert replies[0] == replies[1]
+
+
+# -----------------------------------------------------------------------------
+# Prefix reuse
+
+
+def test_a_conversations_next_turn_prefills_only_its_new_tokens(model, tok):
+    """Prefix reuse: each turn of a growing conversation continues the row its previous turn left (only the new
+    tokens are prefilled), a conversation that diverges mid-way reuses what it shares, and a prompt that is a strict
+    prefix of a kept row reuses all but its last token; every greedy reply is the one a server without reuse gives."""
+    sp, bos = tok.encode_special, tok.get_bos_token_id()
+    user = lambda text: [sp("<|user_start|>"), *tok.encode(text), sp("<|user_end|>"), sp("<|assistant_start|>")]
+
+    def serve(reuse: bool) -> tuple[list[list[int]], dict]:
+        s, replies = Scheduler(model, tok, slots=4, chunk=4, prefix_reuse=reuse).start(), []
+        try:
+            prompt = [bos]
+            for text in ("The cat", "12", "mat.", "3*7"):  # a conversation of four turns
+                prompt = prompt + user(text)
+                req, q = submit(s, prompt, 6, temperature=0.0)
+                assert collect(q)[-1]["type"] == "done"
+                replies.append(req.tokens)
+                prompt = prompt + req.tokens + ([] if req.tokens[-1] in s.stop_tokens else [sp("<|assistant_end|>")])
+            for other in (prompt[:-3], prompt[:20] + user("cat")):  # a strict prefix of the kept row; diverging
+                req, q = submit(s, other, 5, temperature=0.0)
+                assert collect(q)[-1]["type"] == "done"
+                replies.append(req.tokens)
+            return replies, s.stats()
+        finally:
+            s.close()
+
+    (with_reuse, stats), (without, plain) = serve(True), serve(False)
+    assert with_reuse == without
+    assert stats["prefix_hits"] == 5 and stats["prefix_misses"] == 1 and stats["prefix_tokens_saved"] > 60
+    assert "prefix_hits" not in plain and plain["prompt_tokens"] == stats["prompt_tokens"]
+
+
+def test_kept_rows_are_taken_least_recently_used_first(model, tok):
+    """With every slot holding a kept row, a newcomer takes the one kept longest ago; the other still serves its
+    conversation's next turn. A prompt that shares only its first tokens with a kept row does not take it."""
+    bos = tok.get_bos_token_id()
+    a, b, c = ([bos] + tok.encode(t) for t in ("The cat sat", "12+5 is", "naive cafe"))
+    s, done = Scheduler(model, tok, slots=2, chunk=4).start(), {}
+    try:
+        for name, prompt in (("a", a), ("b", b), ("c", c)):  # a in slot 0, b in slot 1; c takes slot 0, kept longest
+            req, q = submit(s, prompt, 3, temperature=0.0)
+            assert collect(q)[-1]["type"] == "done"
+            done[name] = prompt + req.tokens
+        assert s.stats()["prefix_misses"] == 3 and s.stats()["kept"] == 2
+        for name, hits in (("b", 1), ("a", 1)):  # b's next turn continues its row; a's row is gone
+            req, q = submit(s, done[name] + [5], 3, temperature=0.0)
+            assert collect(q)[-1]["type"] == "done" and s.stats()["prefix_hits"] == hits
+        assert s.stats()["prefix_tokens_saved"] == len(done["b"])
+    finally:
+        s.close()
+
+
+def test_a_live_row_moved_down_swaps_places_with_a_kept_row(model, tok):
+    """Compacting moves a long reply left in a high slot into a kept row's slot and the kept row up into its place:
+    the kept conversation's next turn still continues it."""
+    bos = tok.get_bos_token_id()
+    prompts = [[bos] + tok.encode(t) for t in ("The cat", "12", "mat.", "3*7 is")]
+    s = Scheduler(model, tok, slots=4, chunk=4)
+    jobs = [submit(s, p, n, temperature=0.0) for p, n in zip(prompts, (2, 2, 2, 20))]
+    s.start()  # after every submit: slots 0-3 in order; the three short ones end and are kept
+    try:
+        assert all(collect(q)[-1]["type"] == "done" for _, q in jobs)
+        assert s.stats()["moved"] == 1 and s.stats()["kept"] == 4
+        assert jobs[3][0].tokens == greedy_reference(model, prompts[3], 20, stop_tokens(tok))
+        first, _ = jobs[0]
+        req, q = submit(s, prompts[0] + first.tokens + [5], 3, temperature=0.0)
+        assert collect(q)[-1]["type"] == "done" and s.stats()["prefix_hits"] == 1
+    finally:
+        s.close()

@@ -755,3 +755,42 @@ def test_chat_web_serves_with_a_draft_model(tiny_base_dir, tok, monkeypatch):
         assert chat_web.main([*flags, *bad]) == 1
         errors = [line for f, line in printed if f is not None]
         assert len(errors) == 1 and message in errors[0] and "\n" not in errors[0]
+
+
+def prometheus_samples(text: str) -> dict:
+    """Prometheus text format -> {'name{labels}': value} (comments left out)."""
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    return samples
+
+
+def test_metrics_count_requests_tokens_latencies_and_prefix_reuse(scheduler, tok):
+    """GET /metrics, Prometheus' text format: requests by outcome, tokens in and out, the latency histograms, and a
+    conversation's second turn counted as a prefix hit with the tokens it did not prefill, as /health reports them."""
+    app = create_app(scheduler, tok, ServeConfig(rate_limit=0, **LIMITS), own_scheduler=False)
+    with BackgroundServer(app) as url:
+        before = prometheus_samples(httpx.get(url + "/metrics").text)
+        messages = [{"role": "user", "content": "The cat"}]
+        body = lambda messages: {"messages": messages, "max_tokens": 5, "temperature": 0.0}
+        first = httpx.post(url + "/v1/chat/completions", json=body(messages), timeout=60).json()
+        messages += [first["choices"][0]["message"], {"role": "user", "content": "and then?"}]
+        second = httpx.post(url + "/v1/chat/completions", json=body(messages), timeout=60).json()
+        response = httpx.get(url + "/metrics")
+        assert response.headers["content-type"].startswith("text/plain; version=")
+        after = prometheus_samples(response.text)
+        health = httpx.get(url + "/health").json()
+    delta = lambda name: after.get(name, 0.0) - before.get(name, 0.0)
+    finished = sum(delta(f'flaxchat_requests_total{{outcome="{o}"}}') for o in ("stop", "length"))
+    assert finished == 2 and delta("flaxchat_time_to_first_token_seconds_count") == 2
+    generated = first["usage"]["completion_tokens"] + second["usage"]["completion_tokens"]
+    assert delta("flaxchat_generation_tokens_total") == generated
+    prompt = first["usage"]["prompt_tokens"] + second["usage"]["prompt_tokens"]
+    assert delta("flaxchat_prompt_tokens_total") == prompt
+    assert delta("flaxchat_prefix_cache_hits_total") == 1
+    assert 0 < delta("flaxchat_prefix_cache_tokens_saved_total") < second["usage"]["prompt_tokens"]
+    assert after["flaxchat_prefix_cache_hits_total"] == health["prefix_hits"]
+    assert after["flaxchat_slots"] == 4 and after["flaxchat_queue_length"] == 0
+    assert delta("flaxchat_request_duration_seconds_sum") > 0

@@ -165,6 +165,9 @@ def test_the_api_key_guards_http(scheduler, tok):
             assert r.status_code == 401 and error["code"] == "invalid_api_key", headers
             assert error["type"] == "invalid_request_error" and r.headers["www-authenticate"] == "Bearer"
         assert httpx.get(url + "/v1/models").status_code == 401
+        assert httpx.get(url + "/metrics").status_code == 401  # what the server does is the operator's to read
+        metrics = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {KEY}"})
+        assert metrics.status_code == 200 and "flaxchat_requests_total" in metrics.text
         assert post(url, Authorization=f"Bearer {KEY}").status_code == 200
         client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
         assert client.completions.create(model="m", prompt="the cat", max_tokens=2).usage.completion_tokens <= 2

@@ -24,10 +24,14 @@ import threading
 import time
 from typing import Callable
 
+import numpy as np
+
 from flaxchat.generate.reply import Reply
 from flaxchat.generate.warmup import batch_rows
 
 log = logging.getLogger(__name__)
+
+MIN_REUSE = 16  # a kept row is continued from only when the prompt holds all of it, or shares this many tokens
 
 
 @dataclasses.dataclass
@@ -90,18 +94,35 @@ def end(request: Request, reason: str) -> None:
     send(request, [{"type": "done", "finish_reason": reason, "usage": request.usage()}])
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens two sequences share."""
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(differ[0]) if len(differ) else n
+
+
 class Batch:
     """The slot table over one runner. `run_tool(expr)` is the tool (the calculator); `text`: decode the replies'
     text and send events (a server), or only follow the tool calls (the Engine). `compact`: pack live rows low and
-    decode only the rows that hold them (at least `min_rows`); without it every chunk covers every slot."""
+    decode only the rows that hold them (at least `min_rows`); without it every chunk covers every slot.
 
-    def __init__(self, runner, tokenizer, run_tool, *, text: bool = True, compact: bool = True, min_rows: int = 1):
+    `keep` (prefix reuse; the runner must `extend`): a finished request's row keeps its cache and the tokens it holds
+    until the slot is needed. A request whose prompt starts with the tokens a kept row holds (a conversation's next
+    turn), or shares at least MIN_REUSE of them, is admitted into that row and only the rest of its prompt is
+    prefilled (the longest match wins; at least its last token is prefilled, for the logits it samples from). Otherwise it takes the lowest empty slot, or else the least recently used kept row.
+    Replies do not change: the row's cache holds what a whole prefill would have written."""
+
+    def __init__(self, runner, tokenizer, run_tool, *, text=True, compact=True, min_rows=1, keep=False):
         self.runner, self.tokenizer, self.run_tool, self.text = runner, tokenizer, run_tool, text
-        self.compact_rows, self.min_rows = compact, min_rows
+        self.compact_rows, self.min_rows, self.keep = compact, min_rows, keep
         self.rows: list[Request | None] = [None] * runner.slots
         self.replies: list[Reply | None] = [None] * runner.slots
         self.pushes: dict[int, list[int]] = {}  # slot -> a tool's output to force in the next chunk
-        self.counters = collections.Counter(dict.fromkeys(("admitted", "chunks", "moved", "tokens"), 0))
+        self.kept: dict[int, tuple[list[int], float]] = {}  # slot -> (the tokens its cache holds, when it was freed)
+        names = ("admitted", "chunks", "moved", "tokens", "prompt_tokens")
+        if keep:
+            names += ("prefix_hits", "prefix_misses", "prefix_tokens_saved")
+        self.counters = collections.Counter(dict.fromkeys(names, 0))
 
     @property
     def free(self) -> int:
@@ -112,11 +133,30 @@ class Batch:
         return [i for i, r in enumerate(self.rows) if r is not None]
 
     def admit(self, request: Request) -> int:
-        """Prefill a request into the lowest free slot (which keeps live rows packed); returns the slot."""
-        slot = self.rows.index(None)
-        self.runner.prefill(slot, [request])
+        """Prefill a request into a slot (see the class: a kept row it continues, else the lowest empty slot, else
+        the least recently used kept row); returns the slot."""
+        slot, reuse = self._place(request.prompt)
+        if reuse and self.runner.extend(slot, request, reuse):
+            self.counters["prefix_hits"] += 1
+            self.counters["prefix_tokens_saved"] += reuse
+        else:
+            self.runner.prefill(slot, [request])
+            self.counters["prefix_misses"] += self.keep
         self._seat(slot, request)
         return slot
+
+    def _place(self, prompt: list[int]) -> tuple[int, int]:
+        """(the slot for a prompt, how many of its tokens that slot's cache holds already)."""
+        reuse = {}
+        for slot, (held, _) in self.kept.items():
+            n = common_prefix(held, prompt)
+            if n == len(held) or n >= MIN_REUSE:  # less would throw away more of that row than it saves
+                reuse[slot] = min(n, len(prompt) - 1)
+        best = max(reuse, key=lambda slot: (reuse[slot], -slot), default=None)
+        if best is not None and reuse[best] > 0:
+            return best, reuse[best]
+        empty = [i for i, r in enumerate(self.rows) if r is None and i not in self.kept]
+        return (empty[0] if empty else min(self.kept, key=lambda slot: self.kept[slot][1])), 0
 
     def start(self, requests: list[Request], copies: int = 1) -> None:
         """Fill an empty batch in one prefill: requests[p * copies + j] is sample j of prompt p (they share its
@@ -130,20 +170,25 @@ class Batch:
     def _seat(self, slot: int, request: Request) -> None:
         self.rows[slot], self.replies[slot] = request, Reply(self.tokenizer, self.run_tool, text=self.text)
         self.pushes.pop(slot, None)
+        self.kept.pop(slot, None)
         self.counters["admitted"] += 1
+        self.counters["prompt_tokens"] += len(request.prompt)
 
     def finish(self, slot: int, reason: str) -> None:
         """End the request in `slot` (stop, length, cancelled) and free the slot."""
         request, reply = self.rows[slot], self.replies[slot]
         self.rows[slot] = self.replies[slot] = None
         self.pushes.pop(slot, None)
+        if self.keep:  # the row's cache holds the prompt and every token generated (each was fed back)
+            self.kept[slot] = (request.prompt + request.tokens, time.monotonic())
         request.parts = reply.finish()
         send(request, reply.take_events())
         end(request, reason)
         self.counters[f"finished_{reason}"] += 1
 
     def fail(self, reason: str, message: str) -> None:
-        """Every request in a slot ends with an error event; the slots are freed."""
+        """Every request in a slot ends with an error event; the slots are freed and nothing is kept."""
+        self.kept.clear()
         for i, request in enumerate(self.rows):
             if request is not None:
                 self.rows[i] = self.replies[i] = None
@@ -159,21 +204,26 @@ class Batch:
         return min(max(batch_rows(live[-1], len(self.rows)), self.min_rows), len(self.rows))
 
     def compact(self) -> None:
-        """Move live rows above the smallest batch holding them all into free rows below it. Replies do not change:
-        a request's randomness follows its seed and lane, not its slot."""
+        """Move live rows above the smallest batch holding them all into the lowest rows below it that hold no live
+        request (a kept row there swaps places with it). Replies do not change: a request's randomness follows its
+        seed and lane, not its slot."""
         live = self.live
         if not self.compact_rows or not live:
             return
         rows = min(max(batch_rows(len(live) - 1, len(self.rows)), self.min_rows), len(self.rows))
         high = [i for i in live if i >= rows]
-        free = [i for i in range(rows) if self.rows[i] is None][: len(high)]
-        if not high or not self.runner.move(high, free):
+        below = sorted((i for i in range(rows) if self.rows[i] is None), key=lambda i: (i in self.kept, i))
+        free = below[: len(high)]
+        swaps = [(dst, src) for src, dst in zip(high, free) if dst in self.kept]
+        if not high or not self.runner.move(high + [d for d, _ in swaps], free + [s for _, s in swaps]):
             return
         for src, dst in zip(high, free):
             self.rows[dst], self.replies[dst] = self.rows[src], self.replies[src]
             self.rows[src] = self.replies[src] = None
             if src in self.pushes:
                 self.pushes[dst] = self.pushes.pop(src)
+        for dst, src in swaps:
+            self.kept[src] = self.kept.pop(dst)
         self.counters["moved"] += len(high)
 
     def step(self, limit: int):

@@ -3,7 +3,8 @@
 - `Slots`: a KV cache of N rows (`flaxchat.model.gpt.KVCache`, a position per row) with each row's next-token logits
   and a queue of tokens to force (a tool's output).
 - prefill: prompts padded to a power-of-two bucket, run once, written into rows of the slots (one prompt may be
-  copied into several rows: num_samples draws share its prefill).
+  copied into several rows: num_samples draws share its prefill); extend: a prompt's tail prefilled after what a row
+  already holds (prefix reuse).
 - decode: a `lax.while_loop` over every row of the slots it is given. Each row has its own sampling settings, seed,
   token budget and forced tokens (`Controls`); a row freezes when it stops; the loop returns early when every row
   stopped or a row closed a tool call, so the host can run the tool. Its state is a named dataclass (`Loop`).
@@ -269,6 +270,24 @@ def _prefill(graphdef, params, slots: Slots, start, tokens, lengths, *, copies: 
     return Slots(cache, at(slots.logits, logits), slots.forced, forced_len, forced_pos)
 
 
+def _extend(graphdef, params, slots: Slots, row, start, last, tokens, length) -> Slots:
+    """Prefill a prompt's tail, tokens (1, T) padded (`length` real), after the first `start` cached positions of row
+    `row`, whose token at start - 1 is `last` (prefix reuse: the row holds an earlier prompt and reply that begin
+    the same way). Entries past `start` are overwritten or never read, as after `rewind`."""
+    model = nnx.merge(graphdef, params)
+    cast_for_compute(model)
+    one = lambda x: jax.lax.dynamic_slice_in_dim(x, row, 1)
+    cache = rewind(model, jax.tree.map(one, slots.cache), jnp.reshape(start, (1,)), jnp.reshape(last, (1,)))
+    logits, cache = model.forward_cached(tokens, cache, logits_at=jnp.reshape(length - 1, (1,)))
+    cache = dataclasses.replace(cache, pos=jnp.reshape(start + length, (1,)).astype(jnp.int32))
+    put = lambda x, new: jax.lax.dynamic_update_slice_in_dim(x, new.astype(x.dtype), row, axis=0)
+    zero = jnp.zeros((1,), jnp.int32)
+    cache = jax.tree.map(put, slots.cache, cache)
+    return Slots(
+        cache, put(slots.logits, logits), slots.forced, put(slots.forced_len, zero), put(slots.forced_pos, zero)
+    )
+
+
 def _start(graphdef, params, tokens, lengths, *, copies: int, rows: int, capacity: int) -> Slots:
     """Fresh slots of `rows` rows with the prompts prefilled from row 0 (one-shot generation's start)."""
     slots = empty_slots(nnx.merge(graphdef, params), rows, capacity)
@@ -384,6 +403,7 @@ class Programs:
 
     start(params, tokens, lengths, copies=, rows=, capacity=) -> Slots
     prefill(params, slots, start, tokens, lengths, copies=) -> Slots
+    extend(params, slots, row, start, last, tokens, length) -> Slots
     decode(params, slots, controls, limit, settings=) -> (Slots, Emitted)
     extract(slots, rows=, span=) -> Slots;  flush(slots, part) -> Slots;  move(slots, src, dst) -> Slots
     score(params, tokens, top=) -> (logprobs (T,), top values (T, top), top ids (T, top))
@@ -395,6 +415,7 @@ class Programs:
         jit = functools.partial(jax.jit, compiler_options=dict(options) or None)
         self.start = jit(functools.partial(_start, graphdef), static_argnames=("copies", "rows", "capacity"))
         self.prefill = jit(functools.partial(_prefill, graphdef), donate_argnames="slots", static_argnames="copies")
+        self.extend = jit(functools.partial(_extend, graphdef), donate_argnames="slots")
         self.move = jax.jit(_move, donate_argnames="slots")
         self.extract = jax.jit(_extract, static_argnames=("rows", "span"))
         self.flush = jax.jit(_flush, donate_argnames="slots")

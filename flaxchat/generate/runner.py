@@ -58,6 +58,20 @@ class Runner:
         run = ready.get("prefill") or functools.partial(self.programs.prefill, copies=copies)
         self.state = run(self.params, self.state, np.int32(start), tokens, lengths)
 
+    def extend(self, slot: int, request, start: int) -> bool:
+        """Prefill the request's prompt after the first `start` tokens that row `slot` already holds (they are the
+        prompt's own first tokens); False (nothing done) while no program for the tail's bucket is compiled."""
+        tail = request.prompt[start:]
+        (width,), ready = self._variant("extend", bucket_length(len(tail), self.capacity))
+        if (not ready and self.ahead is not None) or start + width > self.capacity:
+            return False  # the padded tail would not fit behind the prefix: a whole prefill instead
+        self._settle()
+        tokens, length = pad_prompts([tail], self.capacity, width=width)
+        last = np.int32(request.prompt[start - 1])
+        run = ready.get("extend", self.programs.extend)
+        self.state = run(self.params, self.state, np.int32(slot), np.int32(start), last, tokens, length[0])
+        return True
+
     def move(self, src: list[int], dst: list[int]) -> bool:
         """Copy rows src to rows dst; False (nothing moved) while no program for that many moves is compiled."""
         (count,), ready = self._variant("move", 1 << (len(src) - 1).bit_length())  # powers of two: few compiles

@@ -100,6 +100,7 @@ class Scheduler:
     slots: rows of the batched KV cache (concurrent generations); chunk: most decode steps per jitted call;
     stream_interval: seconds a sampled token may wait before it is streamed (sets each chunk's length from the
     measured step time). draft_model: speculative sampling, one conversation at a time (draft_steps a round).
+    prefix_reuse: keep finished rows' caches for the next turn of their conversation (batch.Batch, `keep`).
     """
 
     def __init__(
@@ -115,6 +116,7 @@ class Scheduler:
         stream_interval: float = STREAM_INTERVAL,
         draft_model=None,
         draft_steps: int = 4,
+        prefix_reuse: bool = True,
     ):
         if slots < 1 or chunk < 1:
             raise ValueError(f"slots and chunk must be >= 1, got slots={slots}, chunk={chunk}")
@@ -141,7 +143,9 @@ class Scheduler:
                 stop_tokens=self.stop_tokens,
                 tool_end=self.tool_end,
             )
-        self.batch = Batch(runner, tokenizer, run_tool)
+        # prefix reuse: a conversation's next turn prefills only its new tokens (not with speculative sampling, whose
+        # one row has two caches to keep in step)
+        self.batch = Batch(runner, tokenizer, run_tool, keep=prefix_reuse and draft_model is None)
         self.step_seconds: float | None = None  # a decode step's measured time (a moving average)
         self._queue: collections.deque[Request] = collections.deque()
         self._lock = threading.Lock()
@@ -213,6 +217,8 @@ class Scheduler:
             extra["programs_compiling"] = ahead.pending
         if self.step_seconds is not None:
             extra["decode_step_ms"] = round(1000 * self.step_seconds, 2)
+        if self.batch.keep:
+            extra["kept"] = len(self.batch.kept)
         live = len(self.batch.live)
         return {
             "slots": self.slots,
@@ -254,7 +260,7 @@ class Scheduler:
         runner = self.batch.runner
         if self.draft_model is not None:
             return runner.warmup(progress)
-        runner.ahead = Precompiler(runner)
+        runner.ahead = Precompiler(runner, extend=self.batch.keep)
         return runner.ahead.compile_all(progress)
 
     def warmup_in_background(self, progress: bool = False) -> float:
@@ -263,7 +269,7 @@ class Scheduler:
         runner = self.batch.runner
         if self.draft_model is not None:  # one conversation at a time needs only a prefill per bucket and a round
             return runner.warmup(progress)
-        runner.ahead = Precompiler(runner)
+        runner.ahead = Precompiler(runner, extend=self.batch.keep)
         return runner.ahead.start(progress)
 
     def wait_compiled(self, timeout: float | None = None) -> bool:

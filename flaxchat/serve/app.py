@@ -4,6 +4,7 @@ Routes
     GET  /                      the chat page (ui.html: one file, nothing external, works offline)
     GET  /health                {"status": "ok", "slots", "active", "queued", "utilisation" (active / slots),
                                  "connections", counters...}; only {"status": "ok"} without the key, when one is set
+    GET  /metrics               Prometheus text format: requests, tokens, latencies, queue, rows, prefix reuse (metrics.py)
     GET  /v1/models             OpenAI model list (one model)
     POST /v1/chat/completions   OpenAI chat completions, streamed or not                      (openai.py)
     POST /v1/completions        OpenAI legacy completions; logprobs of generated and (echo) prompt tokens (openai.py)
@@ -31,7 +32,7 @@ import time
 
 import uvicorn
 from fastapi import FastAPI, Request, WebSocket
-from fastapi.responses import HTMLResponse
+from fastapi.responses import HTMLResponse, Response
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
@@ -91,6 +92,11 @@ def create_app(
             "closed_sockets": dict(server.closed),
             **stats,
         }
+
+    @app.get("/metrics")
+    async def metrics():
+        body, content_type = server.metrics.exposition()
+        return Response(body, media_type=content_type)
 
     @app.get("/v1/models")
     async def models():

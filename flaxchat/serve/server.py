@@ -23,6 +23,7 @@ from pydantic import ValidationError
 
 from flaxchat.generate.scheduler import QueueFull, Request, Scheduler, new_seed
 from flaxchat.serve.limits import LOOPBACK_HOSTS, RateLimiter, is_loopback
+from flaxchat.serve.metrics import Metrics
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +109,7 @@ class ChatServer:
         self.limiter = RateLimiter(config.rate_limit, config.rate_burst, refusal_cost=config.rate_min_cost)
         self.connections = 0
         self.closed = collections.Counter()  # WebSockets the server ended, by why: idle, not_reading, unauthorized
+        self.metrics = Metrics(self)
 
     def acquire(self) -> bool:
         if self.connections >= self.config.max_connections:
@@ -172,8 +174,16 @@ class ChatServer:
             dropped += 2  # one user message and the reply to it
 
     def submit(self, prompt: list[int], settings: dict, emit) -> Request:
+        request = Request(prompt=prompt, **settings)
+
+        def counted(event: dict) -> None:  # the metrics see each request's end, even when its client has gone
+            if event["type"] in ("done", "error"):
+                self.metrics.observe(request, event)
+            emit(event)
+
+        request.emit = counted
         try:
-            return self.scheduler.submit(Request(prompt=prompt, emit=emit, **settings))
+            return self.scheduler.submit(request)
         except QueueFull as e:
             raise ClientError("server_busy", str(e), 503) from None
         except (ValueError, RuntimeError) as e:
