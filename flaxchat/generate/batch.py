@@ -109,8 +109,9 @@ class Batch:
     `keep` (prefix reuse; the runner must `extend`): a finished request's row keeps its cache and the tokens it holds
     until the slot is needed. A request whose prompt starts with the tokens a kept row holds (a conversation's next
     turn), or shares at least MIN_REUSE of them, is admitted into that row and only the rest of its prompt is
-    prefilled (the longest match wins; at least its last token is prefilled, for the logits it samples from). Otherwise it takes the lowest empty slot, or else the least recently used kept row.
-    Replies do not change: the row's cache holds what a whole prefill would have written."""
+    prefilled (the longest match wins; at least its last token is prefilled, for the logits it samples from).
+    Otherwise it takes the lowest empty slot, or else the least recently used kept row. Replies do not change: the
+    row's cache holds what a whole prefill would have written."""
 
     def __init__(self, runner, tokenizer, run_tool, *, text=True, compact=True, min_rows=1, keep=False):
         self.runner, self.tokenizer, self.run_tool, self.text = runner, tokenizer, run_tool, text

@@ -4,7 +4,7 @@ Routes
     GET  /                      the chat page (ui.html: one file, nothing external, works offline)
     GET  /health                {"status": "ok", "slots", "active", "queued", "utilisation" (active / slots),
                                  "connections", counters...}; only {"status": "ok"} without the key, when one is set
-    GET  /metrics               Prometheus text format: requests, tokens, latencies, queue, rows, prefix reuse (metrics.py)
+    GET  /metrics               Prometheus: requests, tokens, latencies, queue, rows, prefix reuse       (metrics.py)
     GET  /v1/models             OpenAI model list (one model)
     POST /v1/chat/completions   OpenAI chat completions, streamed or not                      (openai.py)
     POST /v1/completions        OpenAI legacy completions; logprobs of generated and (echo) prompt tokens (openai.py)
