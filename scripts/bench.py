@@ -43,7 +43,9 @@ GPUs: CUDA_VISIBLE_DEVICES=0):
         --device-batch-size 16 --grad-accum 2 --steps 150 --warmup 9 --nanochat ~/src/nanochat
 The chat server as a new user meets it (scripts.chat_web started with an empty compilation cache; a streamed reply
 asked for as soon as /health answers, one as soon as the background compiles are done, then steady ones: each
-reply's pace, seconds to its first token, tokens per SSE chunk and the largest gap between chunks):
+reply's pace, seconds to its first token, tokens per SSE chunk and the largest gap between chunks), then a growing
+conversation's time to first token turn by turn against its last message alone, and 16 clients chatting at once
+(prefix reuse's hits and tokens saved):
     python -m scripts.bench --what serve --depth 12 --max-seq-len 2048 --max-new-tokens 96
     python -m scripts.bench --what serve --checkpoint sft:d4 --max-new-tokens 96
 Everything:
@@ -95,7 +97,7 @@ from flaxchat.perf.processes import (
 )
 from flaxchat.perf.products import format_census, product_census
 from flaxchat.perf.profiler import StepProfiler, profile_summary
-from flaxchat.perf.serving import first_minute
+from flaxchat.perf.serving import measure as measure_serving
 from flaxchat.perf.trace import format_summary
 from flaxchat.train.checkpoint import checkpoint_dir, load_named_model
 from flaxchat.train.flags import add_batch_flags, add_dtype_flag
@@ -771,7 +773,7 @@ def serve_main(args) -> None:
         flags = ["--random-init", "--depth", str(args.depth), "--seq-len", str(args.max_seq_len)]
     flags += shlex.split(args.serve_flags)
     try:
-        record = first_minute(flags, "Tell me a story about a cat and a dog.", args.max_new_tokens)
+        record = measure_serving(flags, "Tell me a story about a cat and a dog.", args.max_new_tokens)
     except RuntimeError as e:
         sys.exit(f"error: {e}")
     print(json.dumps({"what": "serve", "chat_web_flags": flags, **record}, indent=2))
