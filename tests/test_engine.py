@@ -13,6 +13,7 @@ from flax import nnx
 
 from flaxchat import sharding
 from flaxchat.data.tokenizer import Tokenizer
+from flaxchat.generate import speculative
 from flaxchat.generate.engine import COMPACT_MIN_ROWS, Engine, generate
 from flaxchat.generate.programs import DecodeSettings, attention_span, bucket_length, controls, pad_prompts, programs
 from flaxchat.generate.sampling import (
@@ -23,7 +24,7 @@ from flaxchat.generate.sampling import (
     sample_next_token,
     traced_rule_probs,
 )
-from flaxchat.generate.speculative import generate_speculative, speculative_program
+from flaxchat.generate.speculative import generate_speculative
 from flaxchat.generate.speculative import programs as speculative_programs
 from flaxchat.model.config import GPTConfig
 from flaxchat.model.gpt import GPT, KVCache
@@ -400,13 +401,17 @@ def test_speculative_sampling_preserves_distribution(pair, rule):
     target, draft = pair
     n, prompt = 24000, [1, 5]
     temperature, top_k, top_p = rule
-    run, params = speculative_program(
-        target, draft, max_tokens=3, draft_steps=2, capacity=16, temperature=temperature, top_k=top_k, top_p=top_p
-    )
+    progs, params = speculative_programs(target, draft)
     tokens, lengths = pad_prompts([prompt], 16, 3)
-    keys = jax.random.split(jax.random.key(0), n)
-    sample_many = jax.jit(jax.vmap(run, in_axes=(None, None, None, 0)))
-    out, count, rounds, accepted = sample_many(params, tokens[0], lengths[0], keys)
+    traced = speculative.traced_rule(rule)
+
+    def run(key):  # one continuation of the prompt: the first token, then rounds for 2 more
+        spec, first = progs.jitted_start(params, tokens[0], lengths[0], key, capacity=16, rule=traced)
+        static = dict(k=2, rule=traced, stops=(), tool_end=-1, chunk=4)
+        spec, out, count = progs.jitted_run(params, spec, np.int32(2), **static)
+        return jnp.concatenate([first[None], out]), count + 1, spec.accepted
+
+    out, count, accepted = jax.jit(jax.vmap(run))(jax.random.split(jax.random.key(0), n))
     assert np.all(np.asarray(count) >= 3) and 0 < np.mean(accepted) < 2  # drafts were both accepted and rejected
     observed = np.bincount(np.asarray(out[:, :3]) @ np.array([V * V, V, 1]), minlength=V**3)
     seqs = np.stack(np.meshgrid(*[np.arange(V)] * 3, indexing="ij"), -1).reshape(-1, 3)

@@ -311,46 +311,6 @@ def speculative_rule(temperature, top_k, top_p, draft_steps) -> tuple:
     return traced_rule((temperature, top_k, top_p))
 
 
-def speculative_program(
-    model,
-    draft_model,
-    *,
-    max_tokens,
-    draft_steps=4,
-    temperature=1.0,
-    top_k=None,
-    top_p=None,
-    stop_tokens=(),
-    capacity=None,
-):
-    """(run, (target params, draft params)) where run(params, prompt (T,), length, key) -> (tokens (N,), count,
-    rounds, accepted) samples one continuation of prompt[:length]. Pure, so it can be vmapped over keys (the
-    distribution test) or jitted."""
-    rule = speculative_rule(temperature, top_k, top_p, draft_steps)
-    capacity = capacity or min(model.config.sequence_len, draft_model.config.sequence_len)
-    progs, params = programs(model, draft_model)
-    graphs, chunk = progs.graphs, decode_chunk(max_tokens)
-
-    def run(params, prompt, length, key):
-        spec, first = _start(graphs, params, prompt, length, key, capacity=capacity, rule=rule)
-        spec, out, n = _run(
-            graphs,
-            params,
-            spec,
-            max_tokens - 1,
-            k=draft_steps,
-            rule=rule,
-            stops=tuple(stop_tokens),
-            tool_end=-1,
-            chunk=chunk,
-        )
-        stopped = jnp.isin(first, jnp.asarray(tuple(stop_tokens) or (-1,), jnp.int32))
-        out = jnp.concatenate([first[None], out])
-        return out, jnp.where(stopped, 1, n + 1), spec.rounds, spec.accepted
-
-    return run, params
-
-
 def generate_speculative(
     model,
     draft_model,
