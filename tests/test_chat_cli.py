@@ -268,7 +268,7 @@ def test_after_the_demo_the_chat_command_finds_its_model_and_says_so(tok, capsys
     said = capsys.readouterr().err.strip().splitlines()
     assert said == [f"chat_cli: none in {base}; the laptop demo's model: sft demo-d4 step 400 in {demo}"]
     time.sleep(0.05)  # a later save: the base dir's own model is the newer one
-    save(base, "d1", 7, 16)
+    save(base, "d1", 7, 64)
     assert chat_cli.main(flags) == 0
     said = capsys.readouterr().err.strip()
     assert said == f"chat_cli: sft d1 step 7 in {base}, the newer of {base} and {demo} (FLAXCHAT_BASE_DIR picks one)"
