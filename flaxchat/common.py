@@ -144,7 +144,8 @@ def progress_bar(iterable=None, **kwargs):
     On a terminal (or in a notebook) this is tqdm.auto's bar. When its output is not a terminal (CI, nohup, a
     redirect to a file) a redrawn bar would write hundreds of carriage-return updates into one log line, so it
     prints plain ASCII lines instead, each with the count, rate and ETA, at most one per PROGRESS_LOG_SECONDS
-    (or $FLAXCHAT_PROGRESS_SECONDS), plus the first and the last.
+    (or $FLAXCHAT_PROGRESS_SECONDS), plus the first and the last: the last even with leave=False, which on a
+    terminal erases a finished bar but in a log would leave a stage's only line at 0%.
     """
     stream = kwargs.get("file") or sys.stderr
     notebook = getattr(tqdm.auto, "notebook_tqdm", None) is not getattr(tqdm.auto, "std_tqdm", None)
@@ -153,6 +154,7 @@ def progress_bar(iterable=None, **kwargs):
     seconds = float(os.environ.get("FLAXCHAT_PROGRESS_SECONDS") or PROGRESS_LOG_SECONDS)
     # maxinterval too: tqdm's monitor thread would otherwise force a refresh every 10 s
     kwargs.update(file=_LogLines(stream), mininterval=seconds, maxinterval=seconds, ascii=True, dynamic_ncols=False)
+    kwargs["leave"] = True  # a log's lines are never erased, so the closing one is written
     return _LogTqdm(iterable, **kwargs)
 
 

@@ -9,9 +9,11 @@
 
 In the chat, /clear starts a new conversation and /quit (or Ctrl-D) leaves. Tool calls appear dimmed as
 [python: ...] and their results as [output: ...]; the tool is the calculator, as in training and evaluation
-(--sandbox also runs other Python the model writes, in flaxchat.generate.sandbox's sandbox). The same command runs on
+(--sandbox also runs other Python the model writes, in flaxchat.generate.sandbox's sandbox, and refuses to start where
+no operating-system sandbox can run unless --allow-python-guard says the code is trusted). The same command runs on
 a CPU or a GPU (JAX picks the device); the model is loaded from
-<base_dir>/{base,chatsft,chatrl}_checkpoints/<model_tag>/.
+<base_dir>/{base,chatsft,chatrl}_checkpoints/<model_tag>/ or, after the laptop demo, from the same under
+<base_dir>/tinystories/: the newer of the two, and it says which.
 """
 
 from __future__ import annotations
@@ -23,9 +25,10 @@ import sys
 from flaxchat.common import enable_compilation_cache, get_base_dir, parse_args
 from flaxchat.generate.engine import Engine
 from flaxchat.generate.reply import Reply
+from flaxchat.generate.sandbox import SandboxUnavailable, sandbox_kind
 from flaxchat.generate.speculative import add_draft_flags
 from flaxchat.model.quantize import add_quantize_flag, quantize_for_generation
-from flaxchat.train.checkpoint import load_model, load_named_model, model_tag_arg
+from flaxchat.train.checkpoint import find_model, load_model, load_named_model, model_tag_arg
 
 DIM, RESET = "\033[2m", "\033[0m"
 # How each part of an assistant message is shown; the brackets stand for the special tokens around it.
@@ -70,6 +73,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="let tool calls run any Python in the sandbox (5 s limit), not only the calculator "
         "(default: calculator only, as in training and evaluation)",
     )
+    p.add_argument(
+        "--allow-python-guard",
+        action="store_true",
+        help="with --sandbox, where bubblewrap cannot run (macOS, no user namespaces), run the code under the "
+        "in-process Python guard instead of refusing; it stops accidents, not code written to escape, so only for "
+        "code you trust (the same as FLAXCHAT_SANDBOX=allow-guard)",
+    )
     p.add_argument("--no-color", action="store_true", help="plain text even on a terminal")
     add_quantize_flag(p)
     add_draft_flags(p)
@@ -89,6 +99,8 @@ def get_args(argv=None) -> argparse.Namespace:
         parser.error(f"--max-tokens must be >= 1, got {args.max_tokens}")
     if args.draft_steps < 1:
         parser.error(f"--draft-steps must be >= 1, got {args.draft_steps}")
+    if args.allow_python_guard and not args.sandbox:
+        parser.error("--allow-python-guard goes with --sandbox (without it, tool calls run only the calculator)")
     return args
 
 
@@ -216,14 +228,37 @@ def run_chat(engine, tokenizer, args, read_line=input, out=None) -> list[dict]:
             return messages
 
 
+def load(args):
+    """(model, draft or None, tokenizer, meta, where): the newest model of -i (and -g) in the base dir or the laptop
+    demo's folder (flaxchat.train.checkpoint.find_model), saying on stderr which when there was a choice."""
+    base_dir, tag, places = find_model(args.source, args.model_tag)
+    model, tokenizer, meta = load_model(args.source, tag, args.step, base_dir=base_dir)
+    draft = None
+    if args.draft_model:
+        draft = load_named_model(args.draft_model, args.source, "--draft-model", base_dir=base_dir)
+    where = f"{args.source} {tag} step {meta.get('step', '?')} in {base_dir}"
+    if len(places) > 1:
+        print(f"chat_cli: {where}, the newer of {' and '.join(places)} (FLAXCHAT_BASE_DIR picks one)", file=sys.stderr)
+    elif base_dir != get_base_dir():
+        print(f"chat_cli: none in {get_base_dir()}; the laptop demo's model: {where}", file=sys.stderr)
+    return model, draft, tokenizer, meta, where
+
+
 def main(argv=None) -> int:
     args = get_args(argv)
+    if args.allow_python_guard:
+        os.environ["FLAXCHAT_SANDBOX"] = "allow-guard"
+    if args.sandbox:
+        try:  # before loading anything: where no sandbox may run, say so at once
+            sandbox_kind()
+        except SandboxUnavailable as e:
+            print(f"chat_cli: {e}", file=sys.stderr)
+            return 1
     # compiled prefill/decode programs survive restarts, so a second session starts answering at once (also on CPU)
     enable_compilation_cache(os.path.join(get_base_dir(), "jax_cache"))
 
     try:
-        model, tokenizer, meta = load_model(args.source, args.model_tag, args.step)
-        draft = load_named_model(args.draft_model, args.source, "--draft-model") if args.draft_model else None
+        model, draft, tokenizer, meta, where = load(args)
     except (FileNotFoundError, ValueError) as e:
         print(f"chat_cli: {e}", file=sys.stderr)
         return 1
@@ -239,7 +274,7 @@ def main(argv=None) -> int:
         quantize(model), tokenizer, use_sandbox=args.sandbox, draft_model=quantize(draft), draft_steps=args.draft_steps
     )
     if not args.prompt:
-        print(f"loaded {args.source} model (step {meta.get('step', '?')}, {model.config.n_layer} layers)")
+        print(f"loaded {where} ({model.config.n_layer} layers)")
     run_chat(engine, tokenizer, args)
     return 0
 

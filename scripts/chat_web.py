@@ -54,10 +54,21 @@ from flaxchat.train.checkpoint import find_model_tag, load_model, load_named_mod
 # Arguments
 
 
+class DefaultsOnceFormatter(argparse.HelpFormatter):
+    """argparse's ArgumentDefaultsHelpFormatter, but each default said once: not appended where the help already
+    speaks of its default (here and in the shared flag groups), nor for a flag that is simply off by default."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        off = action.default is None or action.default is False or action.default in ((), "", argparse.SUPPRESS)
+        if "default:" in text.lower() or off or not action.option_strings:
+            return text
+        return text + " (default: %(default)s)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        description="Serve a flaxchat model in the browser and over HTTP",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Serve a flaxchat model in the browser and over HTTP", formatter_class=DefaultsOnceFormatter
     )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
@@ -131,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="require this key: 'Authorization: Bearer KEY' on the API (every route but the page and /health), "
         "and the chat page asks for it once; without this flag $FLAXCHAT_API_KEY is read (it keeps the key out "
-        "of the process list); None: no key",
+        "of the process list); default: no key",
     )
     g.add_argument(
         "--allowed-origins",
@@ -152,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=comma_list,
         default=(),
         help="comma-separated addresses (or networks) of reverse proxies whose X-Forwarded-For names the client "
-        "for the limits; (): trust none, the header is ignored",
+        "for the limits; default: none (the header is ignored)",
     )
     g.add_argument("--idle-timeout", type=float, default=600.0, help="close a WebSocket after this many quiet seconds")
     g.add_argument("--header-timeout", type=float, default=10.0, help="seconds for an HTTP request's headers")

@@ -232,6 +232,7 @@ def eval_chat(name, model, tokenizer, args, fetch_failures: dict | None = None) 
             "centered": r["centered"],
             "examples": r["examples"],
             "seconds": r["seconds"],
+            **({"sandbox": r["sandbox"]} if "sandbox" in r else {}),  # HumanEval: which sandbox ran its tests
         }
     }
 
@@ -312,6 +313,7 @@ def write_outputs(
     for line in summary_lines(core, rows):
         name, value = line.split(": ", 1)
         metrics[name] = value
+    metrics.update({f"{t} sandbox": r["sandbox"] for t, r in rows.items() if "sandbox" in r})
     table = results_table(rows, {**failures, **(out_of_memory or {})})
     text = "\n".join([f"`python -m scripts.eval {' '.join(sys.argv[1:])}`", "", *table])
     md_path = Report().log(f"{args.model}-eval", metrics, text=text)

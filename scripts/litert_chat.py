@@ -7,7 +7,8 @@
 
 The model, its KV cache and the decode loop are flaxchat.export.litert_chat's (numpy, tiktoken and ai_edge_litert
 only); this file is their command line: one prompt or a chat, a base model's plain continuation, the reply streamed
-as it is sampled. The tool (calculator) is not run.
+as it is sampled. The tool (calculator) is not run; a tool call the model writes shows as [python: ...], as in
+scripts.chat_cli.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import codecs
 import sys
 import time
 
-from flaxchat.export.litert_chat import LiteRTModel, generate, load_tokenizer  # numpy, tiktoken, ai_edge_litert
+from flaxchat.export.litert_chat import LiteRTModel, generate, load_tokenizer, shown_bytes  # numpy, tiktoken, litert
 
 # -----------------------------------------------------------------------------
 # CLI
@@ -58,7 +59,7 @@ def stream_reply(model, enc, prompt, args, stops) -> int:
     for token in generate(model, prompt, max_tokens, args.temperature, args.top_k, args.seed, stops):
         t_first, n = t_first or time.perf_counter(), n + 1
         if token not in stops:
-            print(decoder.decode(enc.decode_single_token_bytes(token)), end="", flush=True)
+            print(decoder.decode(shown_bytes(enc, token)), end="", flush=True)
     print(decoder.decode(b"", final=True), flush=True)
     if args.stats and t_first is not None:
         decode_s = time.perf_counter() - t_first

@@ -130,6 +130,13 @@ def main(argv: list[str] | None = None) -> Tokenizer:
     print(
         f"Saved {path} and token_bytes.npy (vocab {tokenizer.get_vocab_size():,}, hash {tokenizer.content_hash[:16]})"
     )
+    if tokenizer.get_vocab_size() < args.vocab_size:
+        # rustbpe merges only within the split pattern's chunks; it stops when each chunk of the text is one token
+        print(
+            f"vocab {tokenizer.get_vocab_size():,} of the {args.vocab_size:,} asked: every chunk of the training text "
+            "(a word, number or run of punctuation, as the split pattern cuts it) is already one token, so nothing "
+            "was left to merge; more varied text would fill the rest"
+        )
 
     # --- a look at what it learned
     show_samples(tokenizer)

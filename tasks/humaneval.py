@@ -6,14 +6,15 @@ https://huggingface.co/datasets/openai/openai_humaneval
 
 The user message is the function's signature and docstring; the reference answer is the whole function.
 A completion passes when its code (taken from the first ``` block if there is one), with the prompt's
-imports, passes the problem's tests in the sandbox (flaxchat.generate.sandbox).
+imports, passes the problem's tests in the sandbox (flaxchat.generate.sandbox). `sandbox` says which sandbox that
+is, and refuses (SandboxUnavailable) where none may run, before any sampling starts.
 """
 
 from __future__ import annotations
 
 import re
 
-from flaxchat.generate.sandbox import execute_code
+from flaxchat.generate.sandbox import execute_code, sandbox_kind
 from tasks.common import Task, completion_text, load_rows
 
 CODE_BLOCK_RE = re.compile(r"```(?:python)?\s*\n(.*?)\n```", re.DOTALL)
@@ -70,6 +71,12 @@ class HumanEval(Task):
             "entry_point": row["entry_point"],
             "test": row["test"],
         }
+
+    @property
+    def sandbox(self) -> str:
+        """The sandbox the tests run in ("bubblewrap", or "python-guard" where allowed); SandboxUnavailable where
+        none may run."""
+        return sandbox_kind()
 
     def evaluate(self, conversation: dict, completion) -> bool:
         """True when the completion's code passes the problem's tests in the sandbox."""

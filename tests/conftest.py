@@ -37,6 +37,10 @@ def _flags_with(devices: int) -> str:
 
 os.environ["XLA_FLAGS"] = _flags_with(N_DEVICES)
 os.environ.setdefault("FLAXCHAT_DTYPE", "float32")
+# The suite's own programs (HumanEval's reference answers, tool calls it scripts) are trusted: bubblewrap where it
+# runs, the Python guard where it cannot. tests/test_sandbox.py sets FLAXCHAT_SANDBOX itself to test the default,
+# which refuses to run anything without an operating-system sandbox.
+os.environ.setdefault("FLAXCHAT_SANDBOX", "allow-guard")
 # One persistent XLA compilation cache for the whole run, shared by the xdist workers (they inherit this
 # environment) and by the scripts tests launch: many tests compile the same tiny programs, and compiling is most
 # of what they spend. Removed when the run that made it ends.

@@ -241,3 +241,54 @@ def test_main_loads_a_checkpoint(tok, capsys, monkeypatch, compile_cache_restore
         assert chat_cli.main([*flags, "--draft-model", bad]) == 1
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_after_the_demo_the_chat_command_finds_its_model_and_says_so(tok, capsys, compile_cache_restored):
+    """The laptop demo keeps its tokenizer and checkpoints in <base dir>/tinystories; `chat_cli -i sft`, as the
+    README prints it, loads the newest sft model of the base dir and that folder, and names where it came from."""
+    import os
+    import time
+
+    from flaxchat.common import get_base_dir
+    from flaxchat.train.checkpoint import Checkpointer, checkpoint_dir
+
+    def save(base_dir, tag, step, n_embd):
+        tok.save(f"{base_dir}/tokenizer")
+        config = GPTConfig(
+            sequence_len=64, vocab_size=tok.get_vocab_size(), n_layer=1, n_head=1, n_kv_head=1, n_embd=n_embd
+        )
+        ckpt = Checkpointer(checkpoint_dir("sft", tag, base_dir), async_save=False)
+        ckpt.save(step, make_model(config, seed=step))
+        ckpt.close()
+
+    base, demo = get_base_dir(), os.path.join(get_base_dir(), "tinystories")
+    save(demo, "demo-d4", 400, 32)
+    flags = ["-i", "sft", "-p", "hi", "-t", "0", "--max-tokens", "3"]
+    assert chat_cli.main(flags) == 0
+    said = capsys.readouterr().err.strip().splitlines()
+    assert said == [f"chat_cli: none in {base}; the laptop demo's model: sft demo-d4 step 400 in {demo}"]
+    time.sleep(0.05)  # a later save: the base dir's own model is the newer one
+    save(base, "d1", 7, 64)
+    assert chat_cli.main(flags) == 0
+    said = capsys.readouterr().err.strip()
+    assert said == f"chat_cli: sft d1 step 7 in {base}, the newer of {base} and {demo} (FLAXCHAT_BASE_DIR picks one)"
+    assert chat_cli.main([*flags, "-g", "demo-d4"]) == 0  # a tag only one of them has
+    assert f"sft demo-d4 step 400 in {demo}" in capsys.readouterr().err
+
+
+def test_the_sandbox_flag_refuses_at_once_where_no_sandbox_can_run(monkeypatch, capsys):
+    from flaxchat.generate import sandbox
+
+    monkeypatch.setattr(sandbox, "find_bubblewrap", lambda: (None, "no bwrap here (test)"))
+    monkeypatch.setattr(sandbox, "warn_fallback", lambda why: None)
+    monkeypatch.delenv("FLAXCHAT_SANDBOX", raising=False)
+    assert chat_cli.main(["--sandbox", "-p", "hi"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("chat_cli: flaxchat sandbox: refusing") and "--allow-python-guard" in err
+    assert len(err.splitlines()) == 1
+    monkeypatch.setenv("FLAXCHAT_SANDBOX", "")  # restored afterwards: main sets it to allow-guard
+    assert chat_cli.main(["--sandbox", "--allow-python-guard", "-p", "hi"]) == 1  # trusted code: on to the model
+    assert "no sft checkpoints" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # the opt-in belongs to --sandbox
+        chat_cli.get_args(["--allow-python-guard"])
+    assert "goes with --sandbox" in capsys.readouterr().err

@@ -224,6 +224,23 @@ def test_humaneval_runs_the_tests_in_the_sandbox(tok):
     assert chat_eval.run_generative_eval(task, tok, ScriptedEngine(tok, lambda p, n: [wrong] * n)) == 0.0
 
 
+def test_humaneval_names_its_sandbox_and_refuses_before_sampling(tok, monkeypatch, capsys):
+    from flaxchat.generate import sandbox
+
+    offline.write_jsonl(offline.pack_path("humaneval", "test"), [HUMANEVAL_ROW])
+    right = "```python\ndef add(a: int, b: int) -> int:\n    return a + b\n```"
+    engine = ScriptedEngine(tok, lambda p, n: [right] * n)
+    result = chat_eval.run_chat_eval("HumanEval", None, tok, engine, task=HumanEval(source="offline"))
+    assert result["accuracy"] == 1.0 and result["sandbox"] == sandbox.sandbox_kind()
+    assert f"tests ran in the {result['sandbox']} sandbox" in capsys.readouterr().out
+    monkeypatch.setattr(sandbox, "find_bubblewrap", lambda: (None, "no bwrap here (test)"))
+    monkeypatch.setenv("FLAXCHAT_SANDBOX", "")  # the default: bubblewrap or nothing
+    engine.calls.clear()
+    with pytest.raises(sandbox.SandboxUnavailable, match="no bwrap here"):
+        chat_eval.run_chat_eval("HumanEval", None, tok, engine, task=HumanEval(source="offline"))
+    assert engine.calls == []  # refused before a single completion was sampled
+
+
 def test_spellingbee_checks_the_count(tok):
     os.makedirs(os.path.dirname(offline.words_path()), exist_ok=True)
     with open(offline.words_path(), "w", encoding="utf-8") as f:

@@ -135,6 +135,37 @@ def test_load_model_and_errors(tmp_path, tiny_base_dir):
         load_model("base", "d2", step=9)
 
 
+def test_the_demos_models_are_found_and_named(tmp_path, tiny_base_dir):
+    """The laptop demo keeps its checkpoints in <base dir>/tinystories: find_model (the chat scripts') picks the
+    newer of the base dir's and the demo's; find_model_tag (everyone's) reads the base dir only and, finding
+    nothing there, says where the demo's are."""
+    import os
+
+    from flaxchat.common import get_base_dir
+    from flaxchat.train.checkpoint import find_model
+
+    base = get_base_dir()
+    demo = os.path.join(base, "tinystories")
+    cfg = GPTConfig(sequence_len=32, vocab_size=300, n_layer=1, n_head=1, n_kv_head=1, n_embd=16)
+    with pytest.raises(FileNotFoundError, match="no sft checkpoints") as nothing:
+        find_model("sft")
+    assert "laptop demo" not in str(nothing.value)  # no demo either: nothing to point to
+    ckpt = Checkpointer(checkpoint_dir("sft", "demo-d4", demo), async_save=False)
+    ckpt.save(400, GPT(cfg, rngs=nnx.Rngs(0)))
+    ckpt.close()
+    assert find_model("sft") == (demo, "demo-d4", [demo])
+    with pytest.raises(FileNotFoundError, match=f"the laptop demo's are in {demo}: run with FLAXCHAT_BASE_DIR={demo}"):
+        find_model_tag("sft")
+    os.utime(os.path.join(checkpoint_dir("sft", "demo-d4", demo), "400"), (1, 1))  # saved long ago
+    ckpt = Checkpointer(checkpoint_dir("sft", "d2"), async_save=False)
+    ckpt.save(7, GPT(cfg, rngs=nnx.Rngs(1)))
+    ckpt.close()
+    assert find_model("sft") == (base, "d2", [base, demo])  # the newer
+    assert find_model("sft", "demo-d4") == (demo, "demo-d4", [demo])  # a tag only the demo has
+    with pytest.raises(FileNotFoundError, match="no checkpoint in"):
+        find_model("sft", "d9")
+
+
 REPLACER = textwrap.dedent("""
     import os, signal, sys, time
     from flax import nnx

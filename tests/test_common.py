@@ -32,6 +32,7 @@ def test_progress_in_a_log_is_whole_lines(monkeypatch):
     # the first and the last line of each bar (a fast loop never waits the 30 s between lines)
     assert len(lines) <= 4, lines
     assert lines[0].startswith("pretrain:   0%") and "20000/20000" in lines[1] and "loss 19999" in lines[1]
+    assert lines[2].startswith("val bpb:   0%") and "50000/50000" in lines[3]  # leave=False: still a last line
     assert all(ord(c) < 128 for c in text)
 
 

@@ -200,6 +200,21 @@ def test_litert_runner_needs_no_jax(litert_exports):
     assert result.stdout.rstrip("\n") == expected
 
 
+def test_litert_chat_shows_tool_calls_as_chat_cli_does(tiny_base_dir):
+    """A tool call and its output read as chat_cli shows them ([python: ...], [output: ...]), not as special tokens'
+    names; other special tokens and text are unchanged."""
+    from flaxchat.export.litert_chat import shown_bytes
+    from scripts.chat_cli import PART_STYLE
+
+    tok = get_tokenizer()
+    sp = tok.encode_special
+    ids = [sp("<|python_start|>"), *tok.encode("12*3"), sp("<|python_end|>"), sp("<|output_start|>"), *tok.encode("36")]
+    ids += [sp("<|output_end|>"), *tok.encode(" so 36"), sp("<|assistant_end|>")]
+    (call_open, call_close), (out_open, out_close) = PART_STYLE["python"], PART_STYLE["python_output"]
+    expected = f"{call_open}12*3{call_close}{out_open}36{out_close} so 36<|assistant_end|>"
+    assert b"".join(shown_bytes(tok.enc, t) for t in ids).decode() == expected
+
+
 def test_litert_unconvertible_model_is_one_line(tiny_base_dir, tmp_path, monkeypatch):
     """A model with an op LiteRT has no kernel for (a sort of the logits, as on-device top-p sampling would
     add) fails with one line naming the op, not a TensorFlow traceback."""

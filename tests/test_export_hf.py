@@ -121,6 +121,10 @@ def test_tokenizer_gives_tiktoken_ids(exports, tokenizer):
         assert hf_tok.encode(text, add_special_tokens=False) == want, text
         assert hf_tok.decode(want) == text
     assert hf_tok.convert_tokens_to_ids("<|assistant_end|>") == tokenizer.encode_special("<|assistant_end|>")
+    # by default text begins with <|bos|>, as every pretraining document did (and the model was never trained without)
+    text, bos = texts[0], tokenizer.get_bos_token_id()
+    assert hf_tok(text)["input_ids"] == hf_tok.encode(text) == [bos] + tokenizer.encode(text)
+    assert hf_tok([text, "a"])["input_ids"] == [[bos] + tokenizer.encode(text), [bos] + tokenizer.encode("a")]
 
 
 CHATS = [

@@ -116,11 +116,11 @@ def test_decode_tokens_do_not_change_when_the_loop_also_scores_them(scheduler):
 
 
 def test_tokenize_detokenize_and_tokenizer_info(url, tok, scheduler):
-    r = post(url, "/tokenize", prompt=TEXT)
+    r = post(url, "/tokenize", prompt=TEXT, add_special_tokens=False)  # as lm-eval's remote tokenizer asks
     assert r["tokens"] == tok.encode(TEXT) and r["count"] == len(r["tokens"]) and r["max_model_len"] == 128
     assert post(url, "/detokenize", tokens=r["tokens"]) == {"prompt": TEXT}
     bos = tok.get_bos_token_id()
-    assert post(url, "/tokenize", prompt=TEXT, add_special_tokens=True)["tokens"] == [bos] + r["tokens"]
+    assert post(url, "/tokenize", prompt=TEXT)["tokens"] == [bos] + r["tokens"]  # by default, as a completion reads
     # special-token names are those tokens (lm-eval finds EOS / BOS ids so), and round-trip
     spelled = post(url, "/tokenize", prompt="<|bos|>hi<|user_end|>", return_token_strs=True)
     assert spelled["tokens"] == [bos, *tok.encode("hi"), tok.encode_special("<|user_end|>")]
@@ -143,19 +143,22 @@ def test_tokenize_detokenize_and_tokenizer_info(url, tok, scheduler):
 
 
 def test_token_id_prompts_equal_text_prompts(url, tok):
-    ids = tok.encode(TEXT)
+    """A text prompt is read after <|bos|>, as every training document began (vLLM's add_special_tokens, on by
+    default); token ids are read as given."""
+    ids = [tok.get_bos_token_id()] + tok.encode(TEXT)
     body = dict(max_tokens=4, temperature=0.0)
-    text = post(url, "/v1/completions", prompt=TEXT, **body)["choices"][0]["text"]
+    text = post(url, "/v1/completions", prompt=TEXT, **body)
+    assert text["usage"]["prompt_tokens"] == len(ids)
+    text = text["choices"][0]["text"]
     r = post(url, "/v1/completions", prompt=ids, **body)
     assert r["choices"][0]["text"] == text and r["usage"]["prompt_tokens"] == len(ids)
     r = post(url, "/v1/completions", prompt=[ids, ids[:3]], **body)
     assert [c["index"] for c in r["choices"]] == [0, 1] and r["choices"][0]["text"] == text
-    bos = post(url, "/v1/completions", prompt=TEXT, add_special_tokens=True, **body)  # vLLM's field: BOS first
-    assert bos["usage"]["prompt_tokens"] == len(ids) + 1
-    assert (
-        bos["choices"][0]["text"]
-        == post(url, "/v1/completions", prompt=[tok.get_bos_token_id()] + ids, **body)["choices"][0]["text"]
-    )
+    spelled = post(url, "/v1/completions", prompt="<|bos|>" + TEXT, **body)  # not twice
+    assert spelled["usage"]["prompt_tokens"] == len(ids) and spelled["choices"][0]["text"] == text
+    bare = post(url, "/v1/completions", prompt=TEXT, add_special_tokens=False, **body)  # vLLM's field: no BOS
+    assert bare["usage"]["prompt_tokens"] == len(ids) - 1
+    assert bare["choices"][0]["text"] == post(url, "/v1/completions", prompt=ids[1:], **body)["choices"][0]["text"]
 
 
 def test_echo_logprobs_with_max_tokens_one_scores_like_the_model(url, scheduler, tok):

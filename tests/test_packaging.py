@@ -92,6 +92,25 @@ def test_pixi_environments_cover_cpu_cuda_tpu():
     assert envs["default"] == ["cpu"] and envs["tpu"] == ["tpu"]
 
 
+def test_pixi_names_only_files_that_exist():
+    """Paths in pixi.toml's tasks and comments (a recipe, a config, the module a comment points to) are there."""
+    text = open(os.path.join(ROOT, "pixi.toml"), encoding="utf-8").read()
+    named = set(re.findall(r"[\w.-]+(?:/[\w.-]+)+\.(?:py|sh|yaml|toml|md|txt)", text))
+    assert {"runs/lint.sh", "configs/sft_cpu.yaml"} <= named  # the pattern finds them
+    assert not [p for p in named if not os.path.exists(os.path.join(ROOT, p))]
+
+
+def test_pixi_default_environment_installs_no_heavy_extras():
+    """`pixi run demo` installs what `pip install -e .` does plus the test and lint tools; TensorFlow, torch,
+    transformers and lm-eval come only with `-e all`, which turns on every test CI runs."""
+    p, extras = pixi(), pyproject()["project"]["optional-dependencies"]
+    default = p["feature"]["cpu"]["pypi-dependencies"]["flaxchat"]["extras"]
+    assert set(default) == {"dev", "lint"}
+    everything = p["feature"][p["environments"]["all"][0]]["pypi-dependencies"]["flaxchat"]["extras"]
+    accelerators = {e for e in extras if e in ("gpu", "tpu") or re.fullmatch(r"cuda\d+", e)}
+    assert set(everything) == set(extras) - accelerators
+
+
 def task_commands():
     p = pixi()
     tasks = list(p["tasks"].items())

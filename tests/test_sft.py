@@ -324,6 +324,8 @@ def test_the_default_chatcore_leaves_out_tasks_without_data(monkeypatch, capsys)
     import scripts.sft as sft
 
     def run_chat_eval(name, *args, **kwargs):
+        if name == "HumanEval":
+            raise sft.SandboxUnavailable("no operating-system sandbox can run here (test)")
         if name != "MMLU":
             raise FileNotFoundError(f"{name} is not available")
         return {"accuracy": 0.5}
@@ -338,6 +340,9 @@ def test_the_default_chatcore_leaves_out_tasks_without_data(monkeypatch, capsys)
 
     result = sft.run_chatcore(None, None, args(), "offline")
     assert result["chatcore_tasks"] == 1 and result["chatcore/MMLU"] == 0.5
-    assert "leaving out GSM8K" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "leaving out GSM8K" in out and "leaving out HumanEval: no operating-system sandbox" in out
     with pytest.raises(FileNotFoundError, match="GSM8K is not available"):  # named: its data must be there
         sft.run_chatcore(None, None, args("--chatcore-tasks", "GSM8K,MMLU"), "offline")
+    with pytest.raises(sft.SandboxUnavailable):  # named: it must run, in a real sandbox
+        sft.run_chatcore(None, None, args("--chatcore-tasks", "HumanEval,MMLU"), "offline")

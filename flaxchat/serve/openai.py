@@ -15,7 +15,8 @@ vLLM's tokenizer routes (/tokenize, /detokenize, /tokenizer_info) live in tokeni
 Logprobs are the raw model's (log_softmax of its logits, before temperature, top-k or top-p), as vLLM reports them
 by default (OpenAI does not say which it reports); they are reduced on the device to the chosen token's and the top
 alternatives' (flaxchat.generate.sampling.token_logprobs). Text prompts read special-token names
-(<|bos|>...) as those tokens, as vLLM's tokenizers do, so /tokenize counts what /v1/completions reads.
+(<|bos|>...) as those tokens, as vLLM's tokenizers do, and begin with <|bos|> as training documents did (unless
+"add_special_tokens": false), so /tokenize counts what /v1/completions reads.
 
 OpenAI's other request fields are accepted and ignored; those it cannot honour (tools, json response formats) are
 refused. Errors have OpenAI's shape, {"error": {"message", "type", "param", "code"}},
@@ -113,7 +114,8 @@ class CompletionRequest(OpenAIModel):
     logprobs: int | None = Field(None, ge=0, le=5)  # OpenAI's limit; the chosen token is always reported too
     stream: bool = False
     stream_options: StreamOptions | None = None
-    add_special_tokens: bool = False  # vLLM's: prepend <|bos|> to text prompts (a base model's documents start so)
+    add_special_tokens: bool = True  # vLLM's, and its default: <|bos|> before a text prompt, as before each training
+    # document (issue 86); token-id prompts are read as given
 
     stops = ChatCompletionRequest.stops
 
@@ -293,6 +295,14 @@ def encode_text(tokenizer, text: str) -> list[int]:
         elif piece:
             ids.extend(tokenizer.encode(piece))
     return ids
+
+
+def encode_prompt(tokenizer, text: str, add_bos: bool = True) -> list[int]:
+    """A text prompt's ids (encode_text's) after the <|bos|> that began every document the model trained on, as
+    nanochat's sampling and CORE put it, and Llama-style tokenizers by default; not twice when the text spells it."""
+    ids = encode_text(tokenizer, text)
+    bos = tokenizer.get_bos_token_id()
+    return [bos] + ids if add_bos and ids[:1] != [bos] else ids
 
 
 def submit_choices(
@@ -476,7 +486,8 @@ async def _sse(choices: Choices, events, lines, include_usage):
 
 
 def legacy_prompts(server: ChatServer, req: CompletionRequest) -> list[tuple[str, list[int]]]:
-    """The request's prompts as (text, ids): text is encoded by encode_text, without BOS unless add_special_tokens."""
+    """The request's prompts as (text, ids): text by encode_prompt (after <|bos|> unless add_special_tokens is false),
+    token ids as given."""
     p = req.prompt
     items = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
     if not items or any(len(x) == 0 for x in items):
@@ -484,8 +495,7 @@ def legacy_prompts(server: ChatServer, req: CompletionRequest) -> list[tuple[str
     vocab = server.tokenizer.get_vocab_size()
     out = []
     for x in items:
-        bos = [server.tokenizer.get_bos_token_id()] if req.add_special_tokens else []
-        ids = bos + encode_text(server.tokenizer, x) if isinstance(x, str) else list(x)
+        ids = encode_prompt(server.tokenizer, x, req.add_special_tokens) if isinstance(x, str) else list(x)
         if not ids or any(not 0 <= t < vocab for t in ids):
             raise ClientError("invalid_message", f"prompt: token ids must be in 0..{vocab - 1}")
         out.append((x if isinstance(x, str) else server.tokenizer.decode(ids), ids))

@@ -17,7 +17,7 @@ from pydantic import Field
 from flaxchat.serve.openai import (
     ChatMessage,
     OpenAIModel,
-    encode_text,
+    encode_prompt,
     holding_connection,
     openai_error,
     openai_messages,
@@ -32,7 +32,7 @@ class TokenizeRequest(OpenAIModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
-    add_special_tokens: bool = False  # prompt: prepend <|bos|> (default False: what /v1/completions reads)
+    add_special_tokens: bool = True  # prompt: <|bos|> first, as /v1/completions reads it (vLLM's default too)
     add_generation_prompt: bool = True  # messages: end with <|assistant_start|>, as a chat prompt does
     return_token_strs: bool = False
 
@@ -61,8 +61,7 @@ async def tokenize(server: ChatServer, request: HTTPRequest):
         if (req.prompt is None) == (req.messages is None):
             raise ClientError("invalid_message", "give either prompt or messages")
         if req.prompt is not None:
-            bos = [server.tokenizer.get_bos_token_id()] if req.add_special_tokens else []
-            ids = bos + encode_text(server.tokenizer, req.prompt)
+            ids = encode_prompt(server.tokenizer, req.prompt, req.add_special_tokens)
         else:
             ids = chat_ids(server, req)
     except ClientError as e:

@@ -290,18 +290,53 @@ class Checkpointer:
         self.manager.close()
 
 
+# Where models may be besides the base dir itself: the laptop demo's folder (scripts.run_tinystories keeps its data,
+# tokenizer and checkpoints in <base dir>/tinystories, so that a demo never overwrites a pipeline's own).
+DEMO_FOLDER = "tinystories"
+
+
+def _tags(phase: str, base_dir: str) -> list[str]:
+    """The model tags with at least one committed checkpoint under base_dir's phase directory."""
+    root = os.path.join(base_dir, PHASE_DIRS[phase])
+    names = os.listdir(root) if os.path.isdir(root) else []
+    return sorted(t for t in names if TAG.fullmatch(t) and committed_steps(os.path.join(root, t)))
+
+
 def find_model_tag(phase: str, base_dir: str | None = None) -> str:
     """The largest model under a phase directory (d26 beats d4), as nanochat guesses it."""
-    root = os.path.join(base_dir or get_base_dir(), PHASE_DIRS[phase])
-    names = os.listdir(root) if os.path.isdir(root) else []
-    tags = sorted(t for t in names if TAG.fullmatch(t) and committed_steps(os.path.join(root, t)))
+    base = base_dir or get_base_dir()
+    tags = _tags(phase, base)
     if not tags:
-        hint = {"base": "python -m scripts.pretrain", "sft": "python -m scripts.sft", "rl": "python -m scripts.rl"}[
-            phase
-        ]
-        raise FileNotFoundError(f"no {phase} checkpoints under {root}; train one first with `{hint}`")
+        hint = {"base": "python -m scripts.pretrain", "sft": "python -m scripts.sft", "rl": "python -m scripts.rl"}
+        demo = os.path.join(base, DEMO_FOLDER)
+        also = f"; the laptop demo's are in {demo}: run with FLAXCHAT_BASE_DIR={demo}" if _tags(phase, demo) else ""
+        root = os.path.join(base, PHASE_DIRS[phase])
+        raise FileNotFoundError(f"no {phase} checkpoints under {root}; train one first with `{hint[phase]}`{also}")
     depth = lambda t: int(t[1:]) if t[1:].isdigit() else -1
     return max(tags, key=lambda t: (depth(t), t))
+
+
+def find_model(phase: str, model_tag: str | None = None) -> tuple[str, str, list[str]]:
+    """(base_dir, model_tag, places) for a script that only reads a model: the newest (by its latest save) of the
+    base dir's own model and the laptop demo's, each its folder's largest or the one tagged `model_tag`; `places`
+    are the folders that had one. FileNotFoundError, saying where to look, when neither has."""
+    base = get_base_dir()
+    found = []
+    for place in (base, os.path.join(base, DEMO_FOLDER)):
+        tags = _tags(phase, place)
+        if model_tag:
+            tag = model_tag if model_tag in tags else None
+        else:
+            tag = find_model_tag(phase, place) if tags else None
+        if tag:
+            directory = checkpoint_dir(phase, tag, place)
+            found.append((os.path.getmtime(os.path.join(directory, str(committed_steps(directory)[-1]))), place, tag))
+    if not found:
+        if model_tag:  # as load_model says it
+            raise FileNotFoundError(f"no checkpoint in {checkpoint_dir(phase, model_tag, base)}")
+        find_model_tag(phase, base)  # raises, naming the base dir's phase directory
+    _, place, tag = max(found)
+    return place, tag, [p for _, p, _ in found]
 
 
 def load_model(
@@ -337,14 +372,14 @@ def load_model(
     return model, tokenizer, info["meta"]
 
 
-def load_named_model(spec: str, default_source: str, flag: str, dtype=None):
+def load_named_model(spec: str, default_source: str, flag: str, dtype=None, base_dir: str | None = None):
     """The latest checkpoint named "[SOURCE:]TAG" by a script's flag (e.g. d4 or base:d4; SOURCE defaults to
-    `default_source`) -> model."""
+    `default_source`) under base_dir (default: the base dir) -> model."""
     source, _, tag = spec.rpartition(":")
     source = source or default_source
     if source not in PHASE_DIRS or not tag:
         raise ValueError(f"{flag} takes [SOURCE:]TAG with SOURCE base, sft or rl (e.g. d4 or base:d4), got {spec!r}")
-    model, _, _ = load_model(source, tag, dtype=dtype)
+    model, _, _ = load_model(source, tag, dtype=dtype, base_dir=base_dir)
     return model
 
 
