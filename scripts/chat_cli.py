@@ -28,7 +28,7 @@ from flaxchat.generate.reply import Reply
 from flaxchat.generate.sandbox import SandboxUnavailable, sandbox_kind
 from flaxchat.generate.speculative import add_draft_flags
 from flaxchat.model.quantize import add_quantize_flag, quantize_for_generation
-from flaxchat.train.checkpoint import find_model, load_model, load_named_model, model_tag_arg
+from flaxchat.train.checkpoint import find_model, load_model, load_named_model, model_tag_arg, where_found
 
 DIM, RESET = "\033[2m", "\033[0m"
 # How each part of an assistant message is shown; the brackets stand for the special tokens around it.
@@ -236,11 +236,9 @@ def load(args):
     draft = None
     if args.draft_model:
         draft = load_named_model(args.draft_model, args.source, "--draft-model", base_dir=base_dir)
-    where = f"{args.source} {tag} step {meta.get('step', '?')} in {base_dir}"
-    if len(places) > 1:
-        print(f"chat_cli: {where}, the newer of {' and '.join(places)} (FLAXCHAT_BASE_DIR picks one)", file=sys.stderr)
-    elif base_dir != get_base_dir():
-        print(f"chat_cli: none in {get_base_dir()}; the laptop demo's model: {where}", file=sys.stderr)
+    where, note = where_found(args.source, tag, meta.get("step", "?"), base_dir, places)
+    if note:
+        print(f"chat_cli: {note}", file=sys.stderr)
     return model, draft, tokenizer, meta, where
 
 

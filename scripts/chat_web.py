@@ -48,7 +48,7 @@ from flaxchat.serve.app import BackgroundServer, create_app, uvicorn_config
 from flaxchat.serve.limits import LOOPBACK_HOSTS, is_loopback
 from flaxchat.serve.security import normalize_hosts, normalize_origins
 from flaxchat.serve.server import ServeConfig
-from flaxchat.train.checkpoint import find_model_tag, load_model, load_named_model, model_tag_arg
+from flaxchat.train.checkpoint import find_model, load_model, load_named_model, model_tag_arg, where_found
 
 # -----------------------------------------------------------------------------
 # Arguments
@@ -258,8 +258,12 @@ def build_model(args):
         config = GPTConfig.from_depth(args.depth, vocab_size=tokenizer.get_vocab_size(), max_seq_len=args.seq_len)
         model = quantize_for_generation(GPT(config, rngs=nnx.Rngs(args.seed)), args.quantize)
         return model, tokenizer, f"d{args.depth}-random-init{weights}"
-    tag = args.model_tag or find_model_tag(args.source)
-    model, tokenizer, meta = load_model(args.source, tag, args.step)
+    base_dir, tag, places = find_model(args.source, args.model_tag)  # the base dir's, or the laptop demo's
+    model, tokenizer, meta = load_model(args.source, tag, args.step, base_dir=base_dir)
+    _, note = where_found(args.source, tag, meta.get("step", "?"), base_dir, places)
+    if note:
+        print(f"chat_web: {note}", file=sys.stderr)
+    args.model_base_dir = base_dir  # where --draft-model is looked for too
     model = quantize_for_generation(model, args.quantize)
     return model, tokenizer, f"{tag}-{args.source}-step{meta.get('step', 'latest')}{weights}"
 
@@ -268,7 +272,9 @@ def build_draft(args, model):
     """The --draft-model checkpoint ([SOURCE:]TAG, SOURCE defaulting to -i), quantized like the model; or None."""
     if not args.draft_model:
         return None
-    draft = load_named_model(args.draft_model, args.source, "--draft-model")
+    draft = load_named_model(
+        args.draft_model, args.source, "--draft-model", base_dir=getattr(args, "model_base_dir", None)
+    )
     if draft.config.vocab_size != model.config.vocab_size:
         raise ValueError(
             f"the draft model's vocabulary ({draft.config.vocab_size}) is not the model's "

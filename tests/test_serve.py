@@ -807,3 +807,18 @@ def test_metrics_count_requests_tokens_latencies_and_prefix_reuse(scheduler, tok
     assert after["flaxchat_prefix_cache_hits_total"] == health["prefix_hits"]
     assert after["flaxchat_slots"] == 4 and after["flaxchat_queue_length"] == 0
     assert delta("flaxchat_request_duration_seconds_sum") > 0
+
+
+def test_after_the_demo_chat_web_finds_its_model_and_says_so(tiny_base_dir, tok, capsys):
+    """The README's `chat_web -i sft` right after the laptop demo: the demo's model, in <base dir>/tinystories, is
+    loaded (with the demo's tokenizer), and one line on stderr says so."""
+    demo = tiny_base_dir / "tinystories"
+    tok.save(str(demo / "tokenizer"))
+    config = GPTConfig(sequence_len=64, vocab_size=tok.get_vocab_size(), n_layer=1, n_head=1, n_kv_head=1, n_embd=32)
+    ckpt = Checkpointer(checkpoint_dir("sft", "demo-d4", str(demo)), async_save=False)
+    ckpt.save(5, GPT(config, rngs=nnx.Rngs(0)))
+    ckpt.close()
+    model, tokenizer, name = build_model(get_args(["-i", "sft"]))
+    assert name == "demo-d4-sft-step5" and model.config.n_embd == 32
+    err = capsys.readouterr().err.strip()
+    assert err == f"chat_web: none in {tiny_base_dir}; the laptop demo's model: sft demo-d4 step 5 in {demo}"

@@ -339,6 +339,16 @@ def find_model(phase: str, model_tag: str | None = None) -> tuple[str, str, list
     return place, tag, [p for _, p, _ in found]
 
 
+def where_found(phase: str, tag: str, step, base_dir: str, places: list[str]) -> tuple[str, str | None]:
+    """(the model in words, a sentence for a script to print when find_model had a choice to make, else None)."""
+    where = f"{phase} {tag} step {step} in {base_dir}"
+    if len(places) > 1:
+        return where, f"{where}, the newer of {' and '.join(places)} (FLAXCHAT_BASE_DIR picks one)"
+    if base_dir != get_base_dir():
+        return where, f"none in {get_base_dir()}; the laptop demo's model: {where}"
+    return where, None
+
+
 def load_model(
     phase: str = "base",
     model_tag: str | None = None,
