@@ -49,7 +49,6 @@ from flaxchat.eval.bpb import evaluate_bpb
 from flaxchat.eval.report import metrics_logger, plot_training, read_jsonl
 from flaxchat.generate.engine import Engine
 from flaxchat.model.config import GPTConfig
-from flaxchat.model.cpu import sub_batch_note
 from flaxchat.model.gpt import GPT, add_kernel_flags
 from flaxchat.model.lora import DEFAULT_TARGETS, LoraConfig, adapter_modules, apply_lora, count_params, merge_lora
 from flaxchat.perf.machine import peak_flops_per_device
@@ -682,7 +681,7 @@ def main(argv=None):
     global_batch = args.device_batch_size * dp
     print0(
         f"micro-batch: {global_batch} x {args.max_seq_len} | grad accumulation: {grad_accum}"
-        + sub_batch_note(args.device_batch_size, args.max_seq_len, mesh)
+        + model.forms.sub_batch_note(args.device_batch_size, args.max_seq_len, mesh)
     )
     print0(sized_evaluation(args, global_batch, jax.default_backend() == "cpu"))
 
