@@ -335,9 +335,9 @@ def main(argv=None):
         total=num_iterations, initial=step, desc="pretrain", disable=not is_main_process(), dynamic_ncols=True
     )
     profiler = StepProfiler(args.profile_steps, os.path.join(out_dir, "profile"))
-    # one jax.jit over the model's and optimizer's arrays: a call skips NNX's walk over both (training.FlatStep)
+    # one jax.jit over the model's and optimizer's arrays: a call skips NNX's walk over both (train.step.FlatStep)
     optimizer_step = FlatStep(model, optimizer)
-    # on GPUs and TPUs the next step is dispatched before this one's loss is read (training.InFlight); evaluations,
+    # on GPUs and TPUs the next step is dispatched before this one's loss is read (train.step.InFlight); evaluations,
     # samples, saves and profiled steps wait for the step in flight, so they find the device free
     in_flight = InFlight(in_flight_depth(args.in_flight, jax.default_backend()))
 

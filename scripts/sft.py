@@ -837,10 +837,10 @@ def main(argv=None):
     )
     say = bar.write if is_main_process() else (lambda _: None)
     # one jax.jit over the model's and optimizer's arrays, as pretrain calls the step: a call skips NNX's walk over
-    # both (training.FlatStep)
+    # both (train.step.FlatStep)
     optimizer_step = FlatStep(model, optimizer)
     ema, summary = 0.9, {}
-    # as in pretraining, one step in flight on GPUs and TPUs (training.InFlight); evaluations and saves wait for it
+    # as in pretraining, one step in flight on GPUs and TPUs (train.step.InFlight); evaluations and saves wait for it
     in_flight = InFlight(in_flight_depth(args.in_flight, jax.default_backend()))
 
     def record(done):

@@ -410,7 +410,7 @@ def test_a_bfloat16_train_step_multiplies_bfloat16_on_a_cpu(bf16_train_program):
     Muon) takes bf16 operands: XLA:CPU runs a product its bf16 kernels do not take (a bf16 result, a weight
     gradient over the rows, a stacked Gram matrix, attention's key and value gradients over the queries) in fp32,
     at half the rate. Only the smear and value-embedding gates' tiny products stay fp32, with the fp32
-    activations (common.activation_dtype)."""
+    activations (model.cpu.Forms.activation_dtype)."""
     from flaxchat.perf.hlo import dot_types
 
     config, B, program = bf16_train_program
