@@ -207,6 +207,11 @@ def forms_for(dtype=None, backend: str | None = None) -> Forms:
     return Forms(**on, products=jnp.dtype(jnp.bfloat16) if on["bf16_products"] and bf16 else None)
 
 
+def forms_of(model) -> Forms:
+    """A model's forms: a GPT's own, this backend's for any other model (a stand-in in the tests)."""
+    return getattr(model, "forms", None) or forms_for()
+
+
 def int8_options(params) -> tuple:
     """Forms.int8_options of this process's forms (`forms_for()`), for generation code that holds parameters rather
     than a model: XLA options for generation programs over these parameters, as (name, value) pairs."""
@@ -526,7 +531,7 @@ def in_sub_batches(model, f, *arrays):
     axes = sharding.free_axes(sharding.REPLICA_AXES)
     devices = sharding.axes_size(axes)
     rows = rows_total // devices
-    k = model.forms.n_sub_batches(rows, T, splits_model=bool(sharding.free_axes(sharding.MODEL_AXES)))
+    k = forms_of(model).n_sub_batches(rows, T, splits_model=bool(sharding.free_axes(sharding.MODEL_AXES)))
     if k == 1 or rows * devices != rows_total:  # (rows the devices do not share evenly: whole)
         return f(model, *arrays)
     graphdef, state = nnx.split(model)

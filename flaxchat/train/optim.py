@@ -38,7 +38,7 @@ from jax.sharding import PartitionSpec as P
 
 from flaxchat import sharding
 from flaxchat.common import compute_dtype, print0
-from flaxchat.model.cpu import PLAIN, Forms, forms_for, split_in_two
+from flaxchat.model.cpu import PLAIN, Forms, forms_of, split_in_two
 
 # Polar Express coefficients for 5 iterations (safety factor 2e-2, cushion 2), from
 # Amsel, Persson, Musco, Gower, "The Polar Express", arXiv:2505.16932 — the values nanochat uses.
@@ -651,8 +651,7 @@ def build_optimizer(
         scale = (n_embd / REFERENCE_WIDTH) ** -0.5
         print0(f"Scaling the AdamW learning rates by (n_embd/{REFERENCE_WIDTH})^-0.5 = {scale:.6f}")
     groups = param_groups(n_embd, unembedding_lr, embedding_lr, matrix_lr, weight_decay, scalar_lr)
-    forms = getattr(model, "forms", None) or forms_for(polar_dtype)  # a GPT's own; this backend's for another model
-    tx = muon_adamw(groups, schedule, polar_dtype, param_axes(model), forms)
+    tx = muon_adamw(groups, schedule, polar_dtype, param_axes(model), forms_of(model))
     return nnx.Optimizer(model, tx, wrt=nnx.Param)
 
 
