@@ -50,7 +50,6 @@ from flaxchat.eval.report import metrics_logger, plot_training, read_jsonl
 from flaxchat.generate.engine import Engine
 from flaxchat.generate.sandbox import SandboxUnavailable
 from flaxchat.model.config import GPTConfig
-from flaxchat.model.cpu import sub_batch_note
 from flaxchat.model.gpt import GPT, add_kernel_flags
 from flaxchat.model.lora import DEFAULT_TARGETS, LoraConfig, adapter_modules, apply_lora, count_params, merge_lora
 from flaxchat.perf.machine import peak_flops_per_device
@@ -689,7 +688,7 @@ def main(argv=None):
     global_batch = args.device_batch_size * dp
     print0(
         f"micro-batch: {global_batch} x {args.max_seq_len} | grad accumulation: {grad_accum}"
-        + sub_batch_note(args.device_batch_size, args.max_seq_len, mesh)
+        + model.forms.sub_batch_note(args.device_batch_size, args.max_seq_len, mesh)
     )
     print0(sized_evaluation(args, global_batch, jax.default_backend() == "cpu"))
 
@@ -845,10 +844,10 @@ def main(argv=None):
     )
     say = bar.write if is_main_process() else (lambda _: None)
     # one jax.jit over the model's and optimizer's arrays, as pretrain calls the step: a call skips NNX's walk over
-    # both (training.FlatStep)
+    # both (train.step.FlatStep)
     optimizer_step = FlatStep(model, optimizer)
     ema, summary = 0.9, {}
-    # as in pretraining, one step in flight on GPUs and TPUs (training.InFlight); evaluations and saves wait for it
+    # as in pretraining, one step in flight on GPUs and TPUs (train.step.InFlight); evaluations and saves wait for it
     in_flight = InFlight(in_flight_depth(args.in_flight, jax.default_backend()))
 
     def record(done):
