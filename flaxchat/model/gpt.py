@@ -144,17 +144,42 @@ class Linear(nnx.Module):
         return self.weight[...]
 
 
-def stacked_product(x, layers):
+def stackable(layers) -> bool:
+    """Whether Linear layers' products can run as one over their weights stacked: plain Linears (not int8, not
+    adapted by LoRA) computing alike, their weights of one dtype."""
+    first = layers[0]
+    return all(type(m) is Linear and m.forms == first.forms for m in layers) and (
+        len({m.weight[...].dtype for m in layers}) == 1
+    )
+
+
+def stacked_product(x, layers, stacked=None):
     """x through several Linear layers at once: one product over their weights stacked, split back per layer (q, k
     and v). A decode step has a few rows, and one (rows, C) x (C, 3C) product costs less than three small ones.
     Layers of another kind (int8, adapted by LoRA) go one by one, and so do weights stored in another dtype than x
-    (bf16 weights for generation): converted one by one, each conversion fuses into its own product."""
-    first = layers[0]
+    (bf16 weights for generation): converted one by one, each conversion fuses into its own product. `stacked`: the
+    weights stacked ahead (a generation model's, see with_stacked_qkv)."""
     weights = [m.weight[...] for m in layers]
-    if any(type(m) is not Linear or m.forms != first.forms for m in layers) or any(w.dtype != x.dtype for w in weights):
+    if not stackable(layers) or weights[0].dtype != x.dtype:
         return tuple(m(x) for m in layers)
-    y = first.product(x, jnp.concatenate(weights))
+    y = layers[0].product(x, jnp.concatenate(weights) if stacked is None else stacked)
     return tuple(jnp.split(y, np.cumsum([w.shape[0] for w in weights[:-1]]).tolist(), axis=-1))
+
+
+class StackedWeight(nnx.Param):
+    """q, k and v's weights stacked once, held beside them by a model built for generation (with_stacked_qkv)."""
+
+
+def with_stacked_qkv(model):
+    """The model for generation: a copy sharing its arrays whose attention layers also hold q, k and v's weights
+    stacked (`c_qkv`). A decode program stacks them itself otherwise, once per call: on a CPU, for a d12 model, as
+    long as a decode step (docs/LOG.md, 2026-12-07), which short chunks (tokens streamed as they are made) pay often."""
+    model = nnx.merge(*nnx.split(model))
+    for attn in [m for _, m in nnx.iter_graph(model) if isinstance(m, CausalSelfAttention)]:
+        layers = (attn.c_q, attn.c_k, attn.c_v)
+        if stackable(layers):
+            attn.c_qkv = StackedWeight(jnp.concatenate([m.weight[...] for m in layers]))
+    return model
 
 
 class Embedding(nnx.Module):
@@ -194,8 +219,9 @@ class CausalSelfAttention(nnx.Module):
         later cached call computes)."""
         B, T, _ = x.shape
         heads, kv_heads = ("batch", None, "heads", None), ("batch", None, "kv_heads", None)
-        layers = (self.c_q, self.c_k, self.c_v)
-        q, k, v = stacked_product(x, layers) if fused else (m(x) for m in layers)
+        layers, stacked = (self.c_q, self.c_k, self.c_v), getattr(self, "c_qkv", None)
+        stacked = None if stacked is None else stacked[...]
+        q, k, v = stacked_product(x, layers, stacked) if fused else (m(x) for m in layers)
         q = sharding.constrain(q.reshape(B, T, self.n_head, self.head_dim), heads)  # (B, T, H, D)
         k = sharding.constrain(k.reshape(B, T, self.n_kv_head, self.head_dim), kv_heads)  # (B, T, Hkv, D)
         v = sharding.constrain(v.reshape(B, T, self.n_kv_head, self.head_dim), kv_heads)
