@@ -133,7 +133,9 @@ def article(phrase: str) -> str:
 INTROS = PLOT_TEXT["intros"]
 _INTRO_FIELDS = {
     "{h.name}": r"(?P<name>[A-Z][a-z]+)",
-    "{h.kind}": "(?:girl|boy)",
+    "{h.kind}": "[a-z]+(?: [a-z]+)?",
+    "{h.a_kind}": "an? [a-z]+(?: [a-z]+)?",
+    "{h.his}": "(?:his|her)",
     "{h.He}": "(?:He|She)",
     "{trait}": "[a-z]+",
     "{a_trait}": "an? [a-z]+",
@@ -159,6 +161,7 @@ def is_val_pair(name: str, intro: int) -> bool:
     return zlib.crc32(f"{name}/{intro}".encode()) % 6 == 0
 
 
+HERO_SHARES = {"child": 0.45, "animal": 0.35, "role": 0.1, "thing": 0.1}
 HERO_PAIRS = {
     (val, girl): tuple(
         (name, k)
@@ -184,6 +187,7 @@ class Person:
 
     def __init__(self, name: str, girl: bool, kind: str | None = None, **extra):
         self.name, self.girl, self.kind = name, girl, kind or ("girl" if girl else "boy")
+        self.a_kind = f"{article(self.kind)} {self.kind}"
         self.he, self.him, self.his, self.himself = (
             ("she", "her", "her", "herself") if girl else ("he", "him", "his", "himself")
         )
@@ -300,19 +304,35 @@ class Story:
     def text(self) -> str:
         return "\n\n".join(" ".join(p) for p in self.paragraphs if p)
 
-    def child(self, hero: bool = False) -> Person:
-        """A child with a name not yet used in this story; the hero's name comes with its opening."""
+    def child(self) -> Person:
+        """A child with a name not yet used in this story."""
         girl = self.chance(0.5)
         names = WORDS.girl_names if girl else WORDS.boy_names
-        if hero:
-            name, intro = self.pick(HERO_PAIRS[self.val, girl])
-            self.cast["intro"] = INTROS[intro]
-        else:
+        name = self.pick(names)
+        while name in self._names:
             name = self.pick(names)
-            while name in self._names:
-                name = self.pick(names)
         self._names.add(name)
         return Person(name, girl)
+
+    def hero(self) -> Person:
+        """The hero: a child, an animal, a storybook role (a pirate, a queen) or a thing come alive (a robot), so a
+        request for a story about any of them has stories to learn from. The name comes with the opening."""
+        draw, heroes = self.rng.random(), WORDS.heroes
+        if draw < HERO_SHARES["child"]:
+            kind, girl = None, self.chance(0.5)
+        elif draw < HERO_SHARES["child"] + HERO_SHARES["animal"]:
+            kind, girl = self.pick(heroes["animals"]), self.chance(0.5)
+        elif draw < 1 - HERO_SHARES["thing"]:
+            role = self.pick(heroes["roles"])
+            kind, girl = role["kind"], role.get("female", self.chance(0.5))
+        else:
+            kind, girl = self.pick(heroes["things"]), self.chance(0.5)
+        name, intro = self.pick(HERO_PAIRS[self.val, girl])
+        self.cast["intro"] = INTROS[intro]
+        self._names.add(name)
+        if kind is not None:  # a few more words about what the hero is, and looks that fit any kind
+            self.cast["about"] = PLOT_TEXT["about"] + PLOT_TEXT["about_creature"]
+        return Person(name, girl, kind)
 
     def grownup(self, exclude: Person | None = None) -> Person:
         member = self.pick([f for f in WORDS.family if exclude is None or f.kind != exclude.kind])
@@ -336,8 +356,9 @@ class Story:
 
     def cast_basics(self, place: SimpleNamespace | None = None) -> None:
         """The child `h`, a grown-up `p`, and (if given) the place, its day and one of its activities."""
-        h = self.child(hero=True)
-        self.set(h=h, p=self.grownup(), looks=self.pick(WORDS.looks).format(h=h))
+        h = self.hero()
+        looks = WORDS.looks if h.kind in ("girl", "boy") else WORDS.hero_looks
+        self.set(h=h, p=self.grownup(), looks=self.pick(looks).format(h=h))
         if place is not None:
             self.set(place=place, day=self.pick(place.days))
             self.activity(place.acts)
@@ -581,6 +602,12 @@ def split_of(story: str) -> str:
 
 def generate_story(index: int, seed: int = 0) -> str:
     """Story number `index` of the stream for `seed`; depends on (seed, index) alone."""
+    return tell_story(index, seed)[0]
+
+
+def tell_story(index: int, seed: int = 0) -> tuple[str, dict]:
+    """generate_story's text and its cast (`h` the hero, `place`, `toy`, `animal`, `pet`, ...: whatever its plot
+    chose), so that a request for this story can name what it is about."""
     if index < 0:
         raise ValueError(f"story index must be >= 0, got {index}")
     # Seeding with a string hashes it with SHA-512: stable across processes and PYTHONHASHSEED.
@@ -590,7 +617,7 @@ def generate_story(index: int, seed: int = 0) -> str:
         rng.choice(PLOTS)(story)
         text = story.text()
         if MIN_WORDS <= len(text.split()) <= MAX_WORDS:
-            return text
+            return text, story.cast
     raise RuntimeError(
         f"story {index} (seed {seed}) missed {MIN_WORDS}-{MAX_WORDS} words ten times; a plot is badly sized"
     )
