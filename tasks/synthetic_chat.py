@@ -45,6 +45,18 @@ def split_of_text(text: str) -> str:
     return "val" if zlib.crc32(text.encode("utf-8")) % VAL_SHARE == 0 else "train"
 
 
+def wrap(rng: random.Random, text: str, kind: str = "") -> str:
+    """What people put around a request (a greeting, "Quick question:", "Thanks!"), in lower case now and then: so
+    that no wrapping is a cue for one kind of answer. kind "math" or "story" adds wrappings of its own."""
+    words = PHRASES["wrap"]
+    if rng.random() < 0.3:
+        before = rng.choice(words["before"] + words.get(f"{kind}_before", []))
+        text = before + (text[0].lower() + text[1:] if before.endswith(", ") else text)
+    if rng.random() < 0.2:
+        text += rng.choice(words["after"])
+    return _casual(rng, text)
+
+
 def _check_split(name: str, split: str, size: int) -> None:
     if split not in SPLITS:
         raise ValueError(f"{name} split must be train or val, got {split!r}")
@@ -331,8 +343,9 @@ class IdentityChat(Task):
 # Arithmetic word problems with the calculator tool (tasks/word_problems.py writes them)
 
 
-def arithmetic_problem(index: int, split: str = "train", seed: int = 0) -> Problem:
-    """Problem number `index` of `split`; a pure function of (index, split, seed)."""
+def arithmetic_conversation(index: int, split: str = "train", seed: int = 0) -> tuple[Problem, dict]:
+    """Problem number `index` of `split` and its conversation, the question as a user types it (now and then with a
+    greeting or a thank-you around it); a pure function of (index, split, seed). The split goes by that text."""
     if index < 0:
         raise ValueError(f"problem index must be >= 0, got {index}")
     _check_split("arithmetic_problem", split, 1)
@@ -340,11 +353,18 @@ def arithmetic_problem(index: int, split: str = "train", seed: int = 0) -> Probl
 
     def make(rng):
         problem = make_problem(rng)
+        conversation = problem.conversation()
+        conversation["messages"][0]["content"] = wrap(rng, problem.question, "math")
         holder["problem"] = problem
-        return problem.conversation()
+        return conversation
 
-    _draw_in_split(f"flaxchat-arithmetic:{seed}:{split}:{index}", split, make)
-    return holder["problem"]
+    conversation = _draw_in_split(f"flaxchat-arithmetic:{seed}:{split}:{index}", split, make)
+    return holder["problem"], conversation
+
+
+def arithmetic_problem(index: int, split: str = "train", seed: int = 0) -> Problem:
+    """Problem number `index` of `split` (the question without what arithmetic_conversation puts around it)."""
+    return arithmetic_conversation(index, split, seed)[0]
 
 
 class ArithmeticProblems(Task):
@@ -366,8 +386,8 @@ class ArithmeticProblems(Task):
         return self.size
 
     def get_example(self, index: int) -> dict:
-        problem = arithmetic_problem(index, self.split, self.seed)
-        return {**problem.conversation(), "answer": str(problem.answer)}
+        problem, conversation = arithmetic_conversation(index, self.split, self.seed)
+        return {**conversation, "answer": str(problem.answer)}
 
     def evaluate(self, conversation: dict, completion) -> int:
         """1 if the number after "####" in the completion equals the answer, else 0 (as GSM8K)."""
@@ -412,13 +432,14 @@ def story_request(rng: random.Random, facts: dict, phrasing: str = "train") -> s
     thing the story tells of (a toy, a find, an animal, a place); a few name nothing."""
     bank = lambda name: PHRASES[name][phrasing]  # noqa: E731
     if rng.random() < 0.12:
-        return _casual(rng, rng.choice(bank("story_generic")).format(first=facts["first"]))
+        return rng.choice(bank("story_generic")).format(first=facts["first"])
     subject = rng.choice(bank("hero_subject")).format(**facts)
     extras = [key for key in ("toy", "find", "animal", "place") if key in facts]
     if extras and rng.random() < 0.5:
         key = rng.choice(extras)
         subject = rng.choice(bank(f"with_{key}")).format(s=subject, **facts)
-    return _casual(rng, rng.choice(bank("story_frames")).format(s=subject))
+    request = rng.choice(bank("story_frames")).format(s=subject)
+    return wrap(rng, request, "story") if phrasing == "train" else request
 
 
 class StoryRequests(Task):
@@ -545,7 +566,11 @@ MULTI_TURN_KINDS = ((recall_conversation, 5), (things_conversation, 2), (followu
 
 def multi_turn_conversation(rng: random.Random, phrasing: str = "train") -> dict:
     makers, weights = zip(*MULTI_TURN_KINDS)
-    return rng.choices(makers, weights)[0](rng, phrasing)
+    conversation = rng.choices(makers, weights)[0](rng, phrasing)
+    if phrasing == "train":
+        for message in conversation["messages"][::2]:
+            message["content"] = wrap(rng, message["content"])
+    return conversation
 
 
 class MultiTurnChat(Task):

@@ -72,7 +72,7 @@ def load_plots() -> dict:
     for name, entry in plots.items():
         if isinstance(entry, dict):
             for key, value in entry.items():
-                if key != "beats" and value and isinstance(value[0], dict):
+                if key != "beats" and isinstance(value, list) and value and isinstance(value[0], dict):
                     entry[key] = records(value)
             plots[name] = SimpleNamespace(**entry)
     return plots
@@ -557,6 +557,20 @@ def helping(s: Story) -> None:
     s.tell(text.beats)
 
 
+def counting(s: Story) -> None:
+    """Things found, shared and put in rows, with the sums in the story: text with numbers that add up."""
+    text = PLOT_TEXT["counting"]
+    place = PLACE[s.pick(sorted(text.items))]
+    s.cast_basics(place)
+    k, g = s.rng.randint(2, 6), s.rng.randint(2, 5)
+    n5 = k * g  # what is left at the end goes into g rows of k
+    n4 = s.rng.randint(1, 9)
+    n3 = n5 + n4
+    n1 = s.rng.randint(2, n3 - 2)
+    s.set(item=s.pick(text.items[place.key]), f=s.child(), n1=n1, n2=n3 - n1, n3=n3, n4=n4, n5=n5, k=k, g=g)
+    s.tell(text.beats)
+
+
 PLOTS = (
     lost_toy,
     new_friend,
@@ -570,6 +584,7 @@ PLOTS = (
     lesson,
     gift,
     helping,
+    counting,
 )
 
 # --- public API ---------------------------------------------------------------------------------
