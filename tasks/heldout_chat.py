@@ -58,7 +58,7 @@ IDENTITY = (
 )
 # story subjects no story, request or word list of the training data names: a story about one of them has to take
 # the word from the request
-CHECK_SUBJECTS = ("otter", "walrus", "llama", "octopus", "beaver", "flamingo", "pelican", "badger", "lantern", "teapot")
+CHECK_SUBJECTS = tuple(PHRASES["story_subjects"]["check"])
 CHECK_OBJECTS = ("a silver spoon", "a paper boat", "a green umbrella", "a striped sock")
 N_ARITHMETIC, N_STORIES = 24, 8
 

@@ -30,10 +30,10 @@ import zlib
 from collections.abc import Callable
 from importlib import resources
 
-from flaxchat.data.stories import split_index, tell_story
+from flaxchat.data.stories import WORDS, split_index, tell_story
 from tasks.common import Task, completion_text
 from tasks.gsm8k import extract_answer
-from tasks.word_problems import PEOPLE, Problem, make_problem, solution
+from tasks.word_problems import CHECK_NAMES, PEOPLE, Problem, make_problem, solution
 
 PHRASES = json.loads(resources.files("tasks").joinpath("chat_phrasings.json").read_text(encoding="utf-8"))
 SPLITS = ("train", "val")
@@ -55,6 +55,22 @@ def wrap(rng: random.Random, text: str, kind: str = "") -> str:
     if rng.random() < 0.2:
         text += rng.choice(words["after"])
     return _casual(rng, text)
+
+
+_NOT_INVENTED = frozenset(PHRASES["story_subjects"]["check"]) | {n.lower() for n in CHECK_NAMES}
+INVENTED_SHARE = 0.35  # of story heroes and of the names, cities and pets users tell: made-up words
+
+
+def invented_word(rng: random.Random) -> str:
+    """A made-up word ("blimket", "zoodra"): a value no list holds, which the model can only copy from the request
+    (a story about a "blimket", "Call me Zoodra"). It learns to take words from what it is told, not from memory."""
+    parts = PHRASES["invented"]
+    while True:
+        syllables = [rng.choice(parts["onsets"]) + rng.choice(parts["vowels"]) + rng.choice(parts["codas"])]
+        syllables += [rng.choice(parts["onsets"]) + rng.choice(parts["vowels"]) for _ in range(rng.randint(0, 1))]
+        word = "".join(syllables) + rng.choice(parts["endings"])
+        if 4 <= len(word) <= 9 and word not in _NOT_INVENTED:
+            return word
 
 
 def _check_split(name: str, split: str, size: int) -> None:
@@ -404,6 +420,7 @@ class ArithmeticProblems(Task):
 # Story requests answered with the synthetic stories
 
 _FIRST_SENTENCE = re.compile(r"^.*?[.!?](?=\s|$)")
+_WORLD_KINDS = {k if isinstance(k, str) else k["kind"] for group in WORDS.heroes.values() for k in group} | {"girl", "boy"}
 
 
 def story_facts(story: str, cast: dict) -> dict:
@@ -431,9 +448,12 @@ def story_request(rng: random.Random, facts: dict, phrasing: str = "train") -> s
     """A user's request that this story answers: most name its hero (a kind, maybe a name), often with one more
     thing the story tells of (a toy, a find, an animal, a place); a few name nothing."""
     bank = lambda name: PHRASES[name][phrasing]  # noqa: E731
-    if rng.random() < 0.12:
+    if rng.random() < 0.12 and facts["kind"] in _WORLD_KINDS:
         return rng.choice(bank("story_generic")).format(first=facts["first"])
-    subject = rng.choice(bank("hero_subject")).format(**facts)
+    subjects = bank("hero_subject")
+    if facts["kind"] not in _WORLD_KINDS:  # a made-up hero: the request names what it is
+        subjects = [t for t in subjects if "{kind}" in t or "{a_kind}" in t]
+    subject = rng.choice(subjects).format(**facts)
     extras = [key for key in ("toy", "find", "animal", "place") if key in facts]
     if extras and rng.random() < 0.5:
         key = rng.choice(extras)
@@ -462,8 +482,9 @@ class StoryRequests(Task):
     def get_example(self, index: int) -> dict:
         rng = random.Random(f"flaxchat-story-requests:{self.seed}:{self.split}:{index}")
         story_split = "val" if self.split == "val" else "train"
+        kind = invented_word(rng) if rng.random() < INVENTED_SHARE else None  # then the request must name it
         while True:  # about half of all stories fit 250 words; each try is a fresh story
-            story, cast = tell_story(split_index(story_split, rng.randrange(10**7)), seed=self.seed)
+            story, cast = tell_story(split_index(story_split, rng.randrange(10**7)), self.seed, hero_kind=kind)
             if len(story.split()) <= self.max_words:
                 break
         request = story_request(rng, story_facts(story, cast))
@@ -480,7 +501,10 @@ def _turns(*pairs) -> list[dict]:
 
 def _fact(rng: random.Random, kind: str, phrasing: str) -> dict:
     """One thing a user can tell about themselves: its value and the words that tell, acknowledge, ask, answer."""
-    if kind == "name":
+    invented = phrasing == "train" and rng.random() < INVENTED_SHARE
+    if kind in ("name", "city", "pet") and invented:
+        value = invented_word(rng).capitalize()
+    elif kind == "name":
         value = rng.choice(PEOPLE[phrasing])[0]
     elif kind == "city":
         value = rng.choice(PHRASES["cities"][phrasing])

@@ -212,8 +212,8 @@ class Thing:
 class Story:
     """Collects sentences; picks a phrasing per beat and fills it from the cast (`self.cast`)."""
 
-    def __init__(self, rng: random.Random, val: bool):
-        self.rng, self.val = rng, val
+    def __init__(self, rng: random.Random, val: bool, hero_kind: str | None = None):
+        self.rng, self.val, self.hero_kind = rng, val, hero_kind
         self.paragraphs: list[list[str]] = [[]]
         self._seen: set[str] = set()
         self._names: set[str] = set()
@@ -318,7 +318,9 @@ class Story:
         """The hero: a child, an animal, a storybook role (a pirate, a queen) or a thing come alive (a robot), so a
         request for a story about any of them has stories to learn from. The name comes with the opening."""
         draw, heroes = self.rng.random(), WORDS.heroes
-        if draw < HERO_SHARES["child"]:
+        if self.hero_kind:
+            kind, girl = self.hero_kind, self.chance(0.5)
+        elif draw < HERO_SHARES["child"]:
             kind, girl = None, self.chance(0.5)
         elif draw < HERO_SHARES["child"] + HERO_SHARES["animal"]:
             kind, girl = self.pick(heroes["animals"]), self.chance(0.5)
@@ -620,15 +622,16 @@ def generate_story(index: int, seed: int = 0) -> str:
     return tell_story(index, seed)[0]
 
 
-def tell_story(index: int, seed: int = 0) -> tuple[str, dict]:
+def tell_story(index: int, seed: int = 0, hero_kind: str | None = None) -> tuple[str, dict]:
     """generate_story's text and its cast (`h` the hero, `place`, `toy`, `animal`, `pet`, ...: whatever its plot
-    chose), so that a request for this story can name what it is about."""
+    chose), so that a request for this story can name what it is about. hero_kind, when given, is what the hero is
+    ("walrus"): a story about a kind the world's lists do not have."""
     if index < 0:
         raise ValueError(f"story index must be >= 0, got {index}")
     # Seeding with a string hashes it with SHA-512: stable across processes and PYTHONHASHSEED.
     rng = random.Random(f"flaxchat-stories:{seed}:{index}")
     for _ in range(10):  # the plots are sized to fit; a rare miss just draws again from the same rng
-        story = Story(rng, is_val_index(index))
+        story = Story(rng, is_val_index(index), hero_kind)
         rng.choice(PLOTS)(story)
         text = story.text()
         if MIN_WORDS <= len(text.split()) <= MAX_WORDS:
