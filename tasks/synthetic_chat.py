@@ -534,9 +534,16 @@ def _between(rng: random.Random, phrasing: str) -> list[dict]:
 
 def recall_conversation(rng: random.Random, phrasing: str = "train") -> dict:
     """The user tells one or two things (a name, a city, a pet, a number, an age), maybe talks of something else,
-    then asks for one back; "expected" is what the last reply must say."""
+    then asks for one back; "expected" is what the last reply must say. Now and then (train only) the user asks for
+    something never told, and the answer says so: an answer comes from the conversation, not from habit."""
     kinds = rng.sample(sorted(PHRASES["facts"]), 2 if rng.random() < 0.4 else 1)
     facts = [_fact(rng, kind, phrasing) for kind in kinds]
+    if phrasing == "train" and rng.random() < 0.15:
+        missing = rng.choice([k for k in sorted(PHRASES["facts"]) if k not in kinds])
+        answer = PHRASES["not_told"][missing]
+        asked = _fact(rng, missing, phrasing)["ask"]
+        told = _turns(*[(f["tell"], f["ack"]) for f in facts]) if rng.random() < 0.5 else []
+        return {"messages": told + _turns((asked, answer)), "expected": answer}
     messages = _turns(*[(f["tell"], f["ack"]) for f in facts])
     if rng.random() < 0.6:
         messages += _between(rng, phrasing)
