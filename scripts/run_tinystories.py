@@ -42,7 +42,7 @@ SIZES = {
     "device_batch_size": (32, 16),
     "total_batch_size": (8192, 4096),
     "pretrain_iterations": (200, 50),
-    "sft_iterations": (400, 15),
+    "sft_iterations": (800, 15),
     "sft_batch_size": (16, 8),
     # the SFT mixture: arithmetic takes the most practice; stories that follow the request and conversations that
     # need an earlier turn come next

@@ -30,6 +30,7 @@ import zlib
 from collections.abc import Callable
 from importlib import resources
 
+from flaxchat.data import stories
 from flaxchat.data.stories import WORDS, split_index, tell_story
 from tasks.common import Task, completion_text
 from tasks.gsm8k import extract_answer
@@ -62,14 +63,12 @@ INVENTED_SHARE = 0.35  # of story heroes and of the names, cities and pets users
 
 
 def invented_word(rng: random.Random) -> str:
-    """A made-up word ("blimket", "zoodra"): a value no list holds, which the model can only copy from the request
-    (a story about a "blimket", "Call me Zoodra"). It learns to take words from what it is told, not from memory."""
-    parts = PHRASES["invented"]
+    """A made-up word (flaxchat.data.stories.invented_word) that is no value of the check: the model can only copy
+    it from the request ("a story about a blimket", "Call me Zoodra"), so it learns to take words from what it is
+    told, not from memory."""
     while True:
-        syllables = [rng.choice(parts["onsets"]) + rng.choice(parts["vowels"]) + rng.choice(parts["codas"])]
-        syllables += [rng.choice(parts["onsets"]) + rng.choice(parts["vowels"]) for _ in range(rng.randint(0, 1))]
-        word = "".join(syllables) + rng.choice(parts["endings"])
-        if 4 <= len(word) <= 9 and word not in _NOT_INVENTED:
+        word = stories.invented_word(rng)
+        if word not in _NOT_INVENTED:
             return word
 
 

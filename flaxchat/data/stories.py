@@ -162,6 +162,22 @@ def is_val_pair(name: str, intro: int) -> bool:
 
 
 HERO_SHARES = {"child": 0.45, "animal": 0.35, "role": 0.1, "thing": 0.1}
+# heroes with a made-up name ("Zoodra") or of a made-up kind ("a little blimket"): words a model has never seen,
+# repeated through the story, so pretraining practises copying a word it cannot know from memory
+INVENTED_NAME_SHARE, INVENTED_KIND_SHARE = 0.2, 0.1
+_KNOWN = frozenset(re.findall(r"[a-z]+", json.dumps(WORDS.__dict__, default=vars).lower() + json.dumps(PLOT_TEXT, default=vars).lower()))
+
+
+def invented_word(rng: random.Random) -> str:
+    """A made-up word ("blimket", "zoodra") of one or two syllables, never one the stories use otherwise."""
+    parts = WORDS.invented
+    while True:
+        syllables = [rng.choice(parts["onsets"]) + rng.choice(parts["vowels"]) + rng.choice(parts["codas"])]
+        syllables += [rng.choice(parts["onsets"]) + rng.choice(parts["vowels"]) for _ in range(rng.randint(0, 1))]
+        word = "".join(syllables) + rng.choice(parts["endings"])
+        if 4 <= len(word) <= 9 and word not in _KNOWN:
+            return word
+
 HERO_PAIRS = {
     (val, girl): tuple(
         (name, k)
@@ -329,7 +345,15 @@ class Story:
             kind, girl = role["kind"], role.get("female", self.chance(0.5))
         else:
             kind, girl = self.pick(heroes["things"]), self.chance(0.5)
-        name, intro = self.pick(HERO_PAIRS[self.val, girl])
+        if kind not in (None, self.hero_kind) and self.chance(INVENTED_KIND_SHARE):
+            kind = invented_word(self.rng)
+        if self.chance(INVENTED_NAME_SHARE):
+            while True:  # a made-up name with an opening that keeps the story in its split
+                name, intro = invented_word(self.rng).capitalize(), self.rng.randrange(len(INTROS))
+                if is_val_pair(name, intro) == self.val:
+                    break
+        else:
+            name, intro = self.pick(HERO_PAIRS[self.val, girl])
         self.cast["intro"] = INTROS[intro]
         self._names.add(name)
         if kind is not None:  # a few more words about what the hero is, and looks that fit any kind
