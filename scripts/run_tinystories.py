@@ -41,15 +41,15 @@ SIZES = {
     "max_seq_len": (256, 256),
     "device_batch_size": (32, 16),
     "total_batch_size": (8192, 4096),
-    "pretrain_iterations": (200, 50),
-    "sft_iterations": (800, 15),
+    "pretrain_iterations": (300, 50),
+    "sft_iterations": (600, 15),
     "sft_batch_size": (16, 8),
     # the SFT mixture: arithmetic takes the most practice; stories that follow the request and conversations that
     # need an earlier turn come next
-    "story_size": (1500, 300),
-    "identity_size": (1200, 300),
-    "arithmetic_size": (14000, 600),
-    "multi_turn_size": (3000, 300),
+    "story_size": (2000, 300),
+    "identity_size": (1500, 300),
+    "arithmetic_size": (18000, 600),
+    "multi_turn_size": (4000, 300),
 }
 STORY_PROMPTS = ["Once upon a time, there was a little", "One day, a girl named Lily", "Tom had a red ball."]
 CHAT_PROMPTS = ["Tell me a story about a cat named Tom.", "Who are you?"]

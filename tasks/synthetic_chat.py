@@ -59,7 +59,7 @@ def wrap(rng: random.Random, text: str, kind: str = "") -> str:
 
 
 _NOT_INVENTED = frozenset(PHRASES["story_subjects"]["check"]) | {n.lower() for n in CHECK_NAMES}
-INVENTED_SHARE = 0.35  # of story heroes and of the names, cities and pets users tell: made-up words
+INVENTED_SHARE = 0.15  # of story heroes and of the names, cities and pets users tell: made-up words
 
 
 def invented_word(rng: random.Random) -> str:
