@@ -38,6 +38,8 @@ SIZES = {
     "vocab_size": (4096, 2048),
     "tok_max_chars": (30_000_000, 5_000_000),
     "depth": (4, 2),
+    "head_dim": (64, 64),  # 4 heads of 64 (not 2 of 128) at the same width: more ways to look back at the request
+    "window_pattern": ("L", "L"),  # every layer sees the whole 256-token context: a name told turns ago, the request
     "max_seq_len": (256, 256),
     "device_batch_size": (32, 16),
     "total_batch_size": (8192, 4096),
@@ -150,6 +152,10 @@ class Demo:
         flags = [
             "--depth",
             s["depth"],
+            "--head-dim",
+            s["head_dim"],
+            "--window-pattern",
+            s["window_pattern"],
             "--max-seq-len",
             s["max_seq_len"],
             "--device-batch-size",
