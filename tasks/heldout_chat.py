@@ -28,6 +28,7 @@ import random
 import re
 import sys
 
+from flaxchat.data.stories import WORDS
 from flaxchat.generate.engine import Engine
 from flaxchat.train.checkpoint import load_model
 from tasks.synthetic_chat import (
@@ -56,8 +57,8 @@ IDENTITY = (
     "Who trained the model I'm chatting with?",
     "Any idea what your own name is?",
 )
-# story subjects no story, request or word list of the training data names: a story about one of them has to take
-# the word from the request
+# story subjects no story, request or word list of the training data names (half the check's story requests): a
+# story about one of them has to take the word from the request
 CHECK_SUBJECTS = tuple(PHRASES["story_subjects"]["check"])
 CHECK_OBJECTS = ("a silver spoon", "a paper boat", "a green umbrella", "a striped sock")
 N_ARITHMETIC, N_STORIES = 24, 8
@@ -169,7 +170,11 @@ def demo_prompts(seed: int = 0) -> dict:
     scenes = rng.sample([scene for scene, _ in SCENES], N_ARITHMETIC)  # a problem of each of most scenes
     arithmetic = [make_problem(rng, "check", scene) for scene in scenes]
     names = [name for name, _ in DATA["check_names"]]
-    stories = [_story_request(rng, s, rng.choice(names)) for s in rng.sample(CHECK_SUBJECTS, N_STORIES)]
+    # half the story subjects are of the stories' world (a fox, a pirate, a robot), half are words no training text
+    # has (an otter): those the model can only copy from the request
+    world = sorted(k if isinstance(k, str) else k["kind"] for group in WORDS.heroes.values() for k in group)
+    subjects = rng.sample(world, N_STORIES // 2) + rng.sample(CHECK_SUBJECTS, N_STORIES - N_STORIES // 2)
+    stories = [_story_request(rng, s, rng.choice(names)) for s in subjects]
     conversations = (
         [recall_conversation(rng, "check") for _ in range(6)]
         + [things_conversation(rng, "check") for _ in range(2)]
