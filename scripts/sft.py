@@ -14,8 +14,8 @@ its optimizer state (momentum buffers; the learning rates are SFT's own).
 Data: --mixture online = nanochat's (SmolTalk, MMLU auxiliary_train, GSM8K train, SpellingBee, SimpleSpelling)
 plus flaxchat's identity conversations; --mixture offline = flaxchat's synthetic conversations (identity,
 arithmetic with calculator tool calls, story requests, multi-turn conversations, spelling and letter counting)
-plus MMLU dev/validation and ARC validation as multiple choice. auto picks online when the Hugging Face hub is reachable. Test splits
-are never trained on; they only serve as validation data.
+plus MMLU dev/validation and ARC validation as multiple choice. auto picks online when the Hugging Face hub is
+reachable. Test splits are never trained on; they only serve as validation data.
 
 Your own conversations (JSONL in the OpenAI chat format, a file or a folder; tasks/customjson.py), mixed into
 the built-in mixture by weight, or alone with --mixture none; 5% of each is held out for val:

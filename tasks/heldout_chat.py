@@ -116,7 +116,9 @@ def check_prompts(prompts: dict) -> dict:
         "identity": lambda x: isinstance(x, str),
         "arithmetic": lambda x: len(x) == 2 and isinstance(x[0], str) and isinstance(x[1], (int, float, str)),
         "stories": lambda x: len(x) == 2 and isinstance(x[0], str) and isinstance(x[1], list) and x[1],
-        "multi_turn": lambda x: len(x) == 2 and isinstance(x[0], list) and x[0] and all(isinstance(t, str) for t in x[0]),
+        "multi_turn": lambda x: (
+            len(x) == 2 and isinstance(x[0], list) and x[0] and all(isinstance(t, str) for t in x[0])
+        ),
     }
     forms = {
         "identity": '"question"',
@@ -271,7 +273,9 @@ def print_results(results: list[dict], file=sys.stdout) -> None:
 def main(argv=None):
     p = argparse.ArgumentParser(description="Score a chat model on a held-out prompt file (greedy replies).")
     p.add_argument("--prompts", type=str, default=None, help="the prompt file (default: the demo's check)")
-    p.add_argument("--base-dir", type=str, default=None, help="the base dir holding the model (default: $FLAXCHAT_BASE_DIR)")
+    p.add_argument(
+        "--base-dir", type=str, default=None, help="the base dir holding the model (default: $FLAXCHAT_BASE_DIR)"
+    )
     p.add_argument("--source", choices=["sft", "rl", "base"], default="sft", help="which checkpoints (default: sft)")
     p.add_argument("--model-tag", type=str, default=None, help="the model tag (default: the only or newest one)")
     p.add_argument("--step", type=int, default=None, help="the checkpoint step (default: the last)")

@@ -413,13 +413,14 @@ class ArithmeticProblems(Task):
         return int(predicted is not None and predicted == reference)
 
 
-
-
 # -----------------------------------------------------------------------------
 # Story requests answered with the synthetic stories
 
 _FIRST_SENTENCE = re.compile(r"^.*?[.!?](?=\s|$)")
-_WORLD_KINDS = {k if isinstance(k, str) else k["kind"] for group in WORDS.heroes.values() for k in group} | {"girl", "boy"}
+_WORLD_KINDS = {k if isinstance(k, str) else k["kind"] for group in WORDS.heroes.values() for k in group} | {
+    "girl",
+    "boy",
+}
 
 
 def story_facts(story: str, cast: dict) -> dict:
@@ -583,11 +584,18 @@ def followup_conversation(rng: random.Random, phrasing: str = "train") -> dict:
         divisors = [k for k in range(2, 11) if value % k == 0 and value // k > 0]
         kinds = ["gain", "times"] + (["loss"] if value > 1 else []) + (["share"] if divisors else [])
         kind = rng.choice(kinds)
-        k = {"gain": rng.randint(2, 60), "loss": rng.randint(1, max(value - 1, 1)), "times": 2}[kind] if kind != "share" else rng.choice(divisors)
+        k = (
+            {"gain": rng.randint(2, 60), "loss": rng.randint(1, max(value - 1, 1)), "times": 2}[kind]
+            if kind != "share"
+            else rng.choice(divisors)
+        )
         expr = {"gain": f"{value}+{k}", "loss": f"{value}-{k}", "times": f"{value}*2", "share": f"{value}//{k}"}[kind]
         question = rng.choice(PHRASES["followups"][kind][phrasing]).format(he=he, k=k)
         parts, value = solution(expr, problem.unit)
-        messages += [{"role": "user", "content": question[0].upper() + question[1:]}, {"role": "assistant", "content": parts}]
+        messages += [
+            {"role": "user", "content": question[0].upper() + question[1:]},
+            {"role": "assistant", "content": parts},
+        ]
     return {"messages": messages, "expected": str(value)}
 
 

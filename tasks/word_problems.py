@@ -134,12 +134,16 @@ class Scene:
     def event(self, kind: str, gain: bool, n: int, p: Person, f: Person) -> str:
         """A change as a clause without its subject: "~gives 5 to Ben"."""
         table = "gain" if gain else "loss"
-        options = self.bank(f"{table}_any") + (self.bank(f"{table}_{kind}") if f"{table}_{kind}" in DATA["phrasings"] else [])
+        options = self.bank(f"{table}_any") + (
+            self.bank(f"{table}_{kind}") if f"{table}_{kind}" in DATA["phrasings"] else []
+        )
         return self.fill(self.rng.choice(options), n=n, p=p, f=f)
 
     def first_clause(self, kind: str, gain: bool, n: int, p: Person, f: Person) -> str:
         """The first change with its subject: mostly the person ("She finds 5 more"), sometimes someone else."""
-        others = self.bank("others_take_any") + (self.bank(f"others_take_{kind}") if kind in ("food", "outdoor") else [])
+        others = self.bank("others_take_any") + (
+            self.bank(f"others_take_{kind}") if kind in ("food", "outdoor") else []
+        )
         if not gain and self.rng.random() < 0.2:
             clause = self.fill(self.rng.choice(others), n=n, p=p, f=f)
             return clause[0].upper() + clause[1:]
@@ -304,7 +308,9 @@ def crowd(s: Scene):
     who, where, go1, go2, come, now = s.rng.choice(DATA["crowds"])
     a = s.rng.randint(20, 500)
     b = s.rng.randint(1, a // 2)
-    slots = dict(who=who, where=where, Where=where[0].upper() + where[1:], go1=go1, go2=go2, come=come, now=now, a=a, b=b)
+    slots = dict(
+        who=who, where=where, Where=where[0].upper() + where[1:], go1=go1, go2=go2, come=come, now=now, a=a, b=b
+    )
     if s.rng.random() < 0.6:
         c = s.rng.randint(1, a - b - 1)
         return s.pick("crowd_two_leave", c=c, **slots), f"{a}-{b}-{c}", who
@@ -325,7 +331,7 @@ def capacity(s: Scene):
 
 
 def times_as_many(s: Scene):
-    """"Twice as many" (or three times, half) on a second day or for a second person: a + a*k, or how many more."""
+    """ "Twice as many" (or three times, half) on a second day or for a second person: a + a*k, or how many more."""
     p, rng = s.person(), s.rng
     word, k = rng.choice(DATA["times"])
     a = rng.randint(2, 60) * (1 if k else 2)
@@ -337,7 +343,9 @@ def times_as_many(s: Scene):
         q = s.pick("times_days", p=p, does=does, a=a, noun=noun, d1=d1, D1=d1[0].upper() + d1[1:], d2=d2, word=word)
         if more:
             return f"{q} {s.pick('times_days_more', p=p, noun=noun, do=do, d1=d1, d2=d2)}", f"{a}*{k}-{a}", noun
-        asks = rng.choice(("together", "altogether", "in all", "in total") + (("in the two days",) if "day" in d1 else ()))
+        asks = rng.choice(
+            ("together", "altogether", "in all", "in total") + (("in the two days",) if "day" in d1 else ())
+        )
         return f"{q} {s.pick('times_days_total', p=p, noun=noun, do=do, asks=asks)}", f"{a}+{second}", noun
     f = s.person(p)
     _, t = s.thing()

@@ -124,7 +124,9 @@ def test_rules_pass_what_a_person_would():
     story = "Once upon a time, an otter found a red hat in the woods. " * 4
     assert h.story_ok(story, ["otter"]) and h.story_ok(story.replace("an otter", "two otters"), ["otter"])
     assert not h.story_ok(story, ["walrus"]) and not h.story_ok("An otter.", ["otter"])
-    assert not h.story_ok("I'm flaxchat. " + story, ["otter"]) and not h.story_ok(story.replace("otter", "botter"), ["otter"])
+    assert not h.story_ok("I'm flaxchat. " + story, ["otter"]) and not h.story_ok(
+        story.replace("otter", "botter"), ["otter"]
+    )
     assert h.says("You told me your name is Ingrid.", "Ingrid") and not h.says("Your name is Ingridson.", "Ingrid")
     assert h.says("So the answer is 29 cards.\n#### 29", "29") and not h.says("#### 129", "29")
     assert not h.says("You have 29 cards and 3 more", "29")  # the final number is the answer

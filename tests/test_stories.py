@@ -180,7 +180,9 @@ def beat_problems(beats, where: str) -> list[str]:
 
 
 def test_every_plot_has_well_formed_beats():
-    assert [plot.__name__ for plot in S.PLOTS] == [name for name in S.PLOT_TEXT if name not in ("intros", "about", "about_creature")]
+    assert [plot.__name__ for plot in S.PLOTS] == [
+        name for name in S.PLOT_TEXT if name not in ("intros", "about", "about_creature")
+    ]
     bad = [p for plot in S.PLOTS for p in beat_problems(S.PLOT_TEXT[plot.__name__].beats, plot.__name__)]
     assert not bad, bad
 

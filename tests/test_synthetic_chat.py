@@ -5,17 +5,16 @@ import re
 
 import pytest
 
-from flaxchat.data.stories import split_of
+from flaxchat.data.stories import WORDS, split_of, tell_story
 from flaxchat.generate.sandbox import use_calculator
 from tasks.common import TaskMixture
 from tasks.gsm8k import extract_answer
-from flaxchat.data.stories import WORDS, tell_story
 from tasks.synthetic_chat import (
     GREETINGS,
+    PHRASES,
     THANKS,
     ArithmeticProblems,
     IdentityChat,
-    PHRASES,
     MultiTurnChat,
     StoryRequests,
     arithmetic_problem,
@@ -158,7 +157,9 @@ def test_multi_turn_conversations_answer_from_an_earlier_turn():
         c = things_conversation(rng)  # arithmetic on a number the user told in the first turn
         first, last = c["messages"][0]["content"], c["messages"][-1]["content"]
         expr = last[1]["text"]
-        assert expr.split("+")[0].split("-")[0] in re.findall(r"\d+", first) and last[-1]["text"].endswith(c["expected"])
+        assert expr.split("+")[0].split("-")[0] in re.findall(r"\d+", first) and last[-1]["text"].endswith(
+            c["expected"]
+        )
         c = followup_conversation(rng)  # a follow-up computes on the previous answer
         replies = [m["content"] for m in c["messages"] if m["role"] == "assistant"]
         for before, after in zip(replies, replies[1:]):

@@ -165,7 +165,11 @@ HERO_SHARES = {"child": 0.45, "animal": 0.35, "role": 0.1, "thing": 0.1}
 # heroes with a made-up name ("Zoodra") or of a made-up kind ("a little blimket"): words a model has never seen,
 # repeated through the story, so pretraining practises copying a word it cannot know from memory
 INVENTED_NAME_SHARE, INVENTED_KIND_SHARE = 0.2, 0.1
-_KNOWN = frozenset(re.findall(r"[a-z]+", json.dumps(WORDS.__dict__, default=vars).lower() + json.dumps(PLOT_TEXT, default=vars).lower()))
+_KNOWN = frozenset(
+    re.findall(
+        r"[a-z]+", json.dumps(WORDS.__dict__, default=vars).lower() + json.dumps(PLOT_TEXT, default=vars).lower()
+    )
+)
 
 
 def invented_word(rng: random.Random) -> str:
@@ -177,6 +181,7 @@ def invented_word(rng: random.Random) -> str:
         word = "".join(syllables) + rng.choice(parts["endings"])
         if 4 <= len(word) <= 9 and word not in _KNOWN:
             return word
+
 
 HERO_PAIRS = {
     (val, girl): tuple(
