@@ -38,8 +38,6 @@ SIZES = {
     "vocab_size": (4096, 2048),
     "tok_max_chars": (30_000_000, 5_000_000),
     "depth": (4, 2),
-    "head_dim": (64, 64),  # 4 heads of 64 (not 2 of 128) at the same width: more ways to look back at the request
-    "window_pattern": ("L", "L"),  # every layer sees the whole 256-token context: a name told turns ago, the request
     "max_seq_len": (256, 256),
     "device_batch_size": (32, 16),
     "total_batch_size": (8192, 4096),
@@ -54,7 +52,7 @@ SIZES = {
     "multi_turn_size": (4000, 300),
 }
 STORY_PROMPTS = ["Once upon a time, there was a little", "One day, a girl named Lily", "Tom had a red ball."]
-CHAT_PROMPTS = ["Tell me a story about a cat named Tom.", "Who are you?"]
+CHAT_PROMPTS = ["Tell me a story about a fox who finds a red hat.", "Who are you?"]
 
 
 def build_parser():
@@ -152,10 +150,6 @@ class Demo:
         flags = [
             "--depth",
             s["depth"],
-            "--head-dim",
-            s["head_dim"],
-            "--window-pattern",
-            s["window_pattern"],
             "--max-seq-len",
             s["max_seq_len"],
             "--device-batch-size",
