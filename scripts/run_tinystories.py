@@ -47,7 +47,7 @@ SIZES = {
     # the SFT mixture: arithmetic takes the most practice; stories that follow the request and conversations that
     # need an earlier turn come next
     "story_size": (2000, 300),
-    "identity_size": (3000, 300),
+    "identity_size": (1500, 300),
     "arithmetic_size": (18000, 600),
     "multi_turn_size": (4000, 300),
 }
