@@ -1,15 +1,16 @@
 """Built-in synthetic children's stories: the offline pretraining corpus for the laptop demo.
 
 No package registry ships TinyStories, so flaxchat writes its own. Each story is built by one of
-twelve small plots (a lost toy found, a new friend, sharing, being brave, rescuing a kitten, a lost
+thirteen small plots (a lost toy found, a new friend, sharing, being brave, rescuing a kitten, a lost
 baby animal, an animal friend, a small adventure, a rainy-day plan, a lesson learned, a homemade
-gift, helping someone) from coherent random choices: a child with a name and matching pronouns, a
-grown-up, places with the spots and activities that belong there, animals that live there, toys
-with one fixed color. Every beat has several phrasings, so the corpus holds many distinct
+gift, helping someone, finding and counting things) from coherent random choices: a hero with a name
+and matching pronouns (a child, an animal, a storybook role such as a pirate, or a thing come alive
+such as a robot; now and then with a made-up name or of a made-up kind), a grown-up, places with the
+spots and activities that belong there, animals that live there, toys with one fixed color. Every beat has several phrasings, so the corpus holds many distinct
 sentences, and every phrasing is written to stay true to the story's facts.
 
 The words and sentences are data files beside this module. story_words.json is the world: names,
-family, feelings, toys, places (each with the spots where a thing can hide, the activities as
+the heroes' kinds, family, feelings, toys, places (each with the spots where a thing can hide, the activities as
 base-form verb phrases, and for adventures its finds and one sentence describing it), animals (the
 places they live in, the food a child may offer, how they move, in the past tense) and the word-form
 exceptions. story_plots.json holds the story openings and, for each plot, its pieces (fears, lessons,
