@@ -292,7 +292,10 @@ def main(argv=None):
         prompts = load_prompts(args.prompts) if args.prompts else demo_prompts()
     except ValueError as e:
         p.error(str(e))
-    model, tokenizer, _ = load_model(args.source, args.model_tag, args.step, base_dir=args.base_dir)
+    try:
+        model, tokenizer, _ = load_model(args.source, args.model_tag, args.step, base_dir=args.base_dir)
+    except (FileNotFoundError, ValueError) as e:
+        p.error(str(e))
     results = run_check(Engine(model, tokenizer), tokenizer, prompts, args.max_tokens)
     print_results(results)
     print(f"\nheld-out ({args.prompts or 'the demo check'}, greedy): {summary(score(results))}")

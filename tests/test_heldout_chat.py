@@ -204,3 +204,9 @@ def test_cli_writes_the_demo_check_and_refuses_a_bad_file(tmp_path):
         text=True,
     )
     assert proc.returncode == 2 and "must be" in proc.stderr and "Traceback" not in proc.stderr
+    proc = subprocess.run(  # a base dir without a chat model: one sentence saying how to get one
+        [sys.executable, "-m", "tasks.heldout_chat", "--prompts", str(out), "--base-dir", str(tmp_path / "none")],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 2 and "no sft checkpoints" in proc.stderr and "Traceback" not in proc.stderr
