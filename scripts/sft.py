@@ -13,9 +13,9 @@ its optimizer state (momentum buffers; the learning rates are SFT's own).
 
 Data: --mixture online = nanochat's (SmolTalk, MMLU auxiliary_train, GSM8K train, SpellingBee, SimpleSpelling)
 plus flaxchat's identity conversations; --mixture offline = flaxchat's synthetic conversations (identity,
-arithmetic with calculator tool calls, story requests, spelling and letter counting) plus MMLU dev/validation
-and ARC validation as multiple choice. auto picks online when the Hugging Face hub is reachable. Test splits
-are never trained on; they only serve as validation data.
+arithmetic with calculator tool calls, story requests, multi-turn conversations, spelling and letter counting)
+plus MMLU dev/validation and ARC validation as multiple choice. auto picks online when the Hugging Face hub is
+reachable. Test splits are never trained on; they only serve as validation data.
 
 Your own conversations (JSONL in the OpenAI chat format, a file or a folder; tasks/customjson.py), mixed into
 the built-in mixture by weight, or alone with --mixture none; 5% of each is held out for val:
@@ -78,7 +78,7 @@ from tasks.gsm8k import GSM8K
 from tasks.mmlu import MMLU
 from tasks.smoltalk import SmolTalk
 from tasks.spellingbee import SimpleSpelling, SpellingBee
-from tasks.synthetic_chat import ArithmeticProblems, IdentityChat, StoryRequests
+from tasks.synthetic_chat import ArithmeticProblems, IdentityChat, MultiTurnChat, StoryRequests
 
 CPU_EVAL_BATCHES = 16  # a CPU's val pass: this many micro-batches (a GPU's is 40 x 524,288 tokens, nanochat's)
 CPU_CHATCORE_CAT = 100  # a CPU's ChatCORE: this many problems per categorical task (MMLU alone has 14,042)
@@ -208,6 +208,12 @@ def build_parser():
     )
     p.add_argument("--story-size", type=int, default=1000, help="offline: story requests")
     p.add_argument(
+        "--multi-turn-size",
+        type=int,
+        default=1000,
+        help="offline: conversations that need an earlier turn (a fact the user told, the previous answer)",
+    )
+    p.add_argument(
         "--spelling-size",
         type=int,
         default=1000,
@@ -284,6 +290,7 @@ def check_args(parser, args):
         "identity_size",
         "arithmetic_size",
         "story_size",
+        "multi_turn_size",
         "spelling_size",
         "reply_check",
     ):
@@ -358,6 +365,7 @@ def offline_mixture(args):
         (IdentityChat, args.identity_size),
         (ArithmeticProblems, args.arithmetic_size),
         (StoryRequests, args.story_size),
+        (MultiTurnChat, args.multi_turn_size),
     ]
     train = [task(size, "train", args.seed) for task, size in synthetic if size]
     val = [task(args.val_size, "val", args.seed) for task, _ in synthetic]
