@@ -13,7 +13,14 @@ from flax import nnx
 
 from flaxchat.data.tokenizer import Tokenizer
 from flaxchat.generate.engine import generate
-from flaxchat.generate.programs import attention_span, compiler_options
+from flaxchat.generate.programs import (
+    attention_span,
+    bucket_length,
+    compiler_options,
+    empty_slots,
+    pad_prompts,
+    programs,
+)
 from flaxchat.generate.reply import FORCED_CAPACITY, Reply, stop_tokens
 from flaxchat.generate.sampling import sample_rows
 from flaxchat.generate.scheduler import Request, Scheduler, SpeculativeScheduler
@@ -275,7 +282,8 @@ def test_warmup_compiles_every_variant_and_shows_its_progress(model, tok, capsys
     spans = sorted({attention_span(n, s.capacity) for n in range(1, s.capacity + 1)})
     assert [k[1:] for k in keys if k[0] == "decode"] == [(n, span) for n in rows for span in spans] and len(rows) == 3
     assert [k for k in keys if k[0] == "move"] == [("move", 1), ("move", 2), ("move", 4)]
-    assert [k[1] for k in keys if k[0] == "extend"] == [k[1] for k in keys if k[0] == "prefill"]
+    buckets = [k[1] for k in keys if k[0] == "prefill"]  # a tail's bucket over each span that can hold it
+    assert [k[1:] for k in keys if k[0] == "extend"] == [(T, span) for T in buckets for span in spans if span >= T]
     assert all(s.batch.runner.ahead.program(k) for k in keys)
     total = len(keys)
     err = capsys.readouterr().err
@@ -565,6 +573,37 @@ def test_chunks_are_as_long_as_the_stream_interval_allows(model, tok):
 
 # -----------------------------------------------------------------------------
 # Prefix reuse
+
+
+def test_a_tail_prefilled_over_a_span_of_a_long_cache_equals_a_whole_prefill(tok):
+    """extend reads and writes only the row's first `span` positions of a longer cache: the row's logits and its
+    cache up to the prompt's end are a whole prefill's, the positions past the span and every other row untouched
+    (a window layer included)."""
+    long = GPT(tiny_config(tok, seq_len=256), rngs=nnx.Rngs(2))
+    progs, params = programs(long)
+    prompt = [int(t) % 300 + 1 for t in np.random.default_rng(0).integers(0, 10_000, 100)]
+    start, width = 40, bucket_length(60, 256)
+    span = attention_span(start + width, 256)
+    assert span == 128 < 256  # the case that reads a part of the row
+    whole = progs.prefill(params, empty_slots(long, 3, 256), np.int32(1), *pad_prompts([prompt], 256))
+    slots = progs.prefill(params, empty_slots(long, 3, 256), np.int32(0), *pad_prompts([prompt[:40] + [7] * 9], 256))
+    slots = progs.prefill(params, slots, np.int32(1), *pad_prompts([prompt[:start]], 256))
+    before = jax.tree.map(np.asarray, slots)
+    tokens, length = pad_prompts([prompt[start:]], 256, width=width)
+    slots = progs.extend(
+        params, slots, np.int32(1), np.int32(start), np.int32(prompt[start - 1]), tokens, length[0], span=span
+    )
+    slots = jax.tree.map(np.asarray, slots)
+    np.testing.assert_allclose(slots.logits[1], whole.logits[1], rtol=2e-5, atol=2e-5)
+    assert int(slots.cache.pos[1]) == len(prompt)
+    for got, want, old in zip(slots.cache.k, whole.cache.k, before.cache.k):  # (N, Hkv, S, D)
+        np.testing.assert_allclose(got[1, :, : len(prompt)], want[1, :, : len(prompt)], rtol=2e-5, atol=2e-5)
+        np.testing.assert_array_equal(got[1, :, span:], old[1, :, span:])
+        np.testing.assert_array_equal(got[[0, 2]], old[[0, 2]])
+    for got, want, old in zip(slots.cache.v, whole.cache.v, before.cache.v):  # (N, Hkv, D, S)
+        np.testing.assert_allclose(got[1, ..., : len(prompt)], want[1, ..., : len(prompt)], rtol=2e-5, atol=2e-5)
+        np.testing.assert_array_equal(got[1, ..., span:], old[1, ..., span:])
+        np.testing.assert_array_equal(got[[0, 2]], old[[0, 2]])
 
 
 def test_a_conversations_next_turn_prefills_only_its_new_tokens(model, tok):

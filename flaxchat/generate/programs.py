@@ -270,17 +270,26 @@ def _prefill(graphdef, params, slots: Slots, start, tokens, lengths, *, copies: 
     return Slots(cache, at(slots.logits, logits), slots.forced, forced_len, forced_pos)
 
 
-def _extend(graphdef, params, slots: Slots, row, start, last, tokens, length) -> Slots:
+def _extend(graphdef, params, slots: Slots, row, start, last, tokens, length, *, span: int) -> Slots:
     """Prefill a prompt's tail, tokens (1, T) padded (`length` real), after the first `start` cached positions of row
     `row`, whose token at start - 1 is `last` (prefix reuse: the row holds an earlier prompt and reply that begin
-    the same way). Entries past `start` are overwritten or never read, as after `rewind`."""
+    the same way). Only the row's first `span` positions (static, at least start + T) are read and written back: a
+    long cache's unused end would cost as much to copy as the tail's prefill. Entries past `start` are overwritten
+    or never read, as after `rewind`."""
     model = nnx.merge(graphdef, params)
     cast_for_compute(model)
     one = lambda x: jax.lax.dynamic_slice_in_dim(x, row, 1)
-    cache = rewind(model, jax.tree.map(one, slots.cache), jnp.reshape(start, (1,)), jnp.reshape(last, (1,)))
+    c = slots.cache
+    cache = KVCache(
+        k=tuple(one(x)[:, :, :span] for x in c.k),  # (1, Hkv, span, D)
+        v=tuple(one(x)[..., :span] for x in c.v),  # (1, Hkv, D, span)
+        pos=one(c.pos),
+        prev_embedding=one(c.prev_embedding),
+    )
+    cache = rewind(model, cache, jnp.reshape(start, (1,)), jnp.reshape(last, (1,)))
     logits, cache = model.forward_cached(tokens, cache, logits_at=jnp.reshape(length - 1, (1,)))
     cache = dataclasses.replace(cache, pos=jnp.reshape(start + length, (1,)).astype(jnp.int32))
-    put = lambda x, new: jax.lax.dynamic_update_slice_in_dim(x, new.astype(x.dtype), row, axis=0)
+    put = lambda x, new: jax.lax.dynamic_update_slice(x, new.astype(x.dtype), (row,) + (0,) * (x.ndim - 1))
     zero = jnp.zeros((1,), jnp.int32)
     cache = jax.tree.map(put, slots.cache, cache)
     return Slots(
@@ -403,7 +412,7 @@ class Programs:
 
     start(params, tokens, lengths, copies=, rows=, capacity=) -> Slots
     prefill(params, slots, start, tokens, lengths, copies=) -> Slots
-    extend(params, slots, row, start, last, tokens, length) -> Slots
+    extend(params, slots, row, start, last, tokens, length, span=) -> Slots
     decode(params, slots, controls, limit, settings=) -> (Slots, Emitted)
     extract(slots, rows=, span=) -> Slots;  flush(slots, part) -> Slots;  move(slots, src, dst) -> Slots
     score(params, tokens, top=) -> (logprobs (T,), top values (T, top), top ids (T, top))
@@ -415,7 +424,7 @@ class Programs:
         jit = functools.partial(jax.jit, compiler_options=dict(options) or None)
         self.start = jit(functools.partial(_start, graphdef), static_argnames=("copies", "rows", "capacity"))
         self.prefill = jit(functools.partial(_prefill, graphdef), donate_argnames="slots", static_argnames="copies")
-        self.extend = jit(functools.partial(_extend, graphdef), donate_argnames="slots")
+        self.extend = jit(functools.partial(_extend, graphdef), donate_argnames="slots", static_argnames="span")
         self.move = jax.jit(_move, donate_argnames="slots")
         self.extract = jax.jit(_extract, static_argnames=("rows", "span"))
         self.flush = jax.jit(_flush, donate_argnames="slots")

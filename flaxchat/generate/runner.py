@@ -62,13 +62,14 @@ class Runner:
         """Prefill the request's prompt after the first `start` tokens that row `slot` already holds (they are the
         prompt's own first tokens); False (nothing done) while no program for the tail's bucket is compiled."""
         tail = request.prompt[start:]
-        (width,), ready = self._variant("extend", bucket_length(len(tail), self.capacity))
-        if (not ready and self.ahead is not None) or start + width > self.capacity:
+        width = bucket_length(len(tail), self.capacity)
+        (width, span), ready = self._variant("extend", width, attention_span(start + width, self.capacity))
+        if (not ready and self.ahead is not None) or start + width > span:
             return False  # the padded tail would not fit behind the prefix: a whole prefill instead
         self._settle()
         tokens, length = pad_prompts([tail], self.capacity, width=width)
         last = np.int32(request.prompt[start - 1])
-        run = ready.get("extend", self.programs.extend)
+        run = ready.get("extend") or functools.partial(self.programs.extend, span=span)
         self.state = run(self.params, self.state, np.int32(slot), np.int32(start), last, tokens, length[0])
         return True
 
