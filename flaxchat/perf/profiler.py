@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import os
 import sys
+import time
 
 import jax
 
@@ -77,6 +78,21 @@ class StepProfiler:
         elif i == self.stop and self.active:
             self.close()
         return jax.profiler.StepTraceAnnotation("step", step_num=i) if self.active else contextlib.nullcontext()
+
+    def dispatch(self, i: int, in_flight, run) -> list:
+        """Step i through `in_flight` (train.step.InFlight), as the training loops run their steps: run() reads the
+        step's batches and dispatches it, returning (outputs, info); the step's clock starts before the read. A
+        profiled step runs alone (the step in flight is finished first, and this one waited for). Returns the steps
+        that finished meanwhile, InFlight's (outputs, info, seconds) each, the oldest first."""
+        profiled = self.covers(i)
+        finished = [in_flight.finish()] if profiled else []
+        started = time.perf_counter()
+        with self.step(i):
+            outputs, info = run()
+            finished.append(in_flight.submit(outputs, info, started))
+            if profiled:
+                finished.append(in_flight.finish())
+        return [done for done in finished if done is not None]
 
     def close(self) -> None:
         if self.active:
