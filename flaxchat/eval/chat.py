@@ -9,11 +9,14 @@
                               the task's own evaluate(): GSM8K's number after "####", HumanEval's unit tests in
                               the sandbox, SpellingBee's count.
 
-ChatCORE is the mean centered accuracy over nanochat's five chat tasks, so 0 is chance and 1 is perfect.
+ChatCORE is the mean centered accuracy over nanochat's five chat tasks, so 0 is chance and 1 is perfect. RL
+(scripts.rl) samples its rollouts with their rewards here (sample_groups) and measures pass@k on held-out problems
+(evaluate_pass_at_k).
 """
 
 from __future__ import annotations
 
+import math
 import numbers
 import time
 from collections.abc import Callable
@@ -148,6 +151,56 @@ def sample_problems(engine, tokenizer, conversations, num_samples: int, rows: in
         out = engine.generate_batches(prompts, num_samples=num_samples, seeds=some, **sampling)
         for conversation, prompt, (sequences, masks) in zip(batch, prompts, out):
             yield conversation, prompt, sequences, masks
+
+
+def sample_groups(engine, tokenizer, task, conversations, seeds, num_samples, rows, **sampling):
+    """num_samples answers to each question, several questions per Engine batch (at most `rows` rollouts, at
+    least one question): per question (sequences, masks, rewards)."""
+    return [
+        (sequences, masks, [task.reward(conversation, tokenizer.decode(s[len(prompt) :])) for s in sequences])
+        for conversation, prompt, sequences, masks in sample_problems(
+            engine, tokenizer, conversations, num_samples, rows, seeds, **sampling
+        )
+    ]
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Chance that at least one of k samples drawn from n (c of them correct) is correct (Chen et al. 2021).
+
+    Averaged over problems this is the unbiased pass@k estimate; nanochat instead checks the first k of its
+    samples, which has the same expectation and more variance.
+    """
+    if k > n:
+        raise ValueError(f"pass@{k} needs at least {k} samples, got {n}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod((n - c - i) / (n - i) for i in range(k))
+
+
+def evaluate_pass_at_k(
+    engine, tokenizer, task, num_examples, k, max_new_tokens, temperature, top_k, seed=0, rows=64
+) -> dict:
+    """pass@1..k over the first num_examples problems of task (several problems per Engine batch, at most `rows`
+    samples), and the mean reward of all samples. Problem i samples with seed + i, as one call per problem would."""
+    n = min(num_examples, len(task))
+    counts = []
+    with progress_bar(total=n, desc="pass@k", leave=False, disable=not is_main_process()) as bar:
+        for conversation, prompt, seqs, _ in sample_problems(
+            engine,
+            tokenizer,
+            [task[i] for i in range(n)],
+            k,
+            rows,
+            [seed + i for i in range(n)],
+            max_tokens=max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+        ):
+            counts.append(sum(task.evaluate(conversation, tokenizer.decode(s[len(prompt) :])) for s in seqs))
+            bar.update(1)
+    result = {f"pass@{j}": float(np.mean([pass_at_k(k, c, j) for c in counts])) for j in range(1, k + 1)}
+    result["eval_mean_reward"] = float(np.sum(counts) / (k * n))
+    return result
 
 
 def run_generative_eval(

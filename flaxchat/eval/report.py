@@ -88,6 +88,18 @@ def plot_training(rows: list[dict], path: str, title: str = "") -> str | None:
     return plot_panels(rows, path, TRAINING_PANELS, title)
 
 
+def plot_rl(rows, path, title=""):
+    """2x2 chart: mean reward, pass@1 and pass@k, LR multiplier, mean sampled length."""
+    k_keys = sorted({key for r in rows for key in r if key.startswith("pass@")}, key=lambda s: int(s[5:]))
+    panels = [
+        (["reward"], "mean reward (train rollouts)"),
+        ([k_keys[0], k_keys[-1]] if k_keys else [], "held-out pass@k"),
+        (["lrm"], "learning-rate multiplier"),
+        (["sequence_length"], "mean rollout length (tokens)"),
+    ]
+    return plot_panels(rows, path, panels, title)
+
+
 # -----------------------------------------------------------------------------
 # The report card: each stage writes its own section; `generate()` assembles report.md
 
