@@ -130,6 +130,23 @@ def huge_pages_active() -> bool:
     return sys.platform.startswith("linux") and _hugetlb(os.environ) in ("1", "2")
 
 
+def speed_tips(dtype) -> list[str]:
+    """What would make training faster on this CPU and is not on (a training script prints them): glibc's huge
+    pages where they are off, bf16 where the CPU multiplies it in hardware and the run computes in fp32."""
+    tips = []
+    if jax.default_backend() == "cpu" and sys.platform.startswith("linux") and not huge_pages_active():
+        tips.append(
+            f"tip: GLIBC_TUNABLES={HUGE_PAGES_TUNABLE} in the environment makes CPU steps faster (pixi tasks and "
+            "the laptop demo set it; docs/cpu-speed.md)"
+        )
+    if jax.default_backend() == "cpu" and jnp.dtype(dtype) == jnp.float32 and cpu_bf16_instructions():
+        tips.append(
+            "tip: this CPU multiplies bf16 in hardware: --dtype bfloat16 (or FLAXCHAT_DTYPE=bfloat16) trains "
+            "faster than fp32 here (bf16 products, fp32 activations; docs/cpu-speed.md, 'bf16 on a CPU')"
+        )
+    return tips
+
+
 MALLOC_LIBRARIES = ("tcmalloc", "jemalloc", "mimalloc")
 
 

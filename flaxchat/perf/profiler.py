@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import sys
 import time
@@ -12,7 +13,7 @@ import jax
 
 from flaxchat.common import print0
 from flaxchat.perf.hlo import op_kinds, op_sources, scatter_combiners
-from flaxchat.perf.trace import COMMAND_BUFFERS_OFF, summarize_trace
+from flaxchat.perf.trace import COMMAND_BUFFERS_OFF, format_summary, summarize_trace
 
 
 class StepProfiler:
@@ -113,4 +114,15 @@ def profile_summary(profiler, step, batch, mesh) -> dict | None:
     summary = summarize_trace(profiler.directory, kinds=op_kinds(hlo), module="train_step", sources=op_sources(hlo))
     # the embeddings' gradients: "f32 add" where the device adds atomically (hlo.scatter_combiners)
     summary["scatters"] = [f"{dtype} {' '.join(ops)}" for dtype, ops in scatter_combiners(hlo)]
+    return summary
+
+
+def save_profile_summary(profiler, step, batch, mesh) -> dict | None:
+    """profile_summary of a training run's profiled steps, saved as summary.json beside the trace and printed to
+    stderr; None if no trace was written."""
+    summary = profile_summary(profiler, step, batch, mesh)
+    if summary is not None:
+        with open(os.path.join(profiler.directory, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=1)
+        print0(format_summary(summary, "the profiled steps: "), file=sys.stderr)
     return summary
