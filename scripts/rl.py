@@ -31,7 +31,7 @@ import numpy as np
 from flaxchat import sharding
 from flaxchat.common import compute_dtype, is_main_process, parse_args, print0, progress_bar
 from flaxchat.eval.chat import evaluate_pass_at_k, sample_groups
-from flaxchat.eval.report import metrics_logger, plot_rl, read_jsonl
+from flaxchat.eval.report import metrics_logger, plot_rl, read_jsonl, restart_metrics
 from flaxchat.generate.engine import Engine
 from flaxchat.generate.scheduler import auto_slots
 from flaxchat.train.checkpoint import (
@@ -269,10 +269,7 @@ def main(argv=None):
 
     out_dir = checkpoint_dir("rl", args.model_tag or model_tag)
     metrics_path = os.path.join(out_dir, "metrics.jsonl")
-    if is_main_process():
-        os.makedirs(out_dir, exist_ok=True)
-        if os.path.exists(metrics_path):
-            os.remove(metrics_path)
+    restart_metrics(metrics_path)
     ckpt = Checkpointer(out_dir, keep=2, keep_best=0)
     log = metrics_logger(metrics_path, args.run, "flaxchat-rl", user_config)
     source = {"phase": args.source, "model_tag": model_tag, "step": meta["step"]}
