@@ -190,11 +190,7 @@ def bench_generate(args) -> dict:
     info = {"quantize": args.quantize, "weight_mb": weight_bytes(model) / 2**20, "checkpoint": args.checkpoint}
     if not args.draft_model:
         out = measure_generation(
-            model,
-            batch_size=args.batch_size,
-            prompt_len=args.prompt_len,
-            max_new_tokens=args.max_new_tokens,
-            temperature=args.temperature,
+            model, args.batch_size, args.prompt_len, args.max_new_tokens, temperature=args.temperature
         )
         return {"what": "generate", **out, **info, "peak_mem_gb": peak_memory_gb()}
     source = args.checkpoint.rpartition(":")[0] or "sft"
