@@ -93,7 +93,7 @@ def compute_dtype(name: str | None = None):
     """Activation/matmul dtype. Master params stay fp32.
 
     bf16 on GPU/TPU; fp32 on CPU (nanochat's choice there). bf16 trains faster on CPUs with bf16 instructions
-    (AVX512-BF16, AMX; see widened_products) at bf16's precision.
+    (AVX512-BF16, AMX; see model.cpu.Forms.widened) at bf16's precision.
     `name` (or $FLAXCHAT_DTYPE) overrides: float32 | bfloat16 | float16.
     """
     name = name or os.environ.get("FLAXCHAT_DTYPE")

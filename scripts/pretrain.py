@@ -36,7 +36,6 @@ from flaxchat.eval.report import Report, StepLog, metrics_logger, plot_training,
 from flaxchat.generate.engine import generate
 from flaxchat.generate.reply import stop_tokens
 from flaxchat.model.config import GPTConfig, add_model_flags, config_from_flags, derive_training
-from flaxchat.model.cpu import sub_batch_note
 from flaxchat.model.gpt import GPT, add_kernel_flags
 from flaxchat.perf.machine import peak_flops_per_device, peak_memory_gb, speed_tips
 from flaxchat.perf.profiler import StepProfiler, save_profile_summary
@@ -320,7 +319,8 @@ def main(argv=None):
     grad_accum, num_iterations = micro_steps(parser, args, plan, dp), plan.num_iterations
     print0(
         f"micro-batch: {global_batch} x {args.max_seq_len} = {tokens_per_micro:,} tokens | "
-        f"grad accumulation: {grad_accum}" + sub_batch_note(args.device_batch_size, args.max_seq_len, mesh)
+        f"grad accumulation: {grad_accum}"
+        + abstract_model.forms.sub_batch_note(args.device_batch_size, args.max_seq_len, mesh)
     )
     make_optimizer = optimizer_factory(args, plan)
 
@@ -356,9 +356,9 @@ def main(argv=None):
         total=num_iterations, initial=step, desc="pretrain", disable=not is_main_process(), dynamic_ncols=True
     )
     profiler = StepProfiler(args.profile_steps, os.path.join(out_dir, "profile"))
-    # one jax.jit over the model's and optimizer's arrays: a call skips NNX's walk over both (training.FlatStep)
+    # one jax.jit over the model's and optimizer's arrays: a call skips NNX's walk over both (train.step.FlatStep)
     optimizer_step = FlatStep(model, optimizer)
-    # on GPUs and TPUs the next step is dispatched before this one's loss is read (training.InFlight); evaluations,
+    # on GPUs and TPUs the next step is dispatched before this one's loss is read (train.step.InFlight); evaluations,
     # samples, saves and profiled steps wait for the step in flight, so they find the device free
     in_flight = InFlight(in_flight_depth(args.in_flight, jax.default_backend()))
 

@@ -9,8 +9,9 @@ Stages (each one is a normal flaxchat command, printed as it runs; a second run 
   2. tokenizer   BPE on the training shards
   3. pretrain    a small GPT, with val bits-per-byte
   4. samples     stories the base model writes
-  5. sft         story requests, identity and arithmetic conversations (offline synthetic mixture)
+  5. sft         story requests, identity, arithmetic and multi-turn conversations (offline synthetic mixture)
   6. chat        two replies from the chat model, then how to chat in the terminal or the browser
+  7. check       the held-out check (tasks/heldout_chat.py): identity, arithmetic, stories, multi-turn, greedy
 Everything lives under --base-dir, by default the folder tinystories/ inside the base dir ($FLAXCHAT_BASE_DIR,
 else ~/.cache/flaxchat), so the demo's data, tokenizer and checkpoints never mix with (or overwrite) other runs'.
 """
@@ -40,16 +41,18 @@ SIZES = {
     "max_seq_len": (256, 256),
     "device_batch_size": (32, 16),
     "total_batch_size": (8192, 4096),
-    "pretrain_iterations": (200, 50),
-    "sft_iterations": (400, 15),
+    "pretrain_iterations": (300, 50),
+    "sft_iterations": (600, 15),
     "sft_batch_size": (16, 8),
-    # the SFT mixture: arithmetic takes the most practice, stories the least (pretraining already taught them)
-    "story_size": (800, 300),
+    # the SFT mixture: arithmetic takes the most practice; stories that follow the request and conversations that
+    # need an earlier turn come next
+    "story_size": (2000, 300),
     "identity_size": (1500, 300),
-    "arithmetic_size": (16000, 600),
+    "arithmetic_size": (18000, 600),
+    "multi_turn_size": (4000, 300),
 }
 STORY_PROMPTS = ["Once upon a time, there was a little", "One day, a girl named Lily", "Tom had a red ball."]
-CHAT_PROMPTS = ["Tell me a story about a cat named Tom.", "Who are you?"]
+CHAT_PROMPTS = ["Tell me a story about a fox who finds a red hat.", "Who are you?"]
 
 
 def build_parser():
@@ -203,6 +206,8 @@ class Demo:
             s["identity_size"],
             "--arithmetic-size",
             s["arithmetic_size"],
+            "--multi-turn-size",
+            s["multi_turn_size"],
             "--eval-every",
             -1,
             "--eval-tokens",
@@ -234,23 +239,14 @@ class Demo:
         self.timings[f"{phase} samples"] = time.perf_counter() - t0
 
     def heldout(self) -> dict[str, tuple[int, int]]:
-        """The chat model on prompts no stage trained on (tasks.heldout_chat), greedy: a score per category."""
+        """The chat model on the check no stage trained on (tasks.heldout_chat: phrasings, names and story
+        subjects of the generators' check banks), greedy: a score per category, every reply printed whole."""
         t0 = time.perf_counter()
         model, tokenizer, _ = load_model("sft", self.tag)
-        engine = Engine(model, tokenizer)
-        checks = heldout_chat.prompts()
-        inputs = [
-            tokenizer.render_for_completion(
-                {"messages": [{"role": "user", "content": p}, {"role": "assistant", "content": ""}]}
-            )
-            for _, p in checks
-        ]
-        outs = engine.generate_batches(inputs, max_tokens=160, temperature=0.0, seeds=0)
-        replies = [tokenizer.decode(out[0][len(tokens) :]) for tokens, (out, _) in zip(inputs, outs)]
-        scores = heldout_chat.score(replies)
+        results = heldout_chat.run_check(Engine(model, tokenizer), tokenizer, heldout_chat.demo_prompts())
+        scores = heldout_chat.score(results)
         print(f"\n=== held-out check (greedy; prompts no stage trained on): {heldout_chat.summary(scores)}", flush=True)
-        for (category, prompt), reply in zip(checks, replies):
-            print(f"  [{category}] {prompt}\n    -> {' '.join(reply.split())[:160]}", flush=True)
+        heldout_chat.print_results(results)
         self.timings["held-out check"] = time.perf_counter() - t0
         return scores
 

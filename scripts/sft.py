@@ -13,9 +13,9 @@ its optimizer state (momentum buffers; the learning rates are SFT's own).
 
 Data: --mixture online = nanochat's (SmolTalk, MMLU auxiliary_train, GSM8K train, SpellingBee, SimpleSpelling)
 plus flaxchat's identity conversations; --mixture offline = flaxchat's synthetic conversations (identity,
-arithmetic with calculator tool calls, story requests, spelling and letter counting) plus MMLU dev/validation
-and ARC validation as multiple choice. auto picks online when the Hugging Face hub is reachable. Test splits
-are never trained on; they only serve as validation data.
+arithmetic with calculator tool calls, story requests, multi-turn conversations, spelling and letter counting)
+plus MMLU dev/validation and ARC validation as multiple choice. auto picks online when the Hugging Face hub is
+reachable. Test splits are never trained on; they only serve as validation data.
 
 Your own conversations (JSONL in the OpenAI chat format, a file or a folder; tasks/customjson.py), mixed into
 the built-in mixture by weight, or alone with --mixture none; 5% of each is held out for val:
@@ -50,7 +50,6 @@ from flaxchat.eval.report import metrics_logger, plot_training, read_jsonl
 from flaxchat.generate.engine import Engine
 from flaxchat.generate.sandbox import SandboxUnavailable
 from flaxchat.model.config import GPTConfig
-from flaxchat.model.cpu import sub_batch_note
 from flaxchat.model.gpt import GPT, add_kernel_flags
 from flaxchat.model.lora import DEFAULT_TARGETS, LoraConfig, adapter_modules, apply_lora, count_params, merge_lora
 from flaxchat.perf.machine import peak_flops_per_device
@@ -79,7 +78,7 @@ from tasks.gsm8k import GSM8K
 from tasks.mmlu import MMLU
 from tasks.smoltalk import SmolTalk
 from tasks.spellingbee import SimpleSpelling, SpellingBee
-from tasks.synthetic_chat import ArithmeticProblems, IdentityChat, StoryRequests
+from tasks.synthetic_chat import ArithmeticProblems, IdentityChat, MultiTurnChat, StoryRequests
 
 CPU_EVAL_BATCHES = 16  # a CPU's val pass: this many micro-batches (a GPU's is 40 x 524,288 tokens, nanochat's)
 CPU_CHATCORE_CAT = 100  # a CPU's ChatCORE: this many problems per categorical task (MMLU alone has 14,042)
@@ -209,6 +208,12 @@ def build_parser():
     )
     p.add_argument("--story-size", type=int, default=1000, help="offline: story requests")
     p.add_argument(
+        "--multi-turn-size",
+        type=int,
+        default=1000,
+        help="offline: conversations that need an earlier turn (a fact the user told, the previous answer)",
+    )
+    p.add_argument(
         "--spelling-size",
         type=int,
         default=1000,
@@ -285,6 +290,7 @@ def check_args(parser, args):
         "identity_size",
         "arithmetic_size",
         "story_size",
+        "multi_turn_size",
         "spelling_size",
         "reply_check",
     ):
@@ -359,6 +365,7 @@ def offline_mixture(args):
         (IdentityChat, args.identity_size),
         (ArithmeticProblems, args.arithmetic_size),
         (StoryRequests, args.story_size),
+        (MultiTurnChat, args.multi_turn_size),
     ]
     train = [task(size, "train", args.seed) for task, size in synthetic if size]
     val = [task(args.val_size, "val", args.seed) for task, _ in synthetic]
@@ -689,7 +696,7 @@ def main(argv=None):
     global_batch = args.device_batch_size * dp
     print0(
         f"micro-batch: {global_batch} x {args.max_seq_len} | grad accumulation: {grad_accum}"
-        + sub_batch_note(args.device_batch_size, args.max_seq_len, mesh)
+        + model.forms.sub_batch_note(args.device_batch_size, args.max_seq_len, mesh)
     )
     print0(sized_evaluation(args, global_batch, jax.default_backend() == "cpu"))
 
@@ -845,10 +852,10 @@ def main(argv=None):
     )
     say = bar.write if is_main_process() else (lambda _: None)
     # one jax.jit over the model's and optimizer's arrays, as pretrain calls the step: a call skips NNX's walk over
-    # both (training.FlatStep)
+    # both (train.step.FlatStep)
     optimizer_step = FlatStep(model, optimizer)
     ema, summary = 0.9, {}
-    # as in pretraining, one step in flight on GPUs and TPUs (training.InFlight); evaluations and saves wait for it
+    # as in pretraining, one step in flight on GPUs and TPUs (train.step.InFlight); evaluations and saves wait for it
     in_flight = InFlight(in_flight_depth(args.in_flight, jax.default_backend()))
 
     def record(done):

@@ -13,6 +13,7 @@ from flaxchat.model.config import GPTConfig
 from flaxchat.model.gpt import GPT
 
 TINY = GPTConfig(sequence_len=64, vocab_size=300, n_layer=2, n_head=2, n_kv_head=2, n_embd=64)
+FORMS = cpu.forms_for()  # a model's forms here: on a CPU, bf16 q, k and v take the chunked kernel's bf16 path
 
 
 def test_attention_dispatch_picks_the_backend_kernel():
@@ -94,11 +95,11 @@ def test_bf16_chunked_attention_on_a_cpu_equals_fp32_attention(window, T, score_
         pytest.skip("the bf16 path is the CPU's")
     monkeypatch.setattr(cpu, "BF16_CHUNK_SCORE_BYTES", score_bytes)
     q, k, v = (x.astype(jnp.bfloat16) for x in qkv_example(B=4, T=T, Hkv=Hkv))
-    out = attention(q, k, v, window, "chunked")
+    out = attention(q, k, v, window, "chunked", FORMS)
     assert out.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(out, np.float32), reference_attention(q, k, v, window), atol=2e-2)
     w = jax.random.normal(jax.random.key(1), out.shape)  # a loss that weighs every output differently
-    loss = lambda q, k, v: jnp.sum(attention(q, k, v, window, "chunked").astype(jnp.float32) * w)
+    loss = lambda q, k, v: jnp.sum(attention(q, k, v, window, "chunked", FORMS).astype(jnp.float32) * w)
     grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
     want = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*(x.astype(jnp.float32) for x in (q, k, v)))
     for g, r in zip(grads, want):
@@ -116,7 +117,10 @@ def test_bf16_chunked_attention_multiplies_bf16_into_fp32():
 
     q, k, v = (x.astype(jnp.bfloat16) for x in qkv_example(B=2, T=128, Hkv=4))
     f = jax.jit(
-        jax.grad(lambda q, k, v: jnp.sum(attention(q, k, v, 40, "chunked").astype(jnp.float32) ** 2), argnums=(0, 1, 2))
+        jax.grad(
+            lambda q, k, v: jnp.sum(attention(q, k, v, 40, "chunked", FORMS).astype(jnp.float32) ** 2),
+            argnums=(0, 1, 2),
+        )
     )
     dots = dot_types(f.lower(q, k, v).compile().as_text())
     assert len(dots) >= 5 * 2 and {(lhs, rhs) for lhs, rhs, _ in dots} == {("bf16", "bf16")}
@@ -131,7 +135,7 @@ def test_attention_kernels_on_a_mesh_run_per_shard(impl, dtype):
     mesh = sharding.make_mesh(2, 2, 2)
     rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("data", "fsdp"), None, "tensor", None))
     with jax.set_mesh(mesh):
-        f = jax.jit(lambda q, k, v: attention(q, k, v, 40, impl))
+        f = jax.jit(lambda q, k, v: attention(q, k, v, 40, impl, FORMS))
         args = [jax.device_put(a, rows) for a in (q, k, v)]
         out = f(*args)
         hlo = f.lower(*args).compile().as_text()

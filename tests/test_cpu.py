@@ -9,7 +9,7 @@ from flaxchat.model import cpu
 
 
 def test_bf16_einsum_rounds_one_fp32_sum_and_its_gradients_multiply_bf16():
-    """cpu.einsum: bf16 operands on a CPU give the fp32 sum of their products rounded once to bf16, both
+    """cpu.einsum (bf16_products' form): bf16 operands give the fp32 sum of their products rounded once to bf16, both
     gradients the same of a bf16 cotangent, and the compiled gradient multiplies bf16 only (JAX's own transpose
     of an fp32-result product would multiply in fp32). fp32 operands are plain jnp.einsum."""
     import jax.numpy as jnp
@@ -52,30 +52,59 @@ def test_split_in_two_halves_an_axis():
     assert (cpu.split_in_two(x, 1)[:, 1] == x[:, 3:]).all()
 
 
-def test_activation_dtype_widens_bfloat16_on_a_cpu_only():
-    import jax.numpy as jnp
-
-    assert cpu.activation_dtype(jnp.bfloat16, "cpu") == jnp.float32
-    assert cpu.activation_dtype(jnp.bfloat16, "gpu") == jnp.bfloat16
-    assert cpu.activation_dtype(jnp.bfloat16, "tpu") == jnp.bfloat16
+def test_a_cpus_forms_widen_bfloat16_activations_only():
+    bf16 = jnp.bfloat16
+    on_cpu = cpu.forms_for(bf16, "cpu")
+    assert on_cpu.products == bf16 and on_cpu.activation_dtype(bf16) == jnp.float32
+    for backend in ("gpu", "tpu"):
+        assert cpu.forms_for(bf16, backend) == cpu.PLAIN and cpu.PLAIN.activation_dtype(bf16) == bf16
     for dtype in (jnp.float32, jnp.float16):
-        assert cpu.activation_dtype(dtype, "cpu") == dtype
-    assert cpu.activation_dtype(jnp.bfloat16) == (jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16)
+        forms = cpu.forms_for(dtype, "cpu")
+        assert forms.products is None and forms.activation_dtype(dtype) == dtype and forms.bf16_products
+    with pytest.raises(ValueError, match="need bf16_products"):
+        cpu.Forms(products=bf16)
 
 
 def test_the_switch_reads_all_none_or_named_paths(monkeypatch):
     monkeypatch.delenv(cpu.SWITCH, raising=False)
-    assert cpu.switched_off() == set() and cpu.use("sub_batches", "cpu") and not cpu.use("sub_batches", "gpu")
+    assert cpu.switched_off() == set() and cpu.forms_for(backend="cpu").paths == cpu.PATHS
+    assert cpu.forms_for(backend="gpu") == cpu.forms_for(backend="tpu") == cpu.PLAIN and cpu.PLAIN.paths == ()
     monkeypatch.setenv(cpu.SWITCH, "0")
-    assert cpu.switched_off() == set(cpu.PATHS) and not any(cpu.use(n, "cpu") for n in cpu.PATHS)
+    assert cpu.switched_off() == set(cpu.PATHS) and cpu.forms_for(jnp.bfloat16, "cpu") == cpu.PLAIN
     monkeypatch.setenv(cpu.SWITCH, "-loss_chunks,-sub_batches")
     assert cpu.switched_off() == {"loss_chunks", "sub_batches"}
-    assert not cpu.use("loss_chunks", "cpu") and cpu.use("chunked_attention", "cpu")
+    assert cpu.forms_for(backend="cpu").paths == ("chunked_attention", "bf16_products", "matmul_form", "int8_vectors")
     monkeypatch.setenv(cpu.SWITCH, "-sub_batchess")
     with pytest.raises(ValueError, match="FLAXCHAT_CPU_PATHS"):
-        cpu.switched_off()
-    with pytest.raises(ValueError, match="unknown CPU path"):
-        cpu.use("nope")
+        cpu.forms_for(backend="cpu")
+
+
+def test_a_model_keeps_the_forms_it_was_built_with(monkeypatch):
+    """The switch is read once, when a model is built: its Linears and attention hold the model's forms, and the
+    program its loss and gradients compile to does not change when the switch does afterwards; a model built with
+    the switch off compiles another one."""
+    from flax import nnx
+
+    from flaxchat.model.config import GPTConfig
+    from flaxchat.model.gpt import GPT, Linear
+
+    config = GPTConfig(sequence_len=64, vocab_size=300, n_layer=2, n_head=2, n_kv_head=2, n_embd=64)
+    idx = jnp.zeros((16, 64), jnp.int32)
+
+    def program(model):  # the loss's gradient, lowered
+        graphdef, state = nnx.split(model)
+        return jax.jit(jax.grad(lambda s: nnx.merge(graphdef, s)(idx, idx))).lower(state).as_text()
+
+    monkeypatch.delenv(cpu.SWITCH, raising=False)
+    model = GPT(config, rngs=nnx.Rngs(0))
+    assert model.forms == (cpu.forms_for(model.dtype, "cpu") if jax.default_backend() == "cpu" else cpu.PLAIN)
+    assert all(m.forms is model.forms for _, m in nnx.iter_graph(model) if isinstance(m, Linear))
+    before = program(model)
+    monkeypatch.setenv(cpu.SWITCH, "0")
+    assert program(model) == before
+    assert nnx.merge(*nnx.split(model)).forms == model.forms
+    if jax.default_backend() == "cpu":
+        assert program(GPT(config, rngs=nnx.Rngs(0))) != before
 
 
 def _run_everything(dtype):
@@ -133,10 +162,10 @@ def test_every_cpu_path_gives_the_plain_versions_numbers(monkeypatch, dtype):
     if jax.default_backend() != "cpu":
         pytest.skip("the CPU paths run on a CPU only")
     monkeypatch.delenv(cpu.SWITCH, raising=False)
-    assert len(cpu.paths_in_use()) == len(cpu.PATHS)
+    assert cpu.forms_for().paths == cpu.PATHS
     on = _run_everything(dtype)
     monkeypatch.setenv(cpu.SWITCH, "0")
-    assert cpu.paths_in_use() == []
+    assert cpu.forms_for() == cpu.PLAIN
     off = _run_everything(dtype)
     tol = dict(rtol=2e-5, atol=2e-6) if dtype == jnp.float32 else dict(rtol=5e-2, atol=3e-2)
     np.testing.assert_allclose(on[0], off[0], **tol)

@@ -27,7 +27,7 @@ from flaxchat.generate.sampling import (
 from flaxchat.generate.speculative import generate_speculative
 from flaxchat.generate.speculative import programs as speculative_programs
 from flaxchat.model.config import GPTConfig
-from flaxchat.model.gpt import GPT, KVCache
+from flaxchat.model.gpt import GPT, KVCache, with_stacked_qkv
 from flaxchat.perf.measure import measure_generation
 
 TEXT = ["The cat sat on the mat. 2+2 is 4 and 6*7 is 42. print(6*7) gives 42.\n" * 20]
@@ -305,7 +305,7 @@ def test_rows_still_going_are_packed_into_fewer_slots(model, tok):
     kwargs = dict(num_samples=2, seeds=[1, 2, 3, 4], temperature=1.0, top_k=50)
     moves = []
     packed, plain = Engine(model, tok, stream_chunk=4, compact=True), Engine(model, tok, stream_chunk=4, compact=False)
-    progs = programs(model)[0]
+    progs = programs(with_stacked_qkv(model))[0]  # the programs Engine runs
     move = progs.move
     progs.move = lambda slots, src, dst: moves.append((src.tolist(), dst.tolist())) or move(slots, src, dst)
     try:

@@ -99,7 +99,7 @@ def test_eval_batches_within_the_budget_run_whole():
     x, y, _ = _batch(4)
     model = _model(None)
     losses = lambda m, x, y: m(x, y, loss_reduction="none")
-    assert cpu.sub_batches(4, T) == 1
+    assert model.forms.n_sub_batches(4, T) == 1
     assert _loop_lengths(lambda x, y: cpu.in_sub_batches(model, losses, x, y), x, y) == _loop_lengths(
         lambda x, y: losses(model, x, y), x, y
     )

@@ -6,6 +6,7 @@ from flax import nnx
 
 from flaxchat import sharding
 from flaxchat.export.nanochat import from_nanochat_state_dict, to_nanochat_state_dict
+from flaxchat.model import cpu
 from flaxchat.model.config import GPTConfig
 from flaxchat.model.gpt import GPT, CausalSelfAttention, init_table, rotary_cos_sin, stacked_product
 
@@ -90,7 +91,7 @@ def test_causality_by_gradient():
 
 def test_sliding_window_layer_ignores_tokens_outside_window():
     config = GPTConfig(sequence_len=32, vocab_size=64, n_layer=1, n_head=2, n_kv_head=2, n_embd=64)
-    attn = CausalSelfAttention(config, 0, init_table(config), nnx.Rngs(0))
+    attn = CausalSelfAttention(config, 0, init_table(config), nnx.Rngs(0), cpu.forms_for())
     randomize(attn)
     T, t, window = 32, 20, 6
     x = jax.random.normal(jax.random.key(3), (1, T, 64))
@@ -293,7 +294,7 @@ def test_a_bfloat16_model_on_a_cpu_multiplies_bfloat16_and_keeps_activations_flo
     if jax.default_backend() != "cpu":
         pytest.skip("CPU only")
     model = GPT(TINY, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
-    assert model.activation_dtype == jnp.float32 and model.transformer.h[0].mlp.c_fc.products == jnp.bfloat16
+    assert model.activation_dtype == jnp.float32 and model.transformer.h[0].mlp.c_fc.forms.products == jnp.bfloat16
     reference = GPT(TINY, rngs=nnx.Rngs(0), dtype=jnp.float32)
     nnx.update(reference, jax.tree.map(lambda x: x.astype(jnp.float32), nnx.state(model, nnx.Param)))
     rng = np.random.default_rng(0)
@@ -409,7 +410,7 @@ def test_a_bfloat16_train_step_multiplies_bfloat16_on_a_cpu(bf16_train_program):
     Muon) takes bf16 operands: XLA:CPU runs a product its bf16 kernels do not take (a bf16 result, a weight
     gradient over the rows, a stacked Gram matrix, attention's key and value gradients over the queries) in fp32,
     at half the rate. Only the smear and value-embedding gates' tiny products stay fp32, with the fp32
-    activations (common.activation_dtype)."""
+    activations (model.cpu.Forms.activation_dtype)."""
     from flaxchat.perf.hlo import dot_types
 
     config, B, program = bf16_train_program

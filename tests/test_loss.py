@@ -10,11 +10,13 @@ import pytest
 from flaxchat.model import cpu
 from flaxchat.model import loss as fl
 
+CPU = cpu.forms_for(backend="cpu")  # a CPU's forms (every path on), whatever runs the tests
+
 
 def test_cpu_loss_chunks_are_at_most_512_rows_within_the_byte_budget():
-    assert fl.chunk_rows(4096, 4096) == cpu.LOSS_CHUNK_ROWS == 512  # 64 MB would allow all 4096
-    assert fl.chunk_rows(300, 4096) == 300
-    assert fl.chunk_rows(4096, 262144) == cpu.LOSS_CHUNK_BYTES // (4 * 262144)  # 64 rows
+    assert fl.chunk_rows(4096, 4096, CPU) == cpu.LOSS_CHUNK_ROWS == 512  # 64 MB would allow all 4096
+    assert fl.chunk_rows(300, 4096, CPU) == 300
+    assert fl.chunk_rows(4096, 262144, CPU) == cpu.LOSS_CHUNK_BYTES // (4 * 262144)  # 64 rows
 
 
 @pytest.mark.parametrize("chunk_rows", [16, 9])  # even chunks take the (C, V) gradient path, odd ones the plain one
@@ -35,7 +37,7 @@ def test_chunked_loss_gradients_equal_autodiff(monkeypatch, chunk_rows, users_co
         nll = jax.nn.logsumexp(z, axis=-1) - jnp.take_along_axis(z, jnp.maximum(t, 0)[:, None], axis=-1)[:, 0]
         return jnp.sum(jnp.where(t >= 0, nll, 0.0))
 
-    fused = jax.jit(jax.value_and_grad(lambda x, w: fl.loss_sum(x, w, t, V), argnums=(0, 1)))
+    fused = jax.jit(jax.value_and_grad(lambda x, w: fl.loss_sum(x, w, t, V, CPU), argnums=(0, 1)))
     (got, (gx, gw)), (want, (wx, ww)) = fused(x, w), jax.value_and_grad(plain, argnums=(0, 1))(x, w)
     np.testing.assert_allclose(float(got), float(want), rtol=1e-6)
     np.testing.assert_allclose(np.asarray(gx), np.asarray(wx), atol=1e-5, rtol=1e-5)
@@ -59,7 +61,7 @@ def test_bf16_logits_are_rounded_to_bf16_before_the_fp32_softcap_as_nanochats_he
     kx, kw = jax.random.split(jax.random.key(0))
     x = jax.random.normal(kx, (8, 64)).astype(jnp.bfloat16)
     w = jax.random.normal(kw, (128, 64)) * 0.5
-    z = fl.softcapped_logits(x, w, 100)
+    z = fl.softcapped_logits(x, w, 100, CPU)
     product = jnp.einsum("nc,vc->nv", x.astype(jnp.float32), w.astype(jnp.bfloat16).astype(jnp.float32))[:, :100]
     rounded = product.astype(jnp.bfloat16).astype(jnp.float32)
     assert z.dtype == jnp.float32 and z.shape == (8, 100)
@@ -130,7 +132,7 @@ def test_a_bf16_loss_of_one_chunk_runs_on_a_cpu(n):
         nll = jax.nn.logsumexp(z, axis=-1) - jnp.take_along_axis(z, jnp.maximum(t, 0)[:, None], axis=-1)[:, 0]
         return jnp.sum(jnp.where(t >= 0, nll, 0.0))
 
-    (got, (gx, gw)) = jax.jit(jax.value_and_grad(lambda x, w: fl.loss_sum(x, w, t, V), argnums=(0, 1)))(x, w)
+    (got, (gx, gw)) = jax.jit(jax.value_and_grad(lambda x, w: fl.loss_sum(x, w, t, V, CPU), argnums=(0, 1)))(x, w)
     (want, (wx, ww)) = jax.value_and_grad(plain, argnums=(0, 1))(x.astype(jnp.float32), w)
     np.testing.assert_allclose(float(got), float(want), rtol=1e-3)
     np.testing.assert_allclose(np.asarray(gx, np.float32), np.asarray(wx), atol=2e-2, rtol=2e-2)
@@ -145,11 +147,11 @@ def test_the_bf16_loss_on_a_cpu_rounds_its_logits_without_xlas_conversion(users_
     w = jnp.zeros((Vp, C))
     t = jnp.zeros((n,), jnp.int32)
     program = (
-        jax.jit(jax.grad(lambda x, w: fl.loss_sum(x, w, t, Vp), argnums=(0, 1)))
+        jax.jit(jax.grad(lambda x, w: fl.loss_sum(x, w, t, Vp, CPU), argnums=(0, 1)))
         .lower(x, w)
         .compile(compiler_options=users_codegen)
         .as_text()
     )
-    rows = fl.chunk_rows(n, Vp)
+    rows = fl.chunk_rows(n, Vp, CPU)
     assert re.search(rf"bf16\[{rows},{Vp}\]", program)  # the gradients' bf16 operand is there
     assert not re.search(rf"= bf16\[{rows},{Vp}\]\S* convert\(", program)  # but made by bit operations

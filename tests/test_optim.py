@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from flaxchat.model import cpu
 from flaxchat.model.config import GPTConfig, derive_training
 from flaxchat.model.gpt import GPT
 from flaxchat.train import optim
@@ -394,7 +395,8 @@ def test_bfloat16_polar_express_is_as_accurate_as_torch_bfloat16():
                 t = a * t + (b * gram + c * (gram @ gram)) @ t
         return t.float().numpy()
 
-    ours = jax.jit(lambda x: optim.polar_express(optim.equilibrate_rows(x)).astype(jnp.float32))
+    forms = cpu.forms_for()  # as a model built here multiplies (on a CPU: bf16 products into fp32)
+    ours = jax.jit(lambda x: optim.polar_express(optim.equilibrate_rows(x), forms=forms).astype(jnp.float32))
     rel = lambda a, b: np.linalg.norm(a - b) / np.linalg.norm(b)
     errors = []
     for seed in range(4):
@@ -665,9 +667,9 @@ def test_bfloat16_gram_matrices_are_bfloat16_products_of_the_same_sums():
     for shape, tall in (((3, 32, 96), False), ((3, 96, 32), True)):
         x = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
         plain = mm(jnp.swapaxes(x, -1, -2), x) if tall else mm(x, jnp.swapaxes(x, -1, -2))
-        gram = optim.gram_matrix(x, tall, mm)
+        gram = optim.gram_matrix(x, tall, mm, cpu.forms_for())
         np.testing.assert_allclose(np.asarray(gram.astype(jnp.float32)), np.asarray(plain), rtol=2**-7, atol=1e-3)
-        program = jax.jit(optim.polar_express).lower(x).compile().as_text()
+        program = jax.jit(lambda x: optim.polar_express(x, forms=cpu.forms_for())).lower(x).compile().as_text()
         assert {d[:2] for d in dot_types(program)} == {("bf16", "bf16")}
 
 
@@ -684,9 +686,9 @@ def test_the_orthogonalisation_dtype_follows_the_models(monkeypatch):
     monkeypatch.setattr(
         optim,
         "muon_adamw",
-        lambda groups, schedule, polar_dtype, axes: (
+        lambda groups, schedule, polar_dtype, axes, forms: (
             seen.append(jnp.dtype(polar_dtype).name),
-            original(groups, schedule, polar_dtype, axes),
+            original(groups, schedule, polar_dtype, axes, forms),
         )[1],
     )
     config = GPTConfig(sequence_len=16, vocab_size=64, n_layer=1, n_head=1, n_kv_head=1, n_embd=64)

@@ -15,6 +15,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from flaxchat import sharding
+from flaxchat.model import cpu
 from flaxchat.model.config import GPTConfig
 from flaxchat.model.gpt import GPT
 from flaxchat.model.loss import loss_sum, token_losses
@@ -28,6 +29,7 @@ pytestmark = pytest.mark.eight_devices
 # 4 heads so that tensor=2 splits heads; vocab large enough that the loss runs in several chunks
 CONFIG = GPTConfig(sequence_len=64, vocab_size=4096, n_layer=2, n_head=4, n_kv_head=4, n_embd=128)
 MESHES = {"dp": (8, 1, 1), "fsdp": (1, 8, 1), "dp_tp": (4, 1, 2)}
+FORMS = cpu.forms_for()  # the loss's forms in a model built here
 
 
 def compiled_step(mesh_shape, grad_accum, capfd=None):
@@ -110,7 +112,7 @@ def test_data_x_tensor_step_compiles_without_rematerialisation(capfd):
 @pytest.mark.parametrize("mesh_shape", [MESHES["dp"], MESHES["fsdp"]], ids=["dp", "fsdp"])
 def test_loss_flops_per_device_are_an_eighth(mesh_shape):
     N, C, V = 8 * 512, 64, 4096
-    f = jax.jit(lambda x, w, t: jax.value_and_grad(loss_sum, argnums=(0, 1))(x, w, t, V))
+    f = jax.jit(lambda x, w, t: jax.value_and_grad(loss_sum, argnums=(0, 1))(x, w, t, V, FORMS))
 
     def flops(mesh, rows):
         arg = lambda shape, dtype, spec: jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
@@ -133,7 +135,10 @@ def test_sharded_loss_equals_unsharded():
     w = jnp.asarray(rng.normal(size=(1000, 64)) * 0.1, jnp.float32)
     t = jnp.asarray(rng.integers(-1, 1000, 512), jnp.int32)
     f = jax.jit(
-        lambda x, w, t: (jax.value_and_grad(loss_sum, argnums=(0, 1))(x, w, t, 1000), token_losses(x, w, t, 1000))
+        lambda x, w, t: (
+            jax.value_and_grad(loss_sum, argnums=(0, 1))(x, w, t, 1000, FORMS),
+            token_losses(x, w, t, 1000, FORMS),
+        )
     )
     (ref, (dx_ref, dw_ref)), per_ref = f(x, w, t)
     mesh = sharding.make_mesh(2, 2, 2)

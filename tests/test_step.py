@@ -122,23 +122,25 @@ def test_in_flight_is_on_for_accelerators_unless_told():
 
 @pytest.mark.eight_devices
 def test_sub_batches_keep_a_cpu_devices_rows_within_the_token_budget():
+    on_cpu, off_cpu = cpu.forms_for(backend="cpu").n_sub_batches, cpu.forms_for(backend="gpu").n_sub_batches
     assert cpu.CPU_SUB_BATCH_TOKENS == 2048
-    assert cpu.sub_batches(16, 256, "cpu") == 2  # 16 rows of 256 (the demo's SFT micro-batch): two turns of 8
-    assert cpu.sub_batches(32, 512, "cpu") == 8 and cpu.sub_batches(8, 512, "cpu") == 2
-    assert cpu.sub_batches(8, 256, "cpu") == 1  # 2,048 tokens: whole
-    assert cpu.sub_batches(6, 512, "cpu") == 2  # 3 rows of 512 fit; 6 / 4 would not divide
-    assert cpu.sub_batches(5, 512, "cpu") == 5  # 5 is prime: one row a turn
-    assert cpu.sub_batches(3, 4096, "cpu") == 3  # a row alone beyond the budget still runs, one a turn
-    assert cpu.sub_batches(32, 512, "gpu") == cpu.sub_batches(32, 512, "tpu") == 1
-    assert cpu.sub_batches(32, 512, "cpu", splits_model=True) == 1
+    assert on_cpu(16, 256) == 2  # 16 rows of 256 (the demo's SFT micro-batch): two turns of 8
+    assert on_cpu(32, 512) == 8 and on_cpu(8, 512) == 2
+    assert on_cpu(8, 256) == 1  # 2,048 tokens: whole
+    assert on_cpu(6, 512) == 2  # 3 rows of 512 fit; 6 / 4 would not divide
+    assert on_cpu(5, 512) == 5  # 5 is prime: one row a turn
+    assert on_cpu(3, 4096) == 3  # a row alone beyond the budget still runs, one a turn
+    assert off_cpu(32, 512) == cpu.forms_for(backend="tpu").n_sub_batches(32, 512) == 1
+    assert on_cpu(32, 512, splits_model=True) == 1
     # the training loops' micro-batch line says so
+    note = cpu.forms_for(backend="cpu").sub_batch_note
     one = sharding.make_mesh(devices=jax.devices()[:1])
-    assert cpu.sub_batch_note(16, 256, one) == (
+    assert note(16, 256, one) == (
         " | on this CPU each device's 16 rows run as 2 sub-batches of 8 (model.cpu.CPU_SUB_BATCH_TOKENS)"
     )
-    assert cpu.sub_batch_note(8, 256, one) == ""
-    assert cpu.sub_batch_note(16, 256, sharding.make_mesh(1, 8, 1)) == ""  # FSDP: whole
-    assert cpu.sub_batch_note(16, 256, sharding.make_mesh(8, 1, 1)) != ""  # data parallel: 16 rows a device
+    assert note(8, 256, one) == ""
+    assert note(16, 256, sharding.make_mesh(1, 8, 1)) == ""  # FSDP: whole
+    assert note(16, 256, sharding.make_mesh(8, 1, 1)) != ""  # data parallel: 16 rows a device
 
 
 def _micro_batches(A, B, T, vocab, seed=0):

@@ -40,14 +40,15 @@ def test_deterministic_for_a_seed_and_independent_of_global_random_state():
     assert len(set(a)) == len(a)
 
 
-# sha256 of "\x00".join(generate_stories(3000, split, seed)), recorded when the word lists and sentences moved from
-# Python into story_words.json / story_plots.json. A change here changes the pretraining corpus and every
-# StoryRequests conversation: if it is meant, say so in the commit and record the new digests.
+# sha256 of "\x00".join(generate_stories(3000, split, seed)), recorded when the heroes grew beyond children (animals,
+# roles, things, made-up names and kinds), the openings grew to twelve and the counting plot came in. A change here
+# changes the pretraining corpus and every StoryRequests conversation: if it is meant, say so in the commit and
+# record the new digests.
 STORY_DIGESTS = {
-    ("train", 0): "d847eea0da958e6974cb0feab59099990c828169b90fe506e8e8dbfc6ee64821",
-    ("train", 7): "25d3d05241cd0c4207c4249909aec94ff64c233b3040bb4027badf190b276dbe",
-    ("val", 0): "95e319d6ceec4e18e5dd9c353797ccd110ed4eacf361c8563373b0b4381f0416",
-    ("val", 7): "755a833e08cefb1b583635a842de257fb10ffba384ebd9ba8a9e9fb28e052c17",
+    ("train", 0): "51d8d30651e6fe4549077d54de8a0a4181ea54a4c4243f9cd4f7e55d0dd5d678",
+    ("train", 7): "ecb579083634d6852d3ea6a1a7a1102114efb27dcfcd6d003ecda6a554d1fd62",
+    ("val", 0): "5dfb6ab47e9f7242a04692a46315cac751844e78aa303a55a2574f2840e5b3d2",
+    ("val", 7): "4405b90ce25b833e7e480bfd9f8e8e6fc5c6d8193c554dc26ee0978b3b949c36",
 }
 
 
@@ -137,7 +138,7 @@ def _problems(text: str) -> list[str]:
     found = []
     if re.search(r"[{}]", text):
         found.append("unfilled template")
-    if re.search(r"\b[Aa] [aeiouAEIOU]\w", text) or re.search(r"\b[Aa]n [b-df-hj-np-tv-z]\w", text, re.I):
+    if re.search(r"\b[Aa] (?!uni)[aeiouAEIOU]\w", text) or re.search(r"\b[Aa]n [b-df-hj-np-tv-z]\w", text, re.I):
         found.append("a/an")
     if re.search(r'(?:^|[.!?] |\." )[a-z]', text):
         found.append("lowercase sentence start")
@@ -179,7 +180,9 @@ def beat_problems(beats, where: str) -> list[str]:
 
 
 def test_every_plot_has_well_formed_beats():
-    assert [plot.__name__ for plot in S.PLOTS] == [name for name in S.PLOT_TEXT if name not in ("intros", "about")]
+    assert [plot.__name__ for plot in S.PLOTS] == [
+        name for name in S.PLOT_TEXT if name not in ("intros", "about", "about_creature")
+    ]
     bad = [p for plot in S.PLOTS for p in beat_problems(S.PLOT_TEXT[plot.__name__].beats, plot.__name__)]
     assert not bad, bad
 
@@ -245,3 +248,22 @@ def test_cli_prints_stories_and_stats(capsys):
     assert stats["documents"] == 30 and stats["words_per_s"] > 0 and stats["distinct_sentences"] > 100
     with pytest.raises(SystemExit):
         stories_script.main(["--n", "-1"])
+
+
+def test_counting_stories_add_up():
+    """The counting plot's numbers are pretraining text about arithmetic: every sum it states is true."""
+    checked = 0
+    for i in range(200):
+        story = S.Story(random.Random(i), val=False)
+        S.counting(story)
+        text = story.text()
+        for a, b, c in re.findall(r"(\d+) and (\d+) make (\d+)", text):
+            assert int(a) + int(b) == int(c)
+            checked += 1
+        for a, b, c in re.findall(r"(\d+) take away (\d+) is (\d+)", text):
+            assert int(a) - int(b) == int(c)
+        for a, b, c in re.findall(r"(\d+) rows of (\d+) make (\d+)", text):
+            assert int(a) * int(b) == int(c)
+        found, more = (int(x) for x in re.findall(r"\b(\d+)\b", text)[:2])
+        assert str(found + more) in re.findall(r"\b(\d+)\b", text), text  # found some, found more, now has
+    assert checked > 30

@@ -1,22 +1,29 @@
 """Synthetic conversations: determinism, disjoint splits, the tool-call format, and requests that fit their stories."""
 
+import random
 import re
 
 import pytest
 
-from flaxchat.data.stories import split_of
+from flaxchat.data.stories import WORDS, split_of, tell_story
 from flaxchat.generate.sandbox import use_calculator
 from tasks.common import TaskMixture
 from tasks.gsm8k import extract_answer
 from tasks.synthetic_chat import (
     GREETINGS,
+    PHRASES,
     THANKS,
     ArithmeticProblems,
     IdentityChat,
+    MultiTurnChat,
     StoryRequests,
     arithmetic_problem,
+    followup_conversation,
+    recall_conversation,
     split_of_text,
     story_facts,
+    story_request,
+    things_conversation,
 )
 
 
@@ -30,6 +37,7 @@ def user_texts(task):
         lambda split, seed: IdentityChat(120, split, seed),
         lambda split, seed: ArithmeticProblems(300, split, seed),
         lambda split, seed: StoryRequests(40, split, seed),
+        lambda split, seed: MultiTurnChat(200, split, seed),
     ],
 )
 def test_deterministic_per_seed_with_disjoint_splits(make):
@@ -86,8 +94,8 @@ def test_arithmetic_uses_the_calculator_in_gsm8k_format():
         assert p.parts[-1]["text"].endswith(f"#### {p.answer}")
         assert extract_answer(p.parts[-1]["text"]) == str(p.answer)
         assert p.answer >= 0 and p.question.endswith("?") and "~" not in p.question
-        # the expression copies the question's numbers; any other is "twice" (2), "three times" (3), ...
-        asked = re.findall(r"\d+", p.question)
+        # the expression copies the question's numbers; any other is "twice" (2), "three times" (3), ... or a dozen
+        asked = re.findall(r"\d+", p.question) + (["12"] if "dozen" in p.question else [])
         assert all(n in asked or n in ("2", "3", "4", "5") for n in re.findall(r"\d+", expr)), (p.question, expr)
     ops = [len(re.findall(r"//|[-+*]", p.parts[1]["text"])) for p in problems]
     assert ops.count(2) > 100 and ops.count(1) > 10 and ops.count(3) > 5  # mostly two steps
@@ -105,25 +113,66 @@ def test_arithmetic_task_scores_like_gsm8k():
     assert task.eval_type == "generative"
 
 
-def test_story_requests_match_their_story():
+WORLD = {k if isinstance(k, str) else k["kind"] for group in WORDS.heroes.values() for k in group}
+WORLD |= {t.noun for t in WORDS.toys} | {a.noun for a in WORDS.animals} | {b.baby for b in WORDS.lost_babies}
+
+
+def test_story_requests_are_about_what_their_story_tells():
+    """A request names the hero's kind (a fox, a pirate, a robot, a girl), maybe its name and one more thing (a
+    toy, a find, an animal, a place), and the story answering it has every one of them."""
+    rng, kinds, named = random.Random(0), set(), 0
+    for i in range(400):
+        story, cast = tell_story(i)
+        facts = story_facts(story, cast)
+        request = story_request(rng, facts).lower()
+        assert facts["kind"] in facts["first"] and facts["name"] in facts["first"]  # the opening names the hero
+        for noun in WORLD | {p.key for p in WORDS.places}:
+            if re.search(rf"\b{noun}\b", request):
+                assert re.search(rf"\b{noun}\b", story.lower()), (request, story[:200])
+        named += facts["kind"] in request or facts["name"].lower() in request
+        kinds.add(facts["kind"])
+    assert named > 300  # most requests name the hero
+    heroes = WORDS.heroes
+    assert {"girl", "boy"} <= kinds  # children, and many animals, storybook roles and things come alive
+    for group in (heroes["animals"], [r["kind"] for r in heroes["roles"]], heroes["things"]):
+        assert len(kinds & set(group)) >= 5, group
     task = StoryRequests(60, max_words=220)
     for conversation in task:
         request, story = conversation["messages"][0]["content"], conversation["messages"][1]["content"]
-        facts = story_facts(story)
         assert len(story.split()) <= 220
-        assert facts["name"] and facts["name"] in story.split(".")[0] + "."
-        for name in re.findall(r"\b[A-Z][a-z]+\b", request):
-            assert name in story or name.lower() in ("tell", "can", "write", "please", "continue", "i'd", "i")
-        animal = re.search(r"(?:with an? |and an? |about an? )(\w+)(?: in it|, please|\.)", request, re.I)
-        if animal and animal.group(1).lower() not in ("girl", "boy", "story"):
-            assert animal.group(1).lower() in story.lower()
-    requests = [c["messages"][0]["content"].lower() for c in task]
-    assert sum("named" in r or "about" in r or "called" in r for r in requests) > 20
+        names = set(WORDS.girl_names + WORDS.boy_names)
+        assert all(name in story for name in re.findall(r"\b[A-Z][a-z]+\b", request) if name in names)
+
+
+def test_multi_turn_conversations_answer_from_an_earlier_turn():
+    rng, not_told = random.Random(3), 0
+    for _ in range(200):
+        c = recall_conversation(rng)  # the answer is something only the user said, earlier
+        users = [m["content"] for m in c["messages"] if m["role"] == "user"]
+        assert c["expected"] in c["messages"][-1]["content"] and c["expected"] not in users[-1]
+        if c["expected"] in PHRASES["not_told"].values():  # asked for what was never told: it says so
+            not_told += 1
+            continue
+        assert any(c["expected"] in u for u in users[:-1])
+        c = things_conversation(rng)  # arithmetic on a number the user told in the first turn
+        first, last = c["messages"][0]["content"], c["messages"][-1]["content"]
+        expr = last[1]["text"]
+        assert expr.split("+")[0].split("-")[0] in re.findall(r"\d+", first) and last[-1]["text"].endswith(
+            c["expected"]
+        )
+        c = followup_conversation(rng)  # a follow-up computes on the previous answer
+        replies = [m["content"] for m in c["messages"] if m["role"] == "assistant"]
+        for before, after in zip(replies, replies[1:]):
+            assert re.match(rf"{before[2]['text']}[-+*/]", after[1]["text"]), (before, after)
+        assert replies[-1][2]["text"] == c["expected"] == str(use_calculator(replies[-1][1]["text"]))
+    assert 10 < not_told < 60
+    lengths = [len(c["messages"]) for c in MultiTurnChat(300)]
+    assert sum(n >= 4 for n in lengths) > 250 and max(lengths) >= 8
 
 
 def test_tasks_mix_and_bad_arguments_fail_clearly():
-    mixture = TaskMixture([IdentityChat(5), ArithmeticProblems(5), StoryRequests(5)])
-    assert len(mixture) == 15 and all("messages" in c for c in mixture)
+    mixture = TaskMixture([IdentityChat(5), ArithmeticProblems(5), StoryRequests(5), MultiTurnChat(5)])
+    assert len(mixture) == 20 and all("messages" in c for c in mixture)
     with pytest.raises(ValueError, match="train or val"):
         IdentityChat(5, split="test")
     with pytest.raises(ValueError, match="positive"):
@@ -132,3 +181,5 @@ def test_tasks_mix_and_bad_arguments_fail_clearly():
         StoryRequests(5, max_words=50)
     with pytest.raises(ValueError, match=">= 0"):
         arithmetic_problem(-1)
+    with pytest.raises(ValueError, match="train or val"):
+        MultiTurnChat(5, split="check")

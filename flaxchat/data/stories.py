@@ -1,15 +1,16 @@
 """Built-in synthetic children's stories: the offline pretraining corpus for the laptop demo.
 
 No package registry ships TinyStories, so flaxchat writes its own. Each story is built by one of
-twelve small plots (a lost toy found, a new friend, sharing, being brave, rescuing a kitten, a lost
+thirteen small plots (a lost toy found, a new friend, sharing, being brave, rescuing a kitten, a lost
 baby animal, an animal friend, a small adventure, a rainy-day plan, a lesson learned, a homemade
-gift, helping someone) from coherent random choices: a child with a name and matching pronouns, a
-grown-up, places with the spots and activities that belong there, animals that live there, toys
-with one fixed color. Every beat has several phrasings, so the corpus holds many distinct
+gift, helping someone, finding and counting things) from coherent random choices: a hero with a name
+and matching pronouns (a child, an animal, a storybook role such as a pirate, or a thing come alive
+such as a robot; now and then with a made-up name or of a made-up kind), a grown-up, places with the
+spots and activities that belong there, animals that live there, toys with one fixed color. Every beat has several phrasings, so the corpus holds many distinct
 sentences, and every phrasing is written to stay true to the story's facts.
 
 The words and sentences are data files beside this module. story_words.json is the world: names,
-family, feelings, toys, places (each with the spots where a thing can hide, the activities as
+the heroes' kinds, family, feelings, toys, places (each with the spots where a thing can hide, the activities as
 base-form verb phrases, and for adventures its finds and one sentence describing it), animals (the
 places they live in, the food a child may offer, how they move, in the past tense) and the word-form
 exceptions. story_plots.json holds the story openings and, for each plot, its pieces (fears, lessons,
@@ -72,7 +73,7 @@ def load_plots() -> dict:
     for name, entry in plots.items():
         if isinstance(entry, dict):
             for key, value in entry.items():
-                if key != "beats" and value and isinstance(value[0], dict):
+                if key != "beats" and isinstance(value, list) and value and isinstance(value[0], dict):
                     entry[key] = records(value)
             plots[name] = SimpleNamespace(**entry)
     return plots
@@ -133,7 +134,9 @@ def article(phrase: str) -> str:
 INTROS = PLOT_TEXT["intros"]
 _INTRO_FIELDS = {
     "{h.name}": r"(?P<name>[A-Z][a-z]+)",
-    "{h.kind}": "(?:girl|boy)",
+    "{h.kind}": "[a-z]+(?: [a-z]+)?",
+    "{h.a_kind}": "an? [a-z]+(?: [a-z]+)?",
+    "{h.his}": "(?:his|her)",
     "{h.He}": "(?:He|She)",
     "{trait}": "[a-z]+",
     "{a_trait}": "an? [a-z]+",
@@ -157,6 +160,28 @@ def is_val_pair(name: str, intro: int) -> bool:
     """Whether (hero name, opening number) is reserved for validation stories."""
     # crc32, not hash(): the reservation must not change with PYTHONHASHSEED.
     return zlib.crc32(f"{name}/{intro}".encode()) % 6 == 0
+
+
+HERO_SHARES = {"child": 0.45, "animal": 0.35, "role": 0.1, "thing": 0.1}
+# heroes with a made-up name ("Zoodra") or of a made-up kind ("a little blimket"): words a model has never seen,
+# repeated through the story, so pretraining practises copying a word it cannot know from memory
+INVENTED_NAME_SHARE, INVENTED_KIND_SHARE = 0.2, 0.1
+_KNOWN = frozenset(
+    re.findall(
+        r"[a-z]+", json.dumps(WORDS.__dict__, default=vars).lower() + json.dumps(PLOT_TEXT, default=vars).lower()
+    )
+)
+
+
+def invented_word(rng: random.Random) -> str:
+    """A made-up word ("blimket", "zoodra") of one or two syllables, never one the stories use otherwise."""
+    parts = WORDS.invented
+    while True:
+        syllables = [rng.choice(parts["onsets"]) + rng.choice(parts["vowels"]) + rng.choice(parts["codas"])]
+        syllables += [rng.choice(parts["onsets"]) + rng.choice(parts["vowels"]) for _ in range(rng.randint(0, 1))]
+        word = "".join(syllables) + rng.choice(parts["endings"])
+        if 4 <= len(word) <= 9 and word not in _KNOWN:
+            return word
 
 
 HERO_PAIRS = {
@@ -184,6 +209,7 @@ class Person:
 
     def __init__(self, name: str, girl: bool, kind: str | None = None, **extra):
         self.name, self.girl, self.kind = name, girl, kind or ("girl" if girl else "boy")
+        self.a_kind = f"{article(self.kind)} {self.kind}"
         self.he, self.him, self.his, self.himself = (
             ("she", "her", "her", "herself") if girl else ("he", "him", "his", "himself")
         )
@@ -208,8 +234,8 @@ class Thing:
 class Story:
     """Collects sentences; picks a phrasing per beat and fills it from the cast (`self.cast`)."""
 
-    def __init__(self, rng: random.Random, val: bool):
-        self.rng, self.val = rng, val
+    def __init__(self, rng: random.Random, val: bool, hero_kind: str | None = None):
+        self.rng, self.val, self.hero_kind = rng, val, hero_kind
         self.paragraphs: list[list[str]] = [[]]
         self._seen: set[str] = set()
         self._names: set[str] = set()
@@ -300,19 +326,45 @@ class Story:
     def text(self) -> str:
         return "\n\n".join(" ".join(p) for p in self.paragraphs if p)
 
-    def child(self, hero: bool = False) -> Person:
-        """A child with a name not yet used in this story; the hero's name comes with its opening."""
+    def child(self) -> Person:
+        """A child with a name not yet used in this story."""
         girl = self.chance(0.5)
         names = WORDS.girl_names if girl else WORDS.boy_names
-        if hero:
-            name, intro = self.pick(HERO_PAIRS[self.val, girl])
-            self.cast["intro"] = INTROS[intro]
-        else:
+        name = self.pick(names)
+        while name in self._names:
             name = self.pick(names)
-            while name in self._names:
-                name = self.pick(names)
         self._names.add(name)
         return Person(name, girl)
+
+    def hero(self) -> Person:
+        """The hero: a child, an animal, a storybook role (a pirate, a queen) or a thing come alive (a robot), so a
+        request for a story about any of them has stories to learn from. The name comes with the opening."""
+        draw, heroes = self.rng.random(), WORDS.heroes
+        if self.hero_kind:
+            kind, girl = self.hero_kind, self.chance(0.5)
+        elif draw < HERO_SHARES["child"]:
+            kind, girl = None, self.chance(0.5)
+        elif draw < HERO_SHARES["child"] + HERO_SHARES["animal"]:
+            kind, girl = self.pick(heroes["animals"]), self.chance(0.5)
+        elif draw < 1 - HERO_SHARES["thing"]:
+            role = self.pick(heroes["roles"])
+            kind, girl = role["kind"], role.get("female", self.chance(0.5))
+        else:
+            kind, girl = self.pick(heroes["things"]), self.chance(0.5)
+        if kind not in (None, self.hero_kind) and self.chance(INVENTED_KIND_SHARE):
+            kind = invented_word(self.rng)
+        if self.chance(INVENTED_NAME_SHARE):
+            while True:  # a made-up name with an opening that keeps the story in its split
+                name, intro = invented_word(self.rng).capitalize(), self.rng.randrange(len(INTROS))
+                if is_val_pair(name, intro) == self.val:
+                    break
+        else:
+            name, intro = self.pick(HERO_PAIRS[self.val, girl])
+        self.cast["intro"] = INTROS[intro]
+        self._names.add(name)
+        if kind is not None:  # a few more words about what the hero is, and looks that fit any kind
+            self.cast["about"] = PLOT_TEXT["about"] + PLOT_TEXT["about_creature"]
+        return Person(name, girl, kind)
 
     def grownup(self, exclude: Person | None = None) -> Person:
         member = self.pick([f for f in WORDS.family if exclude is None or f.kind != exclude.kind])
@@ -336,8 +388,9 @@ class Story:
 
     def cast_basics(self, place: SimpleNamespace | None = None) -> None:
         """The child `h`, a grown-up `p`, and (if given) the place, its day and one of its activities."""
-        h = self.child(hero=True)
-        self.set(h=h, p=self.grownup(), looks=self.pick(WORDS.looks).format(h=h))
+        h = self.hero()
+        looks = WORDS.looks if h.kind in ("girl", "boy") else WORDS.hero_looks
+        self.set(h=h, p=self.grownup(), looks=self.pick(looks).format(h=h))
         if place is not None:
             self.set(place=place, day=self.pick(place.days))
             self.activity(place.acts)
@@ -536,6 +589,20 @@ def helping(s: Story) -> None:
     s.tell(text.beats)
 
 
+def counting(s: Story) -> None:
+    """Things found, shared and put in rows, with the sums in the story: text with numbers that add up."""
+    text = PLOT_TEXT["counting"]
+    place = PLACE[s.pick(sorted(text.items))]
+    s.cast_basics(place)
+    k, g = s.rng.randint(2, 6), s.rng.randint(2, 5)
+    n5 = k * g  # what is left at the end goes into g rows of k
+    n4 = s.rng.randint(1, 9)
+    n3 = n5 + n4
+    n1 = s.rng.randint(2, n3 - 2)
+    s.set(item=s.pick(text.items[place.key]), f=s.child(), n1=n1, n2=n3 - n1, n3=n3, n4=n4, n5=n5, k=k, g=g)
+    s.tell(text.beats)
+
+
 PLOTS = (
     lost_toy,
     new_friend,
@@ -549,6 +616,7 @@ PLOTS = (
     lesson,
     gift,
     helping,
+    counting,
 )
 
 # --- public API ---------------------------------------------------------------------------------
@@ -581,16 +649,23 @@ def split_of(story: str) -> str:
 
 def generate_story(index: int, seed: int = 0) -> str:
     """Story number `index` of the stream for `seed`; depends on (seed, index) alone."""
+    return tell_story(index, seed)[0]
+
+
+def tell_story(index: int, seed: int = 0, hero_kind: str | None = None) -> tuple[str, dict]:
+    """generate_story's text and its cast (`h` the hero, `place`, `toy`, `animal`, `pet`, ...: whatever its plot
+    chose), so that a request for this story can name what it is about. hero_kind, when given, is what the hero is
+    ("walrus"): a story about a kind the world's lists do not have."""
     if index < 0:
         raise ValueError(f"story index must be >= 0, got {index}")
     # Seeding with a string hashes it with SHA-512: stable across processes and PYTHONHASHSEED.
     rng = random.Random(f"flaxchat-stories:{seed}:{index}")
     for _ in range(10):  # the plots are sized to fit; a rare miss just draws again from the same rng
-        story = Story(rng, is_val_index(index))
+        story = Story(rng, is_val_index(index), hero_kind)
         rng.choice(PLOTS)(story)
         text = story.text()
         if MIN_WORDS <= len(text.split()) <= MAX_WORDS:
-            return text
+            return text, story.cast
     raise RuntimeError(
         f"story {index} (seed {seed}) missed {MIN_WORDS}-{MAX_WORDS} words ten times; a plot is badly sized"
     )

@@ -29,6 +29,7 @@ from flaxchat.generate.runner import Runner
 from flaxchat.generate.sampling import check_sampling
 from flaxchat.generate.sandbox import run_python, use_calculator
 from flaxchat.generate.speculative import SpeculativeRunner
+from flaxchat.model.gpt import with_stacked_qkv
 
 STREAM_CHUNK = 16  # most decode steps per jitted call while streaming: smooth to watch, few calls to pay for
 COMPACT_MIN_ROWS = 4  # generate_many packs its rows still going into no fewer slots: each width is a compile
@@ -135,7 +136,7 @@ class Engine:
                 tool_end=self.python_end,
             )
         else:
-            progs, params = programs(self.model)
+            progs, params = programs(with_stacked_qkv(self.model))  # stacked once per call, not once per chunk
             settings = DecodeSettings(self.stream_chunk, self.stop_tokens, self.python_end, (top_k,) if top_k else ())
             runner = Runner(progs, params, self.model, slots=rows, capacity=self.capacity, settings=settings)
         return Batch(runner, self.tokenizer, self.run_tool, text=False, compact=self.compact, min_rows=COMPACT_MIN_ROWS)

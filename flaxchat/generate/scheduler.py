@@ -46,6 +46,7 @@ from flaxchat.generate.sampling import MAX_TOP_K, MAX_TOP_LOGPROBS, TOP_K_TIERS
 from flaxchat.generate.sandbox import use_calculator
 from flaxchat.generate.speculative import SpeculativeRunner
 from flaxchat.generate.warmup import Precompiler
+from flaxchat.model.gpt import with_stacked_qkv
 
 __all__ = ["MAX_TOP_K", "QueueFull", "Request", "Scheduler", "SpeculativeScheduler", "auto_slots", "new_seed"]
 
@@ -127,7 +128,7 @@ class Scheduler:
         self.capacity = capacity or model.config.sequence_len
         self.stop_tokens = stop_tokens(tokenizer)
         self.tool_end = tokenizer.encode_special("<|python_end|>")
-        graphdef, params = nnx.split(model)
+        graphdef, params = nnx.split(with_stacked_qkv(model))
         self.params = in_compute_dtype(params, model.dtype)  # once: serving reads bf16 weights on accelerators
         self.programs = programs_for(graphdef, options=compiler_options(params))
         if draft_model is None:

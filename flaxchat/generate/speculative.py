@@ -44,7 +44,7 @@ from flaxchat.generate.programs import (
 )
 from flaxchat.generate.reply import FORCED_CAPACITY, until_stop
 from flaxchat.generate.sampling import check_sampling, inverse_cdf, traced_rule_probs
-from flaxchat.model.gpt import KVCache
+from flaxchat.model.gpt import KVCache, with_stacked_qkv
 
 
 @jax.tree_util.register_dataclass
@@ -241,7 +241,7 @@ class SpeculativeRunner:
 
     def __init__(self, model, draft_model, *, draft_steps: int, capacity: int, chunk: int, stop_tokens, tool_end):
         speculative_rule(1.0, None, None, draft_steps)  # checks draft_steps
-        self.programs, self.params = programs(model, draft_model)
+        self.programs, self.params = programs(with_stacked_qkv(model), with_stacked_qkv(draft_model))
         self.draft_steps, self.capacity, self.chunk = draft_steps, capacity, chunk
         self.stop_tokens, self.tool_end = tuple(stop_tokens), tool_end
         self.reset()

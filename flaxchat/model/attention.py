@@ -2,8 +2,9 @@
 
 `attention` is the training (and full-forward) path, one function over four kernels that all compute the same
 thing: "xla" (dense scores, jax.nn.dot_product_attention), "cudnn" (GPU), "splash" (TPU, Pallas) and "chunked"
-(a CPU path, in model/cpu.py); `resolve_attention` picks one for the backend. `cached_attention` and `write_cache`
-are the decode-time halves: new queries over a KV cache, then the new keys and values written into it in place.
+(a CPU path, in model/cpu.py); `resolve_attention` picks one for the backend and the model's forms.
+`cached_attention` and `write_cache` are the decode-time halves: new queries over a KV cache, then the new keys and
+values written into it in place.
 """
 
 from __future__ import annotations
@@ -17,20 +18,23 @@ from flaxchat.model import cpu
 ATTENTION_IMPLEMENTATIONS = ("auto", "chunked", "xla", "cudnn", "splash")
 
 
-def resolve_attention(name: str = "auto", backend: str | None = None, dtype=jnp.bfloat16, head_dim: int = 128) -> str:
+def resolve_attention(
+    name: str = "auto", backend: str | None = None, dtype=jnp.bfloat16, head_dim: int = 128, forms=None
+) -> str:
     """The attention kernel to use: "auto" picks cuDNN's fused kernel on GPU (bf16/fp16, head_dim <= 256),
-    Splash on TPU, chunked on a CPU (model/cpu.py, unless switched off), XLA elsewhere. Asking for a kernel that
-    cannot run here is an error."""
+    Splash on TPU, chunked where the forms have chunked_attention (a CPU's, model/cpu.py), XLA elsewhere. forms:
+    the model's (default: the backend's, cpu.forms_for). Asking for a kernel that cannot run here is an error."""
     if name not in ATTENTION_IMPLEMENTATIONS:
         raise ValueError(f"unknown attention {name!r}; choose one of {', '.join(ATTENTION_IMPLEMENTATIONS)}")
     backend = backend or jax.default_backend()
+    forms = forms if forms is not None else cpu.forms_for(dtype, backend)
     cudnn_ok = (
         backend == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and head_dim <= 256 and head_dim % 8 == 0
     )
     if name == "auto":
         if cudnn_ok:
             return "cudnn"
-        return "splash" if backend == "tpu" else "chunked" if cpu.use("chunked_attention", backend) else "xla"
+        return "splash" if backend == "tpu" else "chunked" if forms.chunked_attention else "xla"
     if name == "cudnn" and not cudnn_ok:
         raise ValueError(
             f"cuDNN attention needs a GPU, bf16/fp16 and head_dim <= 256 (a multiple of 8); "
@@ -39,19 +43,20 @@ def resolve_attention(name: str = "auto", backend: str | None = None, dtype=jnp.
     return name  # "splash" off a TPU runs Pallas' interpreter: correct, slow (tests use it)
 
 
-def attention(q, k, v, window, implementation="xla"):
+def attention(q, k, v, window, implementation="xla", forms=cpu.PLAIN):
     """Causal attention with a left window (training and full forwards). q (B,T,H,D), k/v (B,T,Hkv,D) -> (B,T,H,D).
 
     Key j is visible to query i iff i - window <= j <= i. "xla" materialises the (B, H, T, T) scores; "cudnn" and
     "splash" are fused kernels that never materialise them, and "chunked" (cpu.chunked_attention) computes them
-    a few rows and query blocks at a time. All but "xla" skip the blocks that causality and a window mask out.
+    a few rows and query blocks at a time, in the model's `forms` (a CPU's bf16 products). All but "xla" skip the
+    blocks that causality and a window mask out.
     """
     T = q.shape[1]
     local = None if window >= T else (window, 0)
     if implementation == "splash":
         return splash_attention(q, k, v, window)
     if implementation == "chunked":
-        return cpu.chunked_attention(q, k, v, window)
+        return cpu.chunked_attention(q, k, v, window, forms)
     impl = "cudnn" if implementation == "cudnn" else "xla"
     return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=local, implementation=impl)
 

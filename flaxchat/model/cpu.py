@@ -1,11 +1,16 @@
-"""XLA:CPU-only fast paths: every place where the model computes the same numbers in another form, because XLA's
-CPU backend runs that form faster. On GPUs and TPUs none of this runs, and a reader can skip the whole module:
-`model/gpt.py`, `model/attention.py`, `model/loss.py` and `train/step.py` hold the plain versions and reach these
-through one hook, `use(name)`, which says whether path `name` runs here (the CPU backend, and not switched off).
+"""XLA:CPU-only fast paths, and the one interface through which the model, its loss and the train step reach them.
 
-The switch: FLAXCHAT_CPU_PATHS=0 turns every path off (the plain versions then run on the CPU too);
+`Forms` says how a model computes: a frozen dataclass of the paths below that are on, chosen once when the model is
+built (`GPT(config, ...)` calls `forms_for(dtype)`) and held as `model.forms`. The model's Linears and attention, its
+loss and the train step ask it for each form (a Linear's product, the loss's chunks and lm_head gradient, a
+micro-batch's sub-batches), and none of them reads the backend or the switch below again. Off the CPU backend a
+model's forms are PLAIN: every form is the plain one that `model/gpt.py`, `model/loss.py` and `train/step.py` would
+write inline (each method says which), and a reader can skip the rest of this module. On a CPU the paths below are
+on: each computes the same numbers in a form XLA's CPU backend runs faster.
+
+The switch: FLAXCHAT_CPU_PATHS=0 turns every path off (the plain forms then run on the CPU too);
 FLAXCHAT_CPU_PATHS=-loss_chunks,-sub_batches turns the named paths off and keeps the rest. Unset (or 1), every path
-runs. The paths:
+runs. It is read when a model is built (`forms_for`; also by `int8_options`, for generation programs). The paths:
 
     chunked_attention   causal attention a cache-sized chunk of rows and query blocks at a time
     sub_batches         a micro-batch's rows in sub-batches of CPU_SUB_BATCH_TOKENS (training and evaluation)
@@ -15,15 +20,17 @@ runs. The paths:
     int8_vectors        generation programs over int8 weights compiled for 512-bit vectors (AVX-512)
 
 Each earns its place: without it the laptop demo's pretraining step (or batch-1 decode) takes at least 3% longer
-(docs/cpu-speed.md has the figures, docs/LOG.md the sitting); tests/test_cpu.py checks that every path gives the
-plain version's numbers.
+(docs/cpu-speed.md has the figures, docs/LOG.md the sitting); tests/test_cpu.py checks that a model built with every
+path gives the numbers of one built with none.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +44,7 @@ SWITCH = "FLAXCHAT_CPU_PATHS"
 # Helpers that only change how a product is computed: a compiled program's source lines (perf.hlo.op_sources, a
 # profile's lines) name the line that called them, as for jnp.einsum itself
 PASS_THROUGH = frozenset(
-    {"einsum", "_widened_einsum", "_widened_einsum_fwd", "_widened_einsum_bwd", "linear", "_widened"}
+    {"einsum", "_widened_einsum", "_widened_einsum_fwd", "_widened_einsum_bwd", "linear", "_widened", "add", "logits"}
 )
 
 
@@ -56,35 +63,163 @@ def switched_off() -> set[str]:
     return {n[1:] for n in names}
 
 
-def use(name: str, backend: str | None = None) -> bool:
-    """Whether the CPU path `name` runs: on the CPU backend (or `backend`), unless FLAXCHAT_CPU_PATHS turns it off.
+# -----------------------------------------------------------------------------
+# The interface
 
-    Read when a function is traced: a program compiled with a path keeps it."""
-    if name not in PATHS:
-        raise ValueError(f"unknown CPU path {name!r}")
-    return (backend or jax.default_backend()) == "cpu" and name not in switched_off()
+
+@dataclasses.dataclass(frozen=True)
+class Forms:
+    """How a model computes: one flag per path of PATHS (PLAIN: none), and `products`, the dtype of a bf16 model's
+    products beside its fp32 activations (bf16_products on a bf16 model), or None. Held by the model, its Linears and
+    its attention; the loss and the train step take the model's. Hashable, and static under jit."""
+
+    chunked_attention: bool = False
+    sub_batches: bool = False
+    loss_chunks: bool = False
+    bf16_products: bool = False
+    matmul_form: bool = False
+    int8_vectors: bool = False
+    products: Any = None
+
+    def __post_init__(self):
+        if self.products is not None and not self.bf16_products:
+            raise ValueError("bf16 products beside wider activations need bf16_products")
+
+    @property
+    def paths(self) -> tuple[str, ...]:
+        """The paths that are on (for logs and tests)."""
+        return tuple(name for name in PATHS if getattr(self, name))
+
+    def activation_dtype(self, dtype):
+        """The dtype a model of compute dtype `dtype` keeps its training forward's activations in: fp32 beside bf16
+        products (bf16_products), else `dtype`. bf16 is then the products' dtype only, as under torch's autocast:
+        norms, rotary, softmax and the residual stream stay fp32, since XLA:CPU rounds the result of every bf16
+        elementwise op back to bf16 and runs such chains several times slower than fp32 ones."""
+        return jnp.float32 if self.products is not None and jnp.dtype(dtype) == self.products else dtype
+
+    def residual_dtype(self, dtype):
+        """The dtype attention's output projection answers in, for a residual stream of `dtype`: that dtype beside
+        bf16 products (the chunked kernel answers in bf16; the projection's result goes back to the fp32 stream),
+        else None (its operand's dtype, the plain form)."""
+        return None if self.products is None else dtype
+
+    def widened(self, *operands) -> bool:
+        """Whether a product of these operands (all bf16) asks XLA for an fp32 result (bf16_products). XLA:CPU's
+        library multiplies bf16 into fp32 with the CPU's bf16 instructions (AVX512-BF16, AMX) at up to twice its
+        fp32 rate, while a bf16 result takes a path slower than fp32 (upcast operands)."""
+        return self.bf16_products and all(x.dtype == jnp.bfloat16 for x in operands)
+
+    def einsum(self, spec: str, a, b, out_dtype=None):
+        """jnp.einsum(spec, a, b) with the result in out_dtype (default a's); bf16 operands under bf16_products
+        multiply into fp32 (module-level `einsum`)."""
+        if self.widened(a, b):
+            return einsum(spec, a, b, out_dtype)
+        return jnp.einsum(spec, a, b, preferred_element_type=jnp.dtype(out_dtype or a.dtype))
+
+    def linear(self, x, w, out_dtype=None):
+        """x (..., in) @ w (out, in).T as a Linear computes it, w in x's dtype, the result in out_dtype (default
+        x's): plain, jnp.einsum("...i,oi->...o", x, w). On a CPU, beside wider activations (products) the operands
+        in `products`; bf16 operands multiplied into fp32 (bf16_products); and one row (a decode step) as
+        x @ w.T (matmul_form), which lowers to one fused loop of contiguous dot products over w's rows, where the
+        einsum form becomes a library call that repacks the weight first."""
+        if self.products is not None and x.dtype != self.products:
+            return self.einsum("...i,oi->...o", x.astype(self.products), w.astype(self.products), out_dtype or x.dtype)
+        w = w.astype(x.dtype)
+        if self.widened(x, w):
+            return einsum("...i,oi->...o", x, w, out_dtype)
+        if self.matmul_form and math.prod(x.shape[:-1]) == 1:
+            return jnp.matmul(x, w.T, preferred_element_type=out_dtype)
+        return jnp.einsum("...i,oi->...o", x, w, preferred_element_type=out_dtype)
+
+    # --- the fused loss (model/loss.py) ---
+
+    def loss_chunk_rows(self, n_rows: int, vocab_size: int, most_bytes: int) -> int:
+        """Rows per chunk of the fused loss: as many as `most_bytes` of fp32 logits hold (at least 8), and under
+        loss_chunks at most LOSS_CHUNK_BYTES and LOSS_CHUNK_ROWS (see there)."""
+        most_bytes, most_rows = (LOSS_CHUNK_BYTES, LOSS_CHUNK_ROWS) if self.loss_chunks else (most_bytes, n_rows)
+        return min(n_rows, max(8, most_bytes // (4 * vocab_size)), most_rows)
+
+    def logits(self, x, w):
+        """x (n, C) @ w (Vp, C).T, both in the compute dtype, as fp32 values of a product rounded to that dtype:
+        plain, the product's own result widened. bf16 under bf16_products: an fp32 product rounded to bf16's values
+        in fp32 (bf16_grid), the same numbers but for an infinite logit (an overflowed product)."""
+        if self.widened(x, w):
+            return bf16_grid(einsum("nc,vc->nv", x, w, out_dtype=jnp.float32))
+        return jnp.einsum("nc,vc->nv", x, w).astype(jnp.float32)
+
+    def astype(self, x, dtype):
+        """fp32 x.astype(dtype); to bf16 under bf16_products by bf16_grid's arithmetic (to_bf16: 0 or finite values
+        of at least 2**-109 only), which XLA:CPU runs at the speed of the fusion around it."""
+        return to_bf16(x) if self.bf16_products and jnp.dtype(dtype) == jnp.bfloat16 else x.astype(dtype)
+
+    def lm_head_grad(self, chunk: int) -> LmHeadGrad:
+        """How the fused loss sums its chunks' lm_head gradients: transposed under loss_chunks for a chunk of an
+        even number of rows (LmHeadGrad)."""
+        return LmHeadGrad(transposed=self.loss_chunks and chunk % 2 == 0)
+
+    # --- sub-batches (train/step.py, evaluation) ---
+
+    def n_sub_batches(self, rows: int, seq_len: int, splits_model: bool = False) -> int:
+        """How many sub-batches a micro-batch of `rows` rows (one device's) runs in: the fewest that divide the rows
+        into at most CPU_SUB_BATCH_TOKENS tokens each (one row each when a row alone is longer); 1 without
+        sub_batches, and when the mesh splits the model (`splits_model`: FSDP or tensor parallelism, whose weight
+        gathers and activation sums would then run once per sub-batch)."""
+        if splits_model or not self.sub_batches:
+            return 1
+        return next(
+            k for k in range(1, rows + 1) if rows % k == 0 and rows // k * seq_len <= CPU_SUB_BATCH_TOKENS or k == rows
+        )
+
+    def sub_batch_note(self, rows: int, seq_len: int, mesh) -> str:
+        """The training loops' note on sub-batches for their micro-batch line ("" when a micro-batch runs whole)."""
+        k = self.n_sub_batches(rows, seq_len, splits_model=any(mesh.shape[a] > 1 for a in sharding.MODEL_AXES))
+        if k == 1:
+            return ""
+        return (
+            f" | on this CPU each device's {rows} rows run as {k} sub-batches of {rows // k} "
+            "(model.cpu.CPU_SUB_BATCH_TOKENS)"
+        )
+
+    # --- generation programs ---
+
+    def int8_options(self, params) -> tuple:
+        """XLA options for generation programs over these parameters, as (name, value) pairs (int8_vectors): int8
+        weights get 512-bit vectors where the processor has them. Their matrix-vector products are XLA's own
+        loops that convert each weight as they read it, bound by that conversion rather than by memory, and run
+        markedly faster that wide; float weights go through library kernels or stream from memory and gain
+        nothing."""
+        if self.int8_vectors and any(x.dtype == jnp.int8 for x in jax.tree.leaves(params)):
+            return (("xla_cpu_prefer_vector_width", 512),)
+        return ()
+
+
+PLAIN = Forms()  # every backend's forms but XLA:CPU's, and a CPU's with FLAXCHAT_CPU_PATHS=0
+
+
+def forms_for(dtype=None, backend: str | None = None) -> Forms:
+    """The forms of a model of compute dtype `dtype` on `backend` (default: JAX's): on the CPU backend every path
+    FLAXCHAT_CPU_PATHS leaves on, elsewhere PLAIN. GPT calls this once, when it is built."""
+    if (backend or jax.default_backend()) != "cpu":
+        return PLAIN
+    off = switched_off()
+    on = {name: name not in off for name in PATHS}
+    bf16 = dtype is not None and jnp.dtype(dtype) == jnp.bfloat16
+    return Forms(**on, products=jnp.dtype(jnp.bfloat16) if on["bf16_products"] and bf16 else None)
+
+
+def forms_of(model) -> Forms:
+    """A model's forms: a GPT's own, this backend's for any other model (a stand-in in the tests)."""
+    return getattr(model, "forms", None) or forms_for()
+
+
+def int8_options(params) -> tuple:
+    """Forms.int8_options of this process's forms (`forms_for()`), for generation code that holds parameters rather
+    than a model: XLA options for generation programs over these parameters, as (name, value) pairs."""
+    return forms_for().int8_options(params)
 
 
 # -----------------------------------------------------------------------------
 # bf16 products beside fp32 activations
-
-
-def activation_dtype(dtype, backend: str | None = None):
-    """The dtype a model of compute dtype `dtype` keeps its activations in: fp32 for bf16 under bf16_products.
-
-    On a CPU bf16 is then the products' dtype only, as under torch's autocast: operands rounded to bf16, fp32
-    results kept, norms, rotary, softmax and the residual stream in fp32. XLA:CPU rounds the result of every bf16
-    elementwise op back to bf16 and runs such chains several times slower than fp32 ones."""
-    if jnp.dtype(dtype) == jnp.bfloat16 and use("bf16_products", backend):
-        return jnp.float32
-    return dtype
-
-
-def widened_products(*operands) -> bool:
-    """Whether a product of these operands (all bf16) asks XLA for an fp32 result (bf16_products). XLA:CPU's
-    library multiplies bf16 into fp32 with the CPU's bf16 instructions (AVX512-BF16, AMX) at up to twice its fp32
-    rate, while a bf16 result takes a path slower than fp32 (upcast operands)."""
-    return all(x.dtype == jnp.bfloat16 for x in operands) and use("bf16_products")
 
 
 def split_in_two(x, axis: int):
@@ -99,12 +234,12 @@ def split_in_two(x, axis: int):
 
 
 def einsum(spec: str, a, b, out_dtype=None):
-    """jnp.einsum(spec, a, b); out_dtype defaults to a's dtype. bf16 operands under bf16_products multiply into fp32
-    and round once to out_dtype, and so do both gradients (the cotangent is rounded to bf16 first, as in a bf16
+    """jnp.einsum(spec, a, b); out_dtype defaults to a's dtype. bf16 operands multiply into fp32 and round once to
+    out_dtype (bf16_products' form), and so do both gradients (the cotangent is rounded to bf16 first, as in a bf16
     backward pass): JAX's own transpose of such a product would multiply in fp32. The result equals a bf16
     product's (one rounding of an fp32 accumulation) up to summation order."""
     out_dtype = jnp.dtype(out_dtype or a.dtype)
-    if widened_products(a, b):
+    if a.dtype == b.dtype == jnp.bfloat16:
         return _widened_einsum(spec, out_dtype, a, b)
     return jnp.einsum(spec, a, b, preferred_element_type=out_dtype)
 
@@ -155,44 +290,6 @@ def to_bf16(x):
     value, taken as a bf16 array."""
     bits = jax.lax.bitcast_convert_type(bf16_grid(x), jnp.uint32) >> 16
     return jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.bfloat16)
-
-
-def widen_activations(model) -> None:
-    """Mark a bf16 model's Linears to multiply in bf16 beside fp32 activations (bf16_products): GPT calls this
-    when its activation dtype is wider than its compute dtype."""
-    for _, m in nnx.iter_graph(model):
-        if hasattr(m, "products"):
-            m.products = model.dtype
-
-
-# -----------------------------------------------------------------------------
-# Linear
-
-
-def linear(x, w, out_dtype=None, products=None):
-    """x (..., in) @ w (out, in).T as a Linear computes it on a CPU, or None where no CPU path applies (the caller
-    then runs the plain einsum). products: the layer's bf16 products dtype beside wider activations, or None."""
-    if products is not None and x.dtype != products and use("bf16_products"):
-        # wider activations: the product in `products`, the result in the activations' dtype
-        return einsum("...i,oi->...o", x.astype(products), w.astype(products), out_dtype or x.dtype)
-    w = w.astype(x.dtype)
-    if widened_products(x, w):
-        return einsum("...i,oi->...o", x, w, out_dtype)
-    if math.prod(x.shape[:-1]) == 1 and use("matmul_form"):
-        # one row (a decode step): x @ w.T lowers to one fused loop of contiguous dot products over w's rows, where
-        # the einsum form becomes a library call that repacks the weight first
-        return jnp.matmul(x, w.T, preferred_element_type=out_dtype)
-    return None
-
-
-def int8_options(params) -> tuple:
-    """XLA options for generation programs over these parameters, as (name, value) pairs (int8_vectors): int8
-    weights get 512-bit vectors where the processor has them. Their matrix-vector products are XLA's own loops
-    that convert each weight as they read it, bound by that conversion rather than by memory, and run markedly
-    faster that wide; float weights go through library kernels or stream from memory and gain nothing."""
-    if use("int8_vectors") and any(x.dtype == jnp.int8 for x in jax.tree.leaves(params)):
-        return (("xla_cpu_prefer_vector_width", 512),)
-    return ()
 
 
 # -----------------------------------------------------------------------------
@@ -262,12 +359,16 @@ def _attend_block(q, k, v, window, start, stop, lo, heads_major=False):
     return jnp.einsum(f"{b}k{g}ts,{b}skd->{b}tk{g}d", p, v[..., lo:stop, :, :]).reshape(*rows, stop - start, H, D)
 
 
-def chunked_attention(q, k, v, window):
+def chunked_attention(q, k, v, window, forms: Forms = PLAIN):
     """Causal windowed attention equal to the dense path: rows in chunks whose scores fit in cache (lax.map), each
     chunk's queries in blocks that see only the keys causality and the window allow, and each chunk recomputed in
     the backward pass (jax.checkpoint) so no (B, H, T, T) tensor ever reaches memory; runs per shard on a mesh.
-    bf16 q, k and v under bf16_products take the flash-style path below (_bf16_chunks)."""
-    if widened_products(q, k, v):
+    Beside wider activations (forms.products) q, k and v are rounded to the products' dtype first, as nanochat's
+    bf16 attention, and the output stays in it; bf16 q, k and v under bf16_products take the flash-style path
+    below (_bf16_chunks)."""
+    if forms.products is not None:
+        q, k, v = (t.astype(forms.products) for t in (q, k, v))
+    if forms.widened(q, k, v):
         return sharding.per_shard_heads(functools.partial(_bf16_chunks, window=window), q, k, v)
     B, T, H, D = q.shape
     # heads-major without GQA: q, k and v transposed once per layer instead of every block's key and value slices
@@ -387,16 +488,31 @@ LOSS_CHUNK_ROWS = 512
 LOSS_CHUNK_BYTES = 64 * 2**20  # and at most this many bytes of fp32 logits
 
 
-def loss_chunk_rows(n_rows: int, vocab_size: int) -> int:
-    """Rows per chunk of the fused loss on a CPU (loss_chunks)."""
-    return min(n_rows, max(8, LOSS_CHUNK_BYTES // (4 * vocab_size)), LOSS_CHUNK_ROWS)
+@dataclasses.dataclass(frozen=True)
+class LmHeadGrad:
+    """How the fused loss sums its chunks' lm_head gradients dlogits^T x in fp32: as (Vp, C), or `transposed` as
+    (C, Vp) with the rows split in two (loss_chunks): XLA:CPU's kernels take that product, which contracts the rows
+    of both operands, at about the rate of the other two after one transposing copy of each chunk; as (Vp, C) it
+    runs slower."""
 
+    transposed: bool = False
 
-def lm_head_grad(x, dlogits):
-    """The fused loss's lm_head gradient of one chunk, accumulated transposed as (C, Vp) with the rows split in
-    two (loss_chunks): XLA:CPU's kernels take this product, which contracts the rows of both operands, at about
-    the rate of the other two after one transposing copy of each chunk; as (Vp, C) it runs slower."""
-    return jnp.einsum("bnc,bnv->cv", split_in_two(x, 0), split_in_two(dlogits, 0), preferred_element_type=jnp.float32)
+    def zeros(self, shape):
+        """The sum's start for an lm_head of `shape` (Vp, C)."""
+        return jnp.zeros(shape[::-1] if self.transposed else shape, jnp.float32)
+
+    def add(self, dw, x, dlogits):
+        """dw plus one chunk's gradient: x (n, C), dlogits (n, Vp)."""
+        f32 = dict(preferred_element_type=jnp.float32)
+        if self.transposed:
+            return dw + jnp.einsum("bnc,bnv->cv", split_in_two(x, 0), split_in_two(dlogits, 0), **f32)
+        return dw + jnp.einsum("nv,nc->vc", dlogits, x, **f32)
+
+    def total(self, dw):
+        """The sum as (Vp, C). The barrier keeps XLA from folding the transpose into a lone chunk's product (a scan
+        of one step is unrolled), which makes a dot XLA:CPU has no bf16 kernel for ("Unsupported element type for
+        DotThunk")."""
+        return jax.lax.optimization_barrier(dw).T if self.transposed else dw
 
 
 # -----------------------------------------------------------------------------
@@ -405,28 +521,17 @@ def lm_head_grad(x, dlogits):
 CPU_SUB_BATCH_TOKENS = 2048
 
 
-def sub_batches(rows: int, seq_len: int, backend: str | None = None, splits_model: bool = False) -> int:
-    """How many sub-batches a micro-batch of `rows` rows (one device's) runs in: the fewest that divide the rows
-    into at most CPU_SUB_BATCH_TOKENS tokens each (one row each when a row alone is longer); 1 off the CPU, without
-    sub_batches, and when the mesh splits the model (`splits_model`: FSDP or tensor parallelism, whose weight
-    gathers and activation sums would then run once per sub-batch)."""
-    if splits_model or not use("sub_batches", backend):
-        return 1
-    return next(
-        k for k in range(1, rows + 1) if rows % k == 0 and rows // k * seq_len <= CPU_SUB_BATCH_TOKENS or k == rows
-    )
-
-
 def in_sub_batches(model, f, *arrays):
     """f(model, *arrays) for a forward pass whose rows are independent (evaluation): arrays' and f's results'
-    leading axis is the batch's rows, and the first array is (rows, T) tokens. Each device's rows run in
-    sub_batches() turns of a lax.map, as the training step runs its micro-batches. The results are one pass's but
-    for the products' rounding (XLA may block a smaller product differently)."""
+    leading axis is the batch's rows, and the first array is (rows, T) tokens. Each device's rows run in the
+    sub-batches the model's forms ask for (Forms.n_sub_batches), in turns of a lax.map, as the training step runs its
+    micro-batches. The results are one pass's but for the products' rounding (XLA may block a smaller product
+    differently)."""
     rows_total, T = arrays[0].shape[:2]
     axes = sharding.free_axes(sharding.REPLICA_AXES)
     devices = sharding.axes_size(axes)
     rows = rows_total // devices
-    k = sub_batches(rows, T, splits_model=bool(sharding.free_axes(sharding.MODEL_AXES)))
+    k = forms_of(model).n_sub_batches(rows, T, splits_model=bool(sharding.free_axes(sharding.MODEL_AXES)))
     if k == 1 or rows * devices != rows_total:  # (rows the devices do not share evenly: whole)
         return f(model, *arrays)
     graphdef, state = nnx.split(model)
@@ -438,35 +543,3 @@ def in_sub_batches(model, f, *arrays):
 
     spec = P(axes)
     return sharding.per_shard(local, axes, (P(), *[spec] * len(arrays)), spec)(state, *arrays)
-
-
-def sub_batch_note(rows: int, seq_len: int, mesh) -> str:
-    """The training loops' note on sub-batches for their micro-batch line ("" when a micro-batch runs whole)."""
-    splits = any(mesh.shape[a] > 1 for a in sharding.MODEL_AXES)
-    k = sub_batches(rows, seq_len, splits_model=splits)
-    return (
-        (
-            f" | on this CPU each device's {rows} rows run as {k} sub-batches of {rows // k} "
-            "(model.cpu.CPU_SUB_BATCH_TOKENS)"
-        )
-        if k > 1
-        else ""
-    )
-
-
-# -----------------------------------------------------------------------------
-# Checking a path
-
-
-def paths_in_use() -> list[str]:
-    """The CPU paths that run in this process (for logs and benchmark records)."""
-    return [name for name in PATHS if use(name)]
-
-
-def summary() -> str:
-    """One line for a script's start: which CPU paths run, or why none do."""
-    if jax.default_backend() != "cpu":
-        return "CPU paths: none (not a CPU backend)"
-    on = paths_in_use()
-    off = [n for n in PATHS if n not in on]
-    return f"CPU paths: {', '.join(on) or 'none'}" + (f" (off: {', '.join(off)}; {SWITCH})" if off else "")

@@ -10,7 +10,9 @@
 Parameters are stored in nanochat's layout (Linear weight is (out, in), embeddings (vocab, dim)) and under
 nanochat's names, so a state dict maps across with no transposes. Parameters carry logical axis names only;
 `flaxchat.sharding` maps them onto a mesh. The attention kernels are in `flaxchat.model.attention`, the fused
-lm_head + cross-entropy loss in `flaxchat.model.loss`.
+lm_head + cross-entropy loss in `flaxchat.model.loss`. How the products, attention and loss are computed (the plain
+forms, or on a CPU the forms XLA:CPU runs faster) is the model's `forms`, chosen once when it is built
+(`flaxchat.model.cpu.Forms`).
 """
 
 from __future__ import annotations
@@ -125,40 +127,59 @@ def apply_rotary(x, cos, sin):
 class Linear(nnx.Module):
     """Bias-free linear layer, weight (out, in) like torch's: y = x @ weight.T, in the input's dtype."""
 
-    def __init__(self, in_features, out_features, *, init, axes, rngs):
+    def __init__(self, in_features, out_features, *, init, axes, rngs, forms):
         self.weight = _param(init, rngs.params(), (out_features, in_features), axes)
-        self.einsum_only = False  # set by model.lora: qwix intercepts this einsum, so no CPU path may replace it
-        self.products = None  # set by cpu.widen_activations: bf16 products beside fp32 activations
+        self.forms = forms  # the model's: how the product is computed
 
     def __call__(self, x, out_dtype=None):
         return self.product(x, self.weight[...], out_dtype)
 
     def product(self, x, w, out_dtype=None):
-        """x (..., in) @ w (out, in).T with w in x's dtype; out_dtype: the result's dtype (default x's)."""
-        y = None if self.einsum_only else cpu.linear(x, w, out_dtype, self.products)
-        if y is None:
-            y = jnp.einsum("...i,oi->...o", x, w.astype(x.dtype), preferred_element_type=out_dtype)
-        return y
+        """x (..., in) @ w (out, in).T with w in x's dtype; out_dtype: the result's dtype (default x's). The einsum
+        "...i,oi->...o", or on a CPU another form of it (Forms.linear)."""
+        return self.forms.linear(x, w, out_dtype)
 
     def matrix(self):
         """The (out, in) weight as a float array (model.quantize's int8 variant dequantizes here)."""
         return self.weight[...]
 
 
-def stacked_product(x, layers):
+def stackable(layers) -> bool:
+    """Whether Linear layers' products can run as one over their weights stacked: plain Linears (not int8, not
+    adapted by LoRA) computing alike, their weights of one dtype."""
+    first = layers[0]
+    return all(type(m) is Linear and m.forms == first.forms for m in layers) and (
+        len({m.weight[...].dtype for m in layers}) == 1
+    )
+
+
+def stacked_product(x, layers, stacked=None):
     """x through several Linear layers at once: one product over their weights stacked, split back per layer (q, k
     and v). A decode step has a few rows, and one (rows, C) x (C, 3C) product costs less than three small ones.
-    Layers of another kind (int8, adapted by LoRA) go one by one, and so do weights stored narrower than x (bf16
-    weights for generation): converted one by one, each conversion fuses into its own product."""
-    first = layers[0]
+    Layers of another kind (int8, adapted by LoRA) go one by one, and so do weights stored in another dtype than x
+    (bf16 weights for generation): converted one by one, each conversion fuses into its own product. `stacked`: the
+    weights stacked ahead (a generation model's, see with_stacked_qkv)."""
     weights = [m.weight[...] for m in layers]
-    dtype = first.products or x.dtype
-    if any(type(m) is not Linear or m.einsum_only or m.products != first.products for m in layers) or any(
-        w.dtype != dtype and first.products is None for w in weights
-    ):
+    if not stackable(layers) or weights[0].dtype != x.dtype:
         return tuple(m(x) for m in layers)
-    y = first.product(x, jnp.concatenate([w.astype(dtype) for w in weights]))
+    y = layers[0].product(x, jnp.concatenate(weights) if stacked is None else stacked)
     return tuple(jnp.split(y, np.cumsum([w.shape[0] for w in weights[:-1]]).tolist(), axis=-1))
+
+
+class StackedWeight(nnx.Param):
+    """q, k and v's weights stacked once, held beside them by a model built for generation (with_stacked_qkv)."""
+
+
+def with_stacked_qkv(model):
+    """The model for generation: a copy sharing its arrays whose attention layers also hold q, k and v's weights
+    stacked (`c_qkv`). A decode program stacks them itself otherwise, once per call: on a CPU, for a d12 model, as
+    long as a decode step (docs/LOG.md, 2026-12-07), which short chunks (tokens streamed as they are made) pay often."""
+    model = nnx.merge(*nnx.split(model))
+    for attn in [m for _, m in nnx.iter_graph(model) if isinstance(m, CausalSelfAttention)]:
+        layers = (attn.c_q, attn.c_k, attn.c_v)
+        if stackable(layers):
+            attn.c_qkv = StackedWeight(jnp.concatenate([m.weight[...] for m in layers]))
+    return model
 
 
 class Embedding(nnx.Module):
@@ -178,15 +199,16 @@ class Embedding(nnx.Module):
 
 
 class CausalSelfAttention(nnx.Module):
-    def __init__(self, config: GPTConfig, layer_idx: int, init: dict, rngs: nnx.Rngs):
+    def __init__(self, config: GPTConfig, layer_idx: int, init: dict, rngs: nnx.Rngs, forms):
         C, H, Hkv, D = config.n_embd, config.n_head, config.n_kv_head, config.head_dim
         self.n_head, self.n_kv_head, self.head_dim = H, Hkv, D
-        self.c_q = Linear(C, H * D, init=init["c_q"], axes=("heads", "embed"), rngs=rngs)
-        self.c_k = Linear(C, Hkv * D, init=init["c_k"], axes=("kv_heads", "embed"), rngs=rngs)
-        self.c_v = Linear(C, Hkv * D, init=init["c_v"], axes=("kv_heads", "embed"), rngs=rngs)
-        self.c_proj = Linear(H * D, C, init=init["attn.c_proj"], axes=("embed", "heads"), rngs=rngs)
+        self.forms = forms  # the model's, for the attention kernel
+        self.c_q = Linear(C, H * D, init=init["c_q"], axes=("heads", "embed"), rngs=rngs, forms=forms)
+        self.c_k = Linear(C, Hkv * D, init=init["c_k"], axes=("kv_heads", "embed"), rngs=rngs, forms=forms)
+        self.c_v = Linear(C, Hkv * D, init=init["c_v"], axes=("kv_heads", "embed"), rngs=rngs, forms=forms)
+        self.c_proj = Linear(H * D, C, init=init["attn.c_proj"], axes=("embed", "heads"), rngs=rngs, forms=forms)
         self.ve_gate = (
-            Linear(VE_GATE_CHANNELS, Hkv, init=init["ve_gate"], axes=(None, None), rngs=rngs)
+            Linear(VE_GATE_CHANNELS, Hkv, init=init["ve_gate"], axes=(None, None), rngs=rngs, forms=forms)
             if config.has_ve(layer_idx)
             else None
         )
@@ -197,8 +219,9 @@ class CausalSelfAttention(nnx.Module):
         later cached call computes)."""
         B, T, _ = x.shape
         heads, kv_heads = ("batch", None, "heads", None), ("batch", None, "kv_heads", None)
-        layers = (self.c_q, self.c_k, self.c_v)
-        q, k, v = stacked_product(x, layers) if fused else (m(x) for m in layers)
+        layers, stacked = (self.c_q, self.c_k, self.c_v), getattr(self, "c_qkv", None)
+        stacked = None if stacked is None else stacked[...]
+        q, k, v = stacked_product(x, layers, stacked) if fused else (m(x) for m in layers)
         q = sharding.constrain(q.reshape(B, T, self.n_head, self.head_dim), heads)  # (B, T, H, D)
         k = sharding.constrain(k.reshape(B, T, self.n_kv_head, self.head_dim), kv_heads)  # (B, T, Hkv, D)
         v = sharding.constrain(v.reshape(B, T, self.n_kv_head, self.head_dim), kv_heads)
@@ -216,29 +239,26 @@ class CausalSelfAttention(nnx.Module):
         chunked on a CPU; the fused GPU/TPU kernels are left to training, whose lengths they are tuned for)."""
         B, T, _ = x.shape
         q, k, v = self.qkv(x, ve, cos, sin, fused=cache is not None)  # prefill and decode: stacked
-        new_cache, out_dtype = None, None
+        new_cache = None
         if cache is None:
-            if self.c_proj.products is not None and attention_impl == "chunked":
-                # bf16_products: attention over q, k and v rounded to bf16, as nanochat's bf16 attention, its bf16
-                # output c_proj's operand
-                q, k, v = (t.astype(self.c_proj.products) for t in (q, k, v))
-                out_dtype = x.dtype
-            y = sharding.constrain(attention(q, k, v, window, attention_impl), ("batch", None, "heads", None))
+            y = attention(q, k, v, window, attention_impl, self.forms)
+            y = sharding.constrain(y, ("batch", None, "heads", None))
         elif fresh:
-            y = attention(q, k, v, window, "chunked" if attention_impl == "chunked" else "xla")
+            y = attention(q, k, v, window, "chunked" if attention_impl == "chunked" else "xla", self.forms)
         else:
             y = cached_attention(q, k, v, *cache, window)
         if cache is not None:
             k_cache, v_cache, pos = cache
             new_cache = (write_cache(k_cache, k, pos, 2, after=y), write_cache(v_cache, v, pos, 3, after=y))
+        out_dtype = self.forms.residual_dtype(x.dtype)  # (a CPU's attention may answer in bf16 beside fp32 x)
         return self.c_proj(y.reshape(B, T, -1), out_dtype=out_dtype), new_cache
 
 
 class MLP(nnx.Module):
-    def __init__(self, config: GPTConfig, init: dict, rngs: nnx.Rngs):
+    def __init__(self, config: GPTConfig, init: dict, rngs: nnx.Rngs, forms):
         C = config.n_embd
-        self.c_fc = Linear(C, 4 * C, init=init["c_fc"], axes=("mlp", "embed"), rngs=rngs)
-        self.c_proj = Linear(4 * C, C, init=init["mlp.c_proj"], axes=("embed", "mlp"), rngs=rngs)
+        self.c_fc = Linear(C, 4 * C, init=init["c_fc"], axes=("mlp", "embed"), rngs=rngs, forms=forms)
+        self.c_proj = Linear(4 * C, C, init=init["mlp.c_proj"], axes=("embed", "mlp"), rngs=rngs, forms=forms)
 
     def __call__(self, x):
         h = sharding.constrain(self.c_fc(x), ("batch", None, "mlp"))  # (B, T, 4C)
@@ -246,9 +266,9 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
-    def __init__(self, config: GPTConfig, layer_idx: int, init: dict, rngs: nnx.Rngs):
-        self.attn = CausalSelfAttention(config, layer_idx, init, rngs)
-        self.mlp = MLP(config, init, rngs)
+    def __init__(self, config: GPTConfig, layer_idx: int, init: dict, rngs: nnx.Rngs, forms):
+        self.attn = CausalSelfAttention(config, layer_idx, init, rngs, forms)
+        self.mlp = MLP(config, init, rngs, forms)
 
     def __call__(self, x, ve, cos, sin, window, cache=None, attention_impl="xla", fresh=False):
         y, new_cache = self.attn(rms_norm(x), ve, cos, sin, window, cache, attention_impl, fresh)
@@ -260,7 +280,7 @@ class Block(nnx.Module):
 class Transformer(nnx.Module):
     """Holds wte and the blocks, so parameter paths read `transformer.wte.weight`, `transformer.h.0...` as nanochat."""
 
-    def __init__(self, config: GPTConfig, init: dict, rngs: nnx.Rngs, embed_dtype=jnp.float32):
+    def __init__(self, config: GPTConfig, init: dict, rngs: nnx.Rngs, forms, embed_dtype=jnp.float32):
         self.wte = Embedding(
             config.padded_vocab_size,
             config.n_embd,
@@ -269,7 +289,7 @@ class Transformer(nnx.Module):
             rngs=rngs,
             dtype=embed_dtype,
         )
-        self.h = nnx.List([Block(config, i, init, rngs) for i in range(config.n_layer)])
+        self.h = nnx.List([Block(config, i, init, rngs, forms) for i in range(config.n_layer)])
 
 
 # -----------------------------------------------------------------------------
@@ -320,28 +340,41 @@ REMAT_POLICIES = {
 class GPT(nnx.Module):
     """nanochat's GPT. dtype: compute dtype (activations, matmuls; also the embedding tables' storage, as
     nanochat stores them, except for fp16); bf16 on a CPU multiplies in bf16 and keeps the training forward's
-    activations in fp32 (cpu.activation_dtype). attention: see `resolve_attention`.
+    activations in fp32 (Forms.activation_dtype). attention: see `resolve_attention`.
     remat: what each block keeps for the backward pass (REMAT_POLICIES); "dots" or "full" trade recomputation for
-    activation memory."""
+    activation memory. forms: how the products, attention and loss are computed (flaxchat.model.cpu.Forms); by
+    default the plain forms, or on a CPU the paths FLAXCHAT_CPU_PATHS leaves on (cpu.forms_for)."""
 
-    def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs, dtype=None, attention: str = "auto", remat: str = "none"):
+    def __init__(
+        self,
+        config: GPTConfig,
+        *,
+        rngs: nnx.Rngs,
+        dtype=None,
+        attention: str = "auto",
+        remat: str = "none",
+        forms=None,
+    ):
         if remat not in REMAT_POLICIES:
             raise ValueError(f"unknown remat {remat!r}; choose one of {', '.join(REMAT_POLICIES)}")
         self.config = config
         self.dtype = dtype if dtype is not None else compute_dtype()
-        self.activation_dtype = cpu.activation_dtype(self.dtype)  # training forwards; forward_cached keeps self.dtype
-        self.attention = resolve_attention(attention, dtype=self.dtype, head_dim=config.head_dim)
+        self.forms = forms if forms is not None else cpu.forms_for(self.dtype)
+        self.activation_dtype = self.forms.activation_dtype(self.dtype)  # training forwards (forward_cached: dtype)
+        self.attention = resolve_attention(attention, dtype=self.dtype, head_dim=config.head_dim, forms=self.forms)
         self.remat = remat
         self.window_sizes = config.window_sizes()
         init = init_table(config)
         Vp, C, L = config.padded_vocab_size, config.n_embd, config.n_layer
         kv_dim = config.n_kv_head * config.head_dim
         embed_dtype = jnp.float32 if self.dtype == jnp.float16 else self.dtype
-        self.transformer = Transformer(config, init, rngs, embed_dtype)
-        self.lm_head = Linear(C, Vp, init=init["lm_head"], axes=("vocab", "embed"), rngs=rngs)
+        self.transformer = Transformer(config, init, rngs, self.forms, embed_dtype)
+        self.lm_head = Linear(C, Vp, init=init["lm_head"], axes=("vocab", "embed"), rngs=rngs, forms=self.forms)
         self.resid_lambdas = _param(init["resid_lambdas"], rngs.params(), (L,), (None,))
         self.x0_lambdas = _param(init["x0_lambdas"], rngs.params(), (L,), (None,))
-        self.smear_gate = Linear(SMEAR_CHANNELS, 1, init=init["smear_gate"], axes=(None, None), rngs=rngs)
+        self.smear_gate = Linear(
+            SMEAR_CHANNELS, 1, init=init["smear_gate"], axes=(None, None), rngs=rngs, forms=self.forms
+        )
         self.smear_lambda = _param(init["smear_lambda"], rngs.params(), (1,), (None,))
         self.backout_lambda = _param(init["backout_lambda"], rngs.params(), (1,), (None,))
         self.value_embeds = nnx.Dict(
@@ -353,8 +386,6 @@ class GPT(nnx.Module):
                 if config.has_ve(i)
             }
         )
-        if self.activation_dtype != self.dtype:
-            cpu.widen_activations(self)
 
     # --- forward pieces -------------------------------------------------------
 
@@ -407,13 +438,13 @@ class GPT(nnx.Module):
         x = x.reshape(B * T, -1).astype(self.dtype)  # the lm_head's products in the compute dtype
         if targets is None and logits_at is not None:
             x = jnp.take_along_axis(x.reshape(B, T, -1), logits_at[:, None, None], axis=1)[:, 0]  # (B, C)
-            return softcapped_logits(x, w, self.config.vocab_size)
+            return softcapped_logits(x, w, self.config.vocab_size, self.forms)
         if targets is None:
-            return softcapped_logits(x, w, self.config.vocab_size).reshape(B, T, -1)
+            return softcapped_logits(x, w, self.config.vocab_size, self.forms).reshape(B, T, -1)
         xf, tf = x, targets.reshape(B * T).astype(jnp.int32)
         if loss_reduction == "none":
-            return token_losses(xf, w, tf, self.config.vocab_size).reshape(B, T)
-        total = loss_sum(xf, w, tf, self.config.vocab_size)
+            return token_losses(xf, w, tf, self.config.vocab_size, self.forms).reshape(B, T)
+        total = loss_sum(xf, w, tf, self.config.vocab_size, self.forms)
         if loss_reduction == "sum":
             return total
         if loss_reduction == "mean":

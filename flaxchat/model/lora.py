@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import qwix
 from flax import nnx
 
+from flaxchat.model.cpu import PLAIN
 from flaxchat.model.gpt import GPT, Linear
 
 BLOCK_MATRICES = ("c_q", "c_k", "c_v", "c_proj", "c_fc", "ve_gate")
@@ -81,6 +82,19 @@ class LoraConfig:
         )
 
 
+class AdaptedLinear(Linear):
+    """A block matrix that gets a LoRA adapter: qwix intercepts the einsum of its product to add the low-rank term,
+    so it multiplies in the plain form (cpu.PLAIN) whatever the model's forms, which could replace that einsum."""
+
+    def __init__(self, linear: Linear):  # pylint: disable=super-init-not-called
+        self.weight = linear.weight
+        self.forms = PLAIN
+
+
+def _module_at(model, path: tuple):
+    return functools.reduce(lambda node, k: node[k] if isinstance(k, int) else getattr(node, k), path, model)
+
+
 def _under(prefix: tuple):
     """An nnx filter: Variables whose path starts with `prefix`."""
     return lambda path, _: tuple(path[: len(prefix)]) == prefix
@@ -122,9 +136,10 @@ def apply_lora(model: GPT, config: LoraConfig, seed: int = 0) -> GPT:
     eagerly without a mesh context (the arrays keep their shardings either way)."""
     paths = target_paths(model, config.targets)
     provider = qwix.LoraProvider(module_path="|".join(map(re.escape, paths)), rank=config.rank, alpha=config.alpha)
-    for path, m in nnx.iter_modules(model):  # qwix intercepts the einsum (see gpt.Linear)
-        if isinstance(m, Linear) and "/".join(map(str, path)) in paths:
-            m.einsum_only = True
+    model = nnx.clone(model)  # its targets become AdaptedLinears; the caller's model stays as it is
+    for path, m in list(nnx.iter_modules(model)):
+        if "/".join(map(str, path)) in paths:
+            setattr(_module_at(model, path[:-1]), path[-1], AdaptedLinear(m))
     idx = jnp.zeros((1, min(8, model.config.sequence_len)), jnp.int32)  # qwix creates the adapters on one call
     with warnings.catch_warnings():  # qwix 0.1.8 reads Variable.value, which flax 0.12 deprecates
         warnings.simplefilter("ignore", DeprecationWarning)
@@ -151,11 +166,11 @@ def _merged(w, a, b, scale):
 
 def merge_lora(model, config: LoraConfig) -> GPT:
     """An ordinary GPT whose targeted weights are W + (A B)^T * alpha / r; every other array is shared."""
-    plain = nnx.eval_shape(
-        lambda: GPT(model.config, rngs=nnx.Rngs(0), dtype=model.dtype, attention=model.attention, remat=model.remat)
-    )
+    kwargs = dict(dtype=model.dtype, attention=model.attention, remat=model.remat, forms=model.forms)
+    plain = nnx.eval_shape(lambda: GPT(model.config, rngs=nnx.Rngs(0), **kwargs))
     nnx.update(plain, nnx.state(model, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))))
     for path, m in adapter_modules(model):
-        target = functools.reduce(lambda node, k: node[k] if isinstance(k, int) else getattr(node, k), path, plain)
-        target.weight.set_value(_merged(m.weight[...], m.weight_lora_a[...], m.weight_lora_b[...], config.scale))
+        _module_at(plain, path).weight.set_value(
+            _merged(m.weight[...], m.weight_lora_a[...], m.weight_lora_b[...], config.scale)
+        )
     return plain

@@ -7,7 +7,8 @@ this on its own rows only (a shard_map over the batch axes): chunking the global
 sharding on the chunk axis and make every device compute every chunk.
 
 `loss_sum` is the training loss (a custom VJP: its gradients come out of the forward pass), `token_losses` the
-per-token losses, `softcapped_logits` the logits themselves.
+per-token losses, `softcapped_logits` the logits themselves. Each takes the model's `forms` (model/cpu.py) and
+computes in them: the plain forms, or on a CPU smaller chunks and XLA:CPU's forms of the same products.
 """
 
 from __future__ import annotations
@@ -20,36 +21,27 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from flaxchat import sharding
-from flaxchat.model import cpu
 
 SOFTCAP = 15.0  # nanochat's logit soft-cap: SOFTCAP * tanh(logits / SOFTCAP), in (-15, 15)
 
 # Most bytes of (fp32) logits per chunk: thousands of rows per chunk keep the products large, and the chunks' logits
-# are transient (a few of them live at once). A CPU takes smaller chunks (cpu.loss_chunk_rows).
+# are transient (a few of them live at once). A CPU's forms takes smaller chunks (loss_chunks).
 LOSS_CHUNK_BYTES = 512 * 2**20
 
 
-def chunk_rows(n_rows, vocab_size):
-    """Rows per chunk of the fused loss."""
-    if cpu.use("loss_chunks"):
-        return cpu.loss_chunk_rows(n_rows, vocab_size)
-    return min(n_rows, max(8, LOSS_CHUNK_BYTES // (4 * vocab_size)))
+def chunk_rows(n_rows, vocab_size, forms):
+    """Rows per chunk of the fused loss: as many as LOSS_CHUNK_BYTES of fp32 logits hold, or the forms's."""
+    return forms.loss_chunk_rows(n_rows, vocab_size, LOSS_CHUNK_BYTES)
 
 
-def softcapped_logits(x, w, vocab_size=None):
+def softcapped_logits(x, w, vocab_size, forms):
     """x (n, C) against lm_head w (Vp, C) -> soft-capped fp32 logits (n, vocab_size); padded vocab rows dropped
     (vocab_size None: all Vp of them kept).
 
     The product comes out in the compute dtype, as nanochat's lm_head does: a bf16 run rounds its logits to bf16
     before the fp32 soft-cap (the same numbers as nanochat's), and on a GPU the largest tensor of the step is
     written and read back at half the bytes."""
-    w = w.astype(x.dtype)
-    if cpu.widened_products(x, w):
-        # bf16_products: an fp32 product rounded to bf16's values in fp32 (cpu.bf16_grid), the same numbers but
-        # for an infinite logit (an overflowed product), which becomes NaN instead of +-SOFTCAP
-        logits = cpu.bf16_grid(cpu.einsum("nc,vc->nv", x, w, out_dtype=jnp.float32))
-    else:
-        logits = jnp.einsum("nc,vc->nv", x, w).astype(jnp.float32)
+    logits = forms.logits(x, w.astype(x.dtype))  # (n, Vp) fp32: the einsum's result in x's dtype, widened
     logits = logits if vocab_size is None else logits[:, :vocab_size]
     return SOFTCAP * jnp.tanh(logits / SOFTCAP)
 
@@ -78,39 +70,38 @@ def _over_rows(f, x, targets, w, row_outputs):
     return sharding.per_shard(functools.partial(f, axes=axes), axes, (rows, rows, P()), out_specs)(x, targets, w)
 
 
-def _local_token_losses(x, targets, w, vocab_size, axes):
-    chunk = chunk_rows(x.shape[0], vocab_size)
+def _local_token_losses(x, targets, w, vocab_size, forms, axes):
+    chunk = chunk_rows(x.shape[0], vocab_size, forms)
     xs, ts = _in_chunks(x, targets, chunk)
 
     def chunk_losses(a):
-        z = softcapped_logits(a[0], w, vocab_size)
+        z = softcapped_logits(a[0], w, vocab_size, forms)
         return _token_losses(z, a[1], jax.nn.logsumexp(z, axis=-1))
 
     losses = jax.lax.map(chunk_losses, (xs, ts))
     return (losses.reshape(-1)[: x.shape[0]],)
 
 
-def token_losses(x, w, targets, vocab_size):
+def token_losses(x, w, targets, vocab_size, forms):
     """Per-token cross-entropy (N,) of rows x (N, C) against lm_head w (Vp, C); computed chunk by chunk."""
-    f = functools.partial(_local_token_losses, vocab_size=vocab_size)
+    f = functools.partial(_local_token_losses, vocab_size=vocab_size, forms=forms)
     return _over_rows(f, x, targets, w, (True,))[0]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def loss_sum(x, w, targets, vocab_size):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def loss_sum(x, w, targets, vocab_size, forms):
     """Sum of per-token losses; its gradient is computed in the forward pass (see the module's docstring)."""
-    return _loss_sum_fwd(x, w, targets, vocab_size)[0]
+    return _loss_sum_fwd(x, w, targets, vocab_size, forms)[0]
 
 
-def _local_loss_and_grads(x, targets, w, vocab_size, axes):
+def _local_loss_and_grads(x, targets, w, vocab_size, forms, axes):
     """Loss sum and the gradients of x and w over this device's rows; sums over devices via psum."""
     n, C = x.shape
-    chunk = chunk_rows(n, vocab_size)
+    chunk = chunk_rows(n, vocab_size, forms)
     xs, ts = _in_chunks(x, targets, chunk)
     pad_v = w.shape[0] - vocab_size
-    transposed = cpu.use("loss_chunks") and chunk % 2 == 0  # dw accumulated as (C, Vp): cpu.lm_head_grad
     wc = w.astype(x.dtype)  # lm_head in the compute dtype, for the logits and x's gradient
-    widened = cpu.widened_products(x, wc)  # bf16_products
+    head_grad = forms.lm_head_grad(chunk)  # how the chunks' lm_head gradients add up, in fp32
 
     def step(carry, a):
         total, dw = carry
@@ -118,7 +109,7 @@ def _local_loss_and_grads(x, targets, w, vocab_size, axes):
         # logits over all Vp columns, the padded ones' exp(z) zeroed: they add nothing to the sum, and their
         # gradient, e / sum - one-hot, is 0. A crop to the vocab and a pad back to Vp would copy the chunk's
         # logits twice
-        z = softcapped_logits(xc, wc)
+        z = softcapped_logits(xc, wc, None, forms)
         # |z| < SOFTCAP, so exp(z) cannot overflow (a row sums to at most V * e^15): the log-sum-exp needs no max
         # pass, the softmax reuses exp(z) and the target's one-hot is subtracted in the gradient's pass (no
         # scatter)
@@ -134,31 +125,26 @@ def _local_loss_and_grads(x, targets, w, vocab_size, axes):
         # the two gradient matmuls run in the compute dtype and accumulate in fp32 (as autocast's backward does),
         # so bf16 runs do not pay for fp32 matmuls here
         # |dlogits| <= 1, and 0 or at least e**-30 / vocab x 2**-24 (a probability times a soft-cap factor of 0 or
-        # at least 2**-24), far above 2**-109: the same bf16 values as a conversion (cpu.to_bf16)
-        dlogits = cpu.to_bf16(dlogits) if widened else dlogits.astype(x.dtype)
+        # at least 2**-24), far above 2**-109, which a CPU's forms may round by arithmetic (Forms.astype)
+        dlogits = forms.astype(dlogits, x.dtype)
         dx = jnp.einsum("nv,vc->nc", dlogits, wc, preferred_element_type=jnp.float32).astype(x.dtype)
-        if transposed:
-            dw = dw + cpu.lm_head_grad(xc, dlogits)
-        else:
-            dw = dw + jnp.einsum("nv,nc->vc", dlogits, xc, preferred_element_type=jnp.float32)
+        dw = head_grad.add(dw, xc, dlogits)  # + dlogits^T xc
         return (total + jnp.sum(losses), dw), dx
 
-    init = (jnp.zeros((), jnp.float32), jnp.zeros(w.shape[::-1] if transposed else w.shape, jnp.float32))
+    init = (jnp.zeros((), jnp.float32), head_grad.zeros(w.shape))
     (total, dw), dxs = jax.lax.scan(step, init, (xs, ts))
-    # the barrier keeps XLA from folding the transpose into a lone chunk's product (a scan of one step is unrolled),
-    # which makes a dot XLA:CPU has no bf16 kernel for ("Unsupported element type for DotThunk")
-    dw = jax.lax.optimization_barrier(dw).T if transposed else dw
+    dw = head_grad.total(dw)  # (Vp, C)
     dx = dxs.reshape(-1, C)[:n]
     return sharding.psum(total, axes), dx, sharding.psum(dw.astype(w.dtype), axes)
 
 
-def _loss_sum_fwd(x, w, targets, vocab_size):
-    f = functools.partial(_local_loss_and_grads, vocab_size=vocab_size)
+def _loss_sum_fwd(x, w, targets, vocab_size, forms):
+    f = functools.partial(_local_loss_and_grads, vocab_size=vocab_size, forms=forms)
     total, dx, dw = _over_rows(f, x, targets, w, (False, True, False))
     return total, (dx, dw, targets)
 
 
-def _loss_sum_bwd(vocab_size, res, g):
+def _loss_sum_bwd(vocab_size, forms, res, g):
     dx, dw, targets = res
     return (g * dx).astype(dx.dtype), g * dw, np.zeros(targets.shape, dtype=jax.dtypes.float0)
 

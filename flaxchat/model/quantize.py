@@ -22,6 +22,7 @@ matrix-vector product, which then reads the int8 bytes. A prefill converts once 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -48,8 +49,8 @@ class Int8Linear(Linear):
         axes = w.get_metadata().get("out_sharding") or (None, None)
         self.weight = nnx.Param(q.qvalue, out_sharding=axes, eager_sharding=False)  # (out, in) int8
         self.scale = nnx.Param(q.scale[:, 0], out_sharding=axes[:1], eager_sharding=False)  # (out,) fp32
-        self.einsum_only = linear.einsum_only
-        self.products = None  # multiplies in the activations' dtype (Linear.products)
+        # the model's forms, but the products in the activations' dtype (no bf16 products beside wider activations)
+        self.forms = dataclasses.replace(linear.forms, products=None)
 
     def __call__(self, x, out_dtype=None):
         y = self.product(x, self.weight[...], out_dtype)

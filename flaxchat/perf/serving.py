@@ -125,21 +125,21 @@ def metric_values(port: int) -> dict:
     return {n: float(v) for n, v in (line.rsplit(" ", 1) for line in lines if line and not line.startswith("#"))}
 
 
+SUBJECTS = ("cat", "dog", "fox", "bird", "fish", "frog", "bear", "duck", "horse", "mouse")
+
+
 def conversation(port: int, turns: int, max_tokens: int) -> dict:
     """One conversation growing by a user message and a greedy reply a turn: each turn's time to first token, then
     the last user message sent alone (the cost of the conversation's history: what prefix reuse takes away)."""
     messages, turn = [], []
     for i in range(turns):
-        messages.append({"role": "user", "content": f"Tell me what happens next, part {i + 1}."})
+        messages.append({"role": "user", "content": f"Tell me a story about a {SUBJECTS[i % len(SUBJECTS)]}."})
         reply = stream_reply(port, messages, max_tokens, temperature=0.0)
         messages.append({"role": "assistant", "content": reply["text"]})
         turn.append({k: reply[k] for k in ("prompt_tokens", "tokens", "ttft_s")})
     alone = stream_reply(port, messages[-2:-1], max_tokens, temperature=0.0)
-    return {
-        "turns": turn,
-        "alone_ttft_s": alone["ttft_s"],
-        "last_vs_alone": round(turn[-1]["ttft_s"] / alone["ttft_s"], 2),
-    }
+    last, first = turn[-1]["ttft_s"], alone["ttft_s"]
+    return {"turns": turn, "alone_ttft_s": first, "last_vs_alone": round(last / first, 2) if last and first else None}
 
 
 def multi_turn_load(port: int, clients: int, turns: int, max_tokens: int) -> dict:

@@ -38,7 +38,7 @@ from jax.sharding import PartitionSpec as P
 
 from flaxchat import sharding
 from flaxchat.common import compute_dtype, print0
-from flaxchat.model.cpu import einsum, split_in_two, widened_products
+from flaxchat.model.cpu import PLAIN, Forms, forms_of, split_in_two
 
 # Polar Express coefficients for 5 iterations (safety factor 2e-2, cushion 2), from
 # Amsel, Persson, Musco, Gower, "The Polar Express", arXiv:2505.16932 — the values nanochat uses.
@@ -95,27 +95,27 @@ def _scale(c: float, x):
     return (jnp.float32(c) * x.astype(jnp.float32)).astype(x.dtype)
 
 
-def polar_express(x, ns_steps: int = 5):
+def polar_express(x, ns_steps: int = 5, forms: Forms = PLAIN):
     """Approximate the orthogonal polar factor of x with Polar Express quintic iterations.
 
     The 1.01 margin keeps the spectral norm strictly below one after the Frobenius
     normalisation. The Gram matrix is formed on the short side, so the cost is min(rows, cols)^2.
     An fp32 matrix at least twice as long as it is wide takes the Gram form (polar_express_gram), the
-    same iterates with about half the products.
+    same iterates with about half the products. forms: the model's (flaxchat.model.cpu.Forms).
     """
     denom = _scale(1.01, _frobenius_norm(x))
     x = x / (denom + jnp.asarray(1e-6, x.dtype))
-    # "highest" so that an fp32 orthogonalisation really is fp32 on TPU/GPU; bf16 through cpu.einsum (on a CPU
-    # its products accumulate in fp32, twice as fast as fp32 ones)
+    # "highest" so that an fp32 orthogonalisation really is fp32 on TPU/GPU; bf16 in the model's forms (on a CPU
+    # its products accumulate in fp32, twice as fast as fp32 ones: bf16_products)
     if x.dtype == jnp.bfloat16:
-        mm = lambda a, b: einsum("...ij,...jk->...ik", a, b)
+        mm = lambda a, b: forms.einsum("...ij,...jk->...ik", a, b)
     else:
         mm = lambda a, b: jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)
     tall = x.shape[-2] > x.shape[-1]
     if x.dtype == jnp.float32 and max(x.shape[-2:]) >= GRAM_FORM_MIN_ASPECT * min(x.shape[-2:]):
-        return polar_express_gram(x, ns_steps, tall, mm)
+        return polar_express_gram(x, ns_steps, tall, mm, forms)
     for a, b, c in POLAR_EXPRESS_COEFFS[:ns_steps]:
-        gram = gram_matrix(x, tall, mm)
+        gram = gram_matrix(x, tall, mm, forms)
         if tall:
             x = _scale(a, x) + mm(x, _scale(b, gram) + _scale(c, mm(gram, gram)))
         else:
@@ -128,7 +128,7 @@ def polar_express(x, ns_steps: int = 5):
 GRAM_FORM_MIN_ASPECT = 2
 
 
-def polar_express_gram(x, ns_steps: int, tall: bool, mm):
+def polar_express_gram(x, ns_steps: int, tall: bool, mm, forms: Forms = PLAIN):
     """polar_express's iterates kept as x0 @ q (tall; q @ x0 wide), with q a short-side square matrix.
 
     Each step x <- a x + b x g + c x g^2 (g = x^T x) is x <- x p(g), and every matrix in play is a polynomial
@@ -138,7 +138,7 @@ def polar_express_gram(x, ns_steps: int, tall: bool, mm):
     stack: fewer roundings of long-side products). In bf16 the drift of g away from the iterates' real Gram
     matrix would matter, so bf16 keeps the direct form.
     """
-    g = gram_matrix(x, tall, mm)
+    g = gram_matrix(x, tall, mm, forms)
     eye = jnp.eye(g.shape[-1], dtype=g.dtype)
     q = None
     for i, (a, b, c) in enumerate(POLAR_EXPRESS_COEFFS[:ns_steps]):
@@ -151,16 +151,16 @@ def polar_express_gram(x, ns_steps: int, tall: bool, mm):
     return mm(x, q) if tall else mm(q, x)
 
 
-def gram_matrix(x, tall: bool, mm):
+def gram_matrix(x, tall: bool, mm, forms: Forms = PLAIN):
     """x^T x (tall) or x x^T (wide), the short side's Gram matrix of a stack of matrices.
 
-    bf16 on a CPU: the long side is split in two (cpu.split_in_two), so the product runs in XLA:CPU's bf16 kernel
-    instead of in fp32. Same sums (an fp32 accumulation of the same products)."""
+    bf16 under bf16_products (a CPU's forms): the long side is split in two (cpu.split_in_two), so the product runs
+    in XLA:CPU's bf16 kernel instead of in fp32. Same sums (an fp32 accumulation of the same products)."""
     axis = -2 if tall else -1
-    if not (widened_products(x) and x.shape[axis] % 2 == 0):
+    if not (forms.widened(x) and x.shape[axis] % 2 == 0):
         return mm(jnp.swapaxes(x, -1, -2), x) if tall else mm(x, jnp.swapaxes(x, -1, -2))
     halves = split_in_two(x, axis)
-    return einsum("...bji,...bjk->...ik" if tall else "...ibj,...kbj->...ik", halves, halves)
+    return forms.einsum("...bji,...bjk->...ik" if tall else "...ibj,...kbj->...ik", halves, halves)
 
 
 def renormalize(x):
@@ -247,7 +247,7 @@ def _buffer_axes(axes, shape) -> tuple:
     return tuple(axes)
 
 
-def orthogonalized_update(g, second_momentum_buffer, *, beta2, ns_steps, polar_dtype, dtype):
+def orthogonalized_update(g, second_momentum_buffer, *, beta2, ns_steps, polar_dtype, dtype, forms=PLAIN):
     """Muon's steps after the momentum, for g of shape (..., rows, cols); returns (direction, new NorMuon buffer),
     the direction before the learning rate and weight decay (cautious_weight_decay_update, leaf by leaf).
 
@@ -255,7 +255,7 @@ def orthogonalized_update(g, second_momentum_buffer, *, beta2, ns_steps, polar_d
     the rest in dtype (the parameters').
     """
     g = equilibrate_rows(g.astype(polar_dtype))
-    g = polar_express(g, ns_steps).astype(dtype)
+    g = polar_express(g, ns_steps, forms).astype(dtype)
     g = renormalize(g)
     return normuon_variance_reduction(g, second_momentum_buffer, beta2)
 
@@ -285,11 +285,13 @@ def muon(
     ns_steps: int = 5,
     polar_dtype=jnp.float32,
     param_axes: dict | None = None,
+    forms: Forms = PLAIN,
 ) -> optax.GradientTransformation:
     """nanochat's Muon for matrices (torch layout (out, in)); returns additive updates; needs params.
 
     param_axes: {parameter path: logical axis names}, for sharing the orthogonalisations out over a mesh
-    without gathering whole stacks (see `sharding.stack_layouts`); unknown paths count as unsplit.
+    without gathering whole stacks (see `sharding.stack_layouts`); unknown paths count as unsplit. forms: the
+    model's (flaxchat.model.cpu.Forms), for the orthogonalisation's bf16 products.
     """
     param_axes = param_axes or {}
 
@@ -338,7 +340,7 @@ def muon(
             g = _stack([directions[i] for i in idx], size, layouts)
             v = _stack([second[i] for i in idx], size, v_layouts)
             u, v = orthogonalized_update(
-                g, v, beta2=beta2, ns_steps=ns_steps, polar_dtype=polar_dtype, dtype=params[idx[0]].dtype
+                g, v, beta2=beta2, ns_steps=ns_steps, polar_dtype=polar_dtype, dtype=params[idx[0]].dtype, forms=forms
             )
             lr = learning_rate * muon_lr_scale(g.shape)
             # the weight decay's sign test reads the parameters where they live: only the directions travel
@@ -566,7 +568,13 @@ class Schedule:
 # The combined optimizer
 
 
-def muon_adamw(groups: dict, schedule: Schedule | None = None, polar_dtype=jnp.float32, param_axes: dict | None = None):
+def muon_adamw(
+    groups: dict,
+    schedule: Schedule | None = None,
+    polar_dtype=jnp.float32,
+    param_axes: dict | None = None,
+    forms: Forms = PLAIN,
+):
     """MuonAdamW over nanochat's groups, with the three per-step knobs as injected hyperparameters.
 
     lr_multiplier scales every group's learning rate; muon_momentum and muon_weight_decay are
@@ -580,7 +588,14 @@ def muon_adamw(groups: dict, schedule: Schedule | None = None, polar_dtype=jnp.f
         for name, g in groups.items():
             if isinstance(g, MuonGroup):
                 txs[name] = muon(
-                    g.lr * lr_multiplier, muon_momentum, muon_weight_decay, g.beta2, g.ns_steps, polar_dtype, param_axes
+                    g.lr * lr_multiplier,
+                    muon_momentum,
+                    muon_weight_decay,
+                    g.beta2,
+                    g.ns_steps,
+                    polar_dtype,
+                    param_axes,
+                    forms,
                 )
             else:
                 # optax.adamw is nanochat's AdamW up to float rounding: same EMA moments, bias
@@ -626,7 +641,8 @@ def build_optimizer(
 
     (also "muon_momentum", "muon_weight_decay"). `optimizer_stats` reads them back together
     with the count of skipped non-finite steps. `polar_dtype` is the orthogonalisation dtype:
-    bf16 when the model computes in bf16 (as nanochat), fp32 otherwise.
+    bf16 when the model computes in bf16 (as nanochat), fp32 otherwise; it is multiplied in the model's forms
+    (`model.forms`: on a CPU bf16 products accumulate in fp32).
     """
     if polar_dtype is None:
         polar_dtype = jnp.bfloat16 if getattr(model, "dtype", compute_dtype()) == jnp.bfloat16 else jnp.float32
@@ -635,7 +651,8 @@ def build_optimizer(
         scale = (n_embd / REFERENCE_WIDTH) ** -0.5
         print0(f"Scaling the AdamW learning rates by (n_embd/{REFERENCE_WIDTH})^-0.5 = {scale:.6f}")
     groups = param_groups(n_embd, unembedding_lr, embedding_lr, matrix_lr, weight_decay, scalar_lr)
-    return nnx.Optimizer(model, muon_adamw(groups, schedule, polar_dtype, param_axes(model)), wrt=nnx.Param)
+    tx = muon_adamw(groups, schedule, polar_dtype, param_axes(model), forms_of(model))
+    return nnx.Optimizer(model, tx, wrt=nnx.Param)
 
 
 def optimizer_stats(optimizer: nnx.Optimizer) -> dict[str, jax.Array]:

@@ -17,7 +17,6 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from flaxchat import sharding
-from flaxchat.model import cpu
 from flaxchat.model.gpt import GPT
 from flaxchat.train.checkpoint import abstract_state
 from flaxchat.train.optim import build_optimizer, optimizer_stats
@@ -31,8 +30,9 @@ def accumulate_grads(model, xs, ys, wrt=nnx.Param):
     the step's loss and gradient are the means over micro-steps, as nanochat's loss / grad_accum_steps. A
     micro-batch with no target at all (SFT at small batches: every row a prompt) adds nothing and counts nothing:
     the means are over the micro-steps that have targets (nanochat's 0/0 would make the step NaN). On a CPU
-    a micro-batch runs in cpu.sub_batches(): each sub-batch's summed loss is divided by its whole micro-batch's count,
-    so the sub-batches add up to the micro-step's loss and gradient.
+    a micro-batch runs in the sub-batches the model's forms ask for (model.cpu.Forms.n_sub_batches): each sub-batch's
+    summed loss is divided by its whole micro-batch's count, so the sub-batches add up to the micro-step's loss and
+    gradient.
     """
     graphdef, params, rest = nnx.split(model, wrt, ...)
     axes = sharding.free_axes(sharding.REPLICA_AXES)
@@ -55,7 +55,7 @@ def accumulate_grads(model, xs, ys, wrt=nnx.Param):
         n, batch, T = xs.shape
         # n * k loop turns, each with its micro-batch's count. Not under FSDP or tensor parallelism, whose weight
         # gathers and activation sums would then run once per sub-batch
-        k = cpu.sub_batches(batch, T, splits_model=bool(sharding.free_axes(sharding.MODEL_AXES)))
+        k = model.forms.n_sub_batches(batch, T, splits_model=bool(sharding.free_axes(sharding.MODEL_AXES)))
         split = lambda a: a.reshape(n * k, batch // k, T)
         grads, losses = jax.lax.scan(micro, zeros, (split(xs), split(ys), jnp.repeat(counts, k)))
         losses = losses.reshape(n, k).sum(axis=1)
@@ -135,7 +135,7 @@ def compile_train_step(
 
     batch_size is global (rows per micro-step); compiler_options go to XLA (`.compile(compiler_options)`);
     model_kwargs go to GPT (attention, remat). For reading the program XLA makes at any scale on any
-    machine: `.as_text()` (see `sharding.collective_stats`), `.cost_analysis()`, `.memory_analysis()`.
+    machine: `.as_text()` (see `perf.hlo.program_stats`), `.cost_analysis()`, `.memory_analysis()`.
     """
     model = nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0), dtype=dtype, **model_kwargs))
     polar_dtype = jnp.bfloat16 if dtype == jnp.bfloat16 else jnp.float32
