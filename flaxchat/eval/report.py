@@ -96,6 +96,37 @@ class StepLog:
             self.bar.write(report)
 
 
+class SFTStepLog:
+    """Logs scripts.sft's finished steps, each InFlight's (loss, (steps done, LR multiplier, progress, epoch),
+    seconds) or None (nothing finished): nanochat's smoothed loss (an EMA, bias-corrected), tok/s and MFU against
+    `peak_flops` (all devices') to `log` and the progress bar. Updates the run's `loop` state (the EMA, and the
+    training time, which leaves out the two steps after `first`, which compile). Without a horizon (num_iterations
+    <= 0) the bar's total is the steps of one epoch, estimated from the progress through the data."""
+
+    def __init__(self, log, bar, loop: dict, tokens: int, flops_per_token, peak_flops, first: int, num_iterations):
+        self.log, self.bar, self.loop, self.num_iterations = log, bar, loop, num_iterations
+        self.tokens, self.flops_per_token, self.peak_flops, self.first = tokens, flops_per_token, peak_flops, first
+
+    def __call__(self, done) -> None:
+        if done is None:
+            return
+        loss, (n, lrm, progress, epoch), dt = done  # n: steps done, this one included
+        loss, ema, loop = float(loss), 0.9, self.loop
+        loop["smooth"] = ema * loop["smooth"] + (1 - ema) * loss
+        debiased = loop["smooth"] / (1 - ema**n)
+        tok_per_s = self.tokens / dt
+        mfu = 100 * self.flops_per_token * self.tokens / dt / self.peak_flops
+        if n - self.first > 2:  # the first steps compile
+            loop["train_time"] += dt
+        row = {"step": n, "loss": loss, "smooth_loss": debiased, "lrm": lrm, "dt": dt, "tok_per_s": tok_per_s}
+        self.log({**row, "mfu": mfu, "epoch": epoch, "progress": progress})
+        if self.num_iterations <= 0 and progress > 0:
+            self.bar.total = max(n, round(n / progress))  # steps in one epoch, estimated as we go
+        shown = dict(loss=f"{debiased:.4f}", lrm=f"{lrm:.2f}", tok_s=f"{tok_per_s:,.0f}", epoch=epoch)
+        self.bar.set_postfix(**shown, refresh=False)
+        self.bar.update(1)
+
+
 def metrics_logger(metrics_path: str, run: str, project: str, config: dict):
     """log(row): append the row to metrics_path on the main process, and to wandb when a run name is given
     ('dummy' = local only, nanochat's convention)."""
