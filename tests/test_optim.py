@@ -709,7 +709,7 @@ def test_long_fp32_matrices_orthogonalise_in_the_gram_form_with_fewer_products(m
     exact = np_polar(x.astype(np.float64))
     ours = np.asarray(muon.polar_express(jnp.asarray(x)))
     with monkeypatch.context() as m:  # the direct fp32 iteration of the same matrix (eager: no cached trace)
-        m.setattr(optim, "GRAM_FORM_MIN_ASPECT", float("inf"))
+        m.setattr(muon, "GRAM_FORM_MIN_ASPECT", float("inf"))
         direct = muon.polar_express(jnp.asarray(x))
     direct_error = np.abs(np.asarray(direct, np.float64) - exact).max()
     assert np.abs(ours - exact).max() <= max(2 * direct_error, 1e-6)
