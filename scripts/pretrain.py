@@ -40,7 +40,14 @@ from flaxchat.model.gpt import GPT, add_kernel_flags
 from flaxchat.perf.machine import peak_flops_per_device, peak_memory_gb, speed_tips
 from flaxchat.perf.profiler import StepProfiler, save_profile_summary
 from flaxchat.train.checkpoint import Checkpointer, checkpoint_dir, git_commit, model_tag_arg
-from flaxchat.train.flags import add_batch_flags, add_dtype_flag, add_optimizer_flags, add_run_flag, add_schedule_flags
+from flaxchat.train.flags import (
+    add_batch_flags,
+    add_dtype_flag,
+    add_optimizer_flags,
+    add_run_flag,
+    add_schedule_flags,
+    optimizer_lrs,
+)
 from flaxchat.train.optim import Schedule, build_optimizer, optimizer_stats
 from flaxchat.train.step import FlatStep, InFlight, add_in_flight_flag, in_flight_depth
 
@@ -144,9 +151,7 @@ def plan_training(args, abstract_model, vocab_size):
         target_flops=args.target_flops,
         target_param_data_ratio=args.target_param_data_ratio,
         total_batch_size=args.total_batch_size,
-        embedding_lr=args.embedding_lr,
-        unembedding_lr=args.unembedding_lr,
-        matrix_lr=args.matrix_lr,
+        **optimizer_lrs(args),
         scalar_lr=args.scalar_lr,
         weight_decay=args.weight_decay,
         scale_hparams=not args.no_hparam_scaling,

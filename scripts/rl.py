@@ -42,7 +42,7 @@ from flaxchat.train.checkpoint import (
     load_model,
     model_tag_arg,
 )
-from flaxchat.train.flags import add_batch_flags, add_dtype_flag, add_optimizer_flags, add_run_flag
+from flaxchat.train.flags import add_batch_flags, add_dtype_flag, add_optimizer_flags, add_run_flag, optimizer_lrs
 from flaxchat.train.optim import build_optimizer
 from flaxchat.train.rl import group_advantages, rl_step, rollout_batches
 from tasks.common import hub_reachable
@@ -258,13 +258,7 @@ def main(argv=None):
         f"from {args.source} {model_tag} step {meta['step']}"
     )
     with jax.set_mesh(mesh):
-        optimizer = build_optimizer(
-            model,
-            unembedding_lr=args.unembedding_lr,
-            embedding_lr=args.embedding_lr,
-            matrix_lr=args.matrix_lr,
-            weight_decay=args.weight_decay,
-        )
+        optimizer = build_optimizer(model, **optimizer_lrs(args), weight_decay=args.weight_decay)
     lr_var = optimizer.opt_state.hyperparams["lr_multiplier"]
 
     out_dir = checkpoint_dir("rl", args.model_tag or model_tag)

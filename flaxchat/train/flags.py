@@ -88,6 +88,11 @@ def add_optimizer_flags(
         )
 
 
+def optimizer_lrs(args) -> dict:
+    """The learning rates of add_optimizer_flags' group, as train.optim.build_optimizer's keywords."""
+    return {"unembedding_lr": args.unembedding_lr, "embedding_lr": args.embedding_lr, "matrix_lr": args.matrix_lr}
+
+
 def add_schedule_flags(parser, *, warmdown_ratio, final_lr_frac, warmup_steps=ABSENT, warmup_ratio=ABSENT) -> None:
     """The LR schedule's flags: warmup in steps (pretraining knows its horizon) or as a share of the run (SFT
     follows its progress through the data), then the warmdown share and the final LR."""

@@ -16,6 +16,7 @@ from flaxchat.model.config import GPTConfig
 from flaxchat.model.gpt import GPT
 from flaxchat.model.lora import adapter_modules, apply_lora
 from flaxchat.train.checkpoint import Checkpointer, checkpoint_dir, git_commit
+from flaxchat.train.flags import optimizer_lrs
 from flaxchat.train.optim import Schedule, build_lora_optimizer, build_optimizer
 
 # flag -> (fallback, where the base checkpoint keeps it): the flags left at None inherit from the base model
@@ -81,13 +82,7 @@ def sft_optimizer(model, lora, base_inner, args, mesh):
         return model, optimizer, lora.trainable()
     # nanochat: weight decay 0 (pretraining ends with it decayed to zero); LRs x init_lr_frac via the multiplier
     with jax.set_mesh(mesh):
-        optimizer = build_optimizer(
-            model,
-            unembedding_lr=args.unembedding_lr,
-            embedding_lr=args.embedding_lr,
-            matrix_lr=args.matrix_lr,
-            weight_decay=0.0,
-        )
+        optimizer = build_optimizer(model, **optimizer_lrs(args), weight_decay=0.0)
     if base_inner is not None:
         nnx.update(optimizer, nnx.State({"opt_state": {"inner_state": base_inner}}))
         print0("optimizer state warm-started from the base checkpoint (moments only; SFT's own LRs)")
