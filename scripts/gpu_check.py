@@ -17,18 +17,15 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import glob
 import importlib.metadata as metadata
 import json
 import os
 import platform
 import re
-import statistics
 import subprocess
 import sys
 import tempfile
 import tomllib
-import xml.etree.ElementTree as ET
 
 try:
     from packaging.requirements import Requirement
@@ -37,7 +34,8 @@ except ImportError:  # a bare GPU image may lack packaging; pip always carries i
     from pip._vendor.packaging.requirements import Requirement
     from pip._vendor.packaging.utils import canonicalize_name
 
-from flaxchat.perf.trace import KINDS  # the standard library only: importable before flaxchat's dependencies
+# the standard library only: importable before flaxchat's dependencies
+from flaxchat.perf.gpu_report import SECTIONS, collect, summary_markdown
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # What an accelerator install brings: installed ones are kept exactly as they are (pins), never resolved here.
@@ -232,425 +230,19 @@ def cmd_tokenizer(args):
 
 
 # -----------------------------------------------------------------------------
-# Report: every step's output in one JSON and one markdown table
-
-
-def read_step(out, name, json_out: bool = True) -> dict:
-    """A step's record: its command, exit status, parsed stdout (bench: one JSON; chat_web: JSON lines; a step
-    without JSON out, json_out=False: the last line of its stdout)."""
-    step = {"name": name, "ok": False, "command": None, "result": None}
-    for key, ext in (("command", "cmd"), ("note", "note")):
-        path = os.path.join(out, f"{name}.{ext}")
-        if os.path.exists(path):
-            step[key] = open(path, encoding="utf-8").read().strip()
-    rc_path, out_path = os.path.join(out, f"{name}.rc"), os.path.join(out, f"{name}.out")
-    rc = int(open(rc_path).read().strip()) if os.path.exists(rc_path) else None
-    text = open(out_path, encoding="utf-8").read() if os.path.exists(out_path) else ""
-    step["rc"] = rc
-    try:
-        if not json_out:
-            step["result"] = text.strip().splitlines()[-1] if text.strip() else ""
-        elif name == "serve":
-            lines = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
-            runs = [x["run"] for x in lines if "run" in x]
-            final = next((x for x in reversed(lines) if "median_tok_per_s" in x), None)
-            step["result"] = None if final is None else {**final, "runs": runs}
-        else:
-            step["result"] = json.loads(text) if text.strip() else None
-    except json.JSONDecodeError as e:
-        step["error"] = f"could not parse {name}.out: {e}"
-    step["ok"] = rc == 0 and step["result"] is not None
-    log = os.path.join(out, "logs", f"{name}.log")
-    if not step["ok"] and os.path.exists(log):
-        step["error"] = step.get("error") or open(log, encoding="utf-8", errors="replace").read()[-2000:]
-    return step
-
-
-def read_tests(out, mode) -> dict:
-    tests = {
-        "name": "tests",
-        "ok": False,
-        "passed": 0,
-        "failed": 0,
-        "errors": 0,
-        "skipped": 0,
-        "seconds": None,
-        "skipped_because": [],
-    }
-    for key, ext in (("command", "cmd"),):
-        path = os.path.join(out, f"tests.{ext}")
-        if os.path.exists(path):
-            tests[key] = open(path).read().strip()
-    path = os.path.join(out, "tests.xml")
-    if not os.path.exists(path):
-        tests["error"] = "no tests.xml (pytest did not run)"
-        return tests
-    for suite in ET.parse(path).getroot().iter("testsuite"):
-        for key in ("failures", "errors", "skipped"):
-            tests["failed" if key == "failures" else key] += int(suite.get(key, 0))
-        tests["seconds"] = round(float(suite.get("time", 0)), 1)
-        total = int(suite.get("tests", 0))
-        tests["passed"] += (
-            total - int(suite.get("failures", 0)) - int(suite.get("errors", 0)) - int(suite.get("skipped", 0))
-        )
-        for case in suite.iter("testcase"):
-            skip = case.find("skipped")
-            if skip is not None:
-                tests["skipped_because"].append(f"{case.get('name')}: {skip.get('message', '')}"[:300])
-    clean = tests["failed"] == 0 and tests["errors"] == 0
-    # on a GPU every GPU test must run; on the CPU they are all skipped, each with its reason
-    tests["ok"] = clean and (tests["passed"] > 0 and tests["skipped"] == 0 if mode == "gpu" else True)
-    return tests
-
-
-def _steps(out, prefix):
-    names = sorted(
-        {os.path.basename(p).rsplit(".", 1)[0] for p in glob.glob(os.path.join(out, f"{prefix}_*.cmd"))},
-        key=lambda n: [int(x) if x.isdigit() else x for x in re.split(r"(\d+)", n)],
-    )
-    return [read_step(out, n) for n in names]
-
-
-def flops(x) -> str:
-    return f"{x / 1e12:,.0f} TFLOP/s" if x >= 1e12 else f"{x / 1e9:,.0f} GFLOP/s"
-
-
-def fmt(x, spec=",.0f", none="–"):
-    return none if x is None else format(x, spec)
-
-
-def table(steps, columns, row) -> list[str]:
-    """Markdown rows for `steps`: the step's name, then row(result)'s cells; a failed step says where to look."""
-    blank = " |" * (len(columns) - 1)
-    out = ["| step | " + " | ".join(columns) + " |", "| --- |" + " --- |" * len(columns)]
-    for s in steps:
-        out.append(
-            f"| {s['name']} | " + " | ".join(row(s["result"])) + " |"
-            if s["ok"]
-            else f"| {s['name']} | failed: see report.json |{blank}"
-        )
-        if s.get("note"):
-            out.append(f"| | {s['note']} |{blank}")
-    return out
-
-
-def train_row(r, nanochat=False) -> list[str]:
-    c, n = r["config"], r["num_params"]
-    data = ", " + r["data"] if r.get("data", "random tokens") != "random tokens" else ""
-    if r.get("backend") == "gpu" and "nvptx-allow-ftz-atomics" not in r.get("xla_flags", "nvptx-allow-ftz-atomics"):
-        data += ", fp32 atomic adds as LLVM compiles them"  # FLAXCHAT_NATIVE_GPU_ATOMICS=0
-    if r.get("backend", "cpu") != "cpu" and r.get("in_flight") is False:
-        data += ", each step waited for"  # --in-flight off, where the default keeps one in flight
-    accum = f", {r['grad_accum']} accumulation steps" if r.get("grad_accum", 1) > 1 else ""
-    row = [
-        f"d{c['n_layer']} {c.get('window_pattern', '')} ({n / 1e6:,.{0 if n >= 1e8 else 1}f}M params, "
-        f"{r['dtype']}{accum}{data})",
-        f"{r['tokens_per_step'] // c['sequence_len']} x {c['sequence_len']}",
-        fmt(r["tok_per_s"]),
-        fmt(r["mfu"], ".1f"),
-        fmt(r["compile_s"], ".1f"),
-        fmt(r["peak_mem_gb"], ".1f"),
-        r["attention"] + ("" if r["remat"] == "none" else f", remat {r['remat']}"),
-        f"{flops(r['peak_flops'])} ({r['peak_flops_source']})",
-    ]
-    if nanochat:  # bench --nanochat: nanochat's own step on the same shape, timed first
-        theirs = r.get("nanochat") or {}
-        kernel = ", ".join(x for x in (theirs.get("dtype"), theirs.get("attention")) if x)
-        row += [
-            fmt(theirs.get("tok_per_s")) + (f" ({kernel})" if kernel else ""),
-            fmt(theirs.get("compile_s"), ".1f"),
-            fmt(r.get("vs_nanochat"), ".2f") + ("x" if r.get("vs_nanochat") else ""),
-        ]
-    return row
-
-
-def run_row(r) -> list[str]:
-    """bench --what run's record: both runs' median step (tok/s) over the same timed steps."""
-    theirs = r.get("nanochat") or {}
-    step = lambda x: f"{fmt(x.get('step_s') and 1e3 * x['step_s'], ',.1f')} ({fmt(x.get('tok_per_s'))})"
-    timed = f"{r['timed_from_step']}-{r['timed_from_step'] + r['timed_steps'] - 1}"
-    return [
-        f"`{' '.join(r['flags'])}`",
-        timed,
-        step(r),
-        step(theirs),
-        fmt(r.get("vs_nanochat"), ".2f") + ("x" if r.get("vs_nanochat") else ""),
-        f"{fmt(r['process_s'], '.0f')} / {fmt(theirs.get('process_s'), '.0f')}",
-    ]
-
-
-def drift_lines(steps, n=5) -> list[str]:
-    """Each training row's first and last timed steps (medians of n): whether its steps slow down as it runs."""
-    rows = [
-        (s["name"], s["result"]["times_s"]) for s in steps if s["ok"] and len(s["result"].get("times_s", [])) >= 2 * n
-    ]
-    if not rows:
-        return []
-    med = statistics.median
-    return ["", f"Step time over the run (ms, median of the first and of the last {n} timed steps):", ""] + [
-        f"- {name}: {1e3 * med(t[:n]):,.1f} -> {1e3 * med(t[-n:]):,.1f}" for name, t in rows
-    ]
-
-
-def generate_row(r) -> list[str]:
-    c = r["config"]
-    return [
-        f"d{c['n_layer']} ({r['dtype']}, context {c['sequence_len']})",
-        str(r["batch_size"]),
-        f"{r['prompt_len']} + {r['max_new_tokens']}",
-        fmt(r["tok_per_s"]),
-        fmt(r["ttft_s"] * 1e3, ".1f"),
-        fmt(r["prefill_tok_per_s"]),
-        fmt(r["compile_s"], ".1f"),
-        fmt(r["peak_mem_gb"], ".1f"),
-    ]
-
-
-def profile_lines(steps) -> list[str]:
-    """`--profile`: per training shape, each program's step time by kind of op, its slowest ops, then flaxchat's
-    lines by the time of their ops."""
-    lines = []
-    for s in steps:
-        ours = s["ok"] and s["result"].get("profile")
-        if not ours:
-            continue
-        theirs = (s["result"].get("nanochat") or {}).get("profile")
-        step_ms = lambda p: fmt(p.get("step_ms"), ".1f")
-        busy = ours.get("busy")
-        busy = "" if busy is None else f" (device busy {100 * busy:.0f}% of it)"
-        head = f"### {s['name']}: flaxchat {step_ms(ours)} ms a step{busy}"
-        lines += ["", head + (f", nanochat {step_ms(theirs)} ms" if theirs else ""), ""]
-        columns = ["flaxchat ms/step", "share"] + (["nanochat ms/step", "share"] if theirs else [])
-        lines += ["| kind | " + " | ".join(columns) + " |", "|" + " --- |" * (len(columns) + 1)]
-        cell = lambda p, k: (
-            [fmt(p["by_kind"][k]["ms"], ".2f"), f"{p['by_kind'][k]['share']}%"] if k in p["by_kind"] else ["–", "–"]
-        )
-        for k in KINDS:
-            if k in ours["by_kind"] or (theirs and k in theirs["by_kind"]):
-                lines.append(f"| {k} | " + " | ".join(cell(ours, k) + (cell(theirs, k) if theirs else [])) + " |")
-        total = lambda p: [fmt(p["op_ms_per_step"], ".2f"), "100%"]
-        lines.append("| all ops | " + " | ".join(total(ours) + (total(theirs) if theirs else [])) + " |")
-        for who, p in (("flaxchat", ours), ("nanochat", theirs)):
-            if p:
-                lines += ["", f"{who}'s slowest ops (ms a step, kind, op):", ""]
-                lines += [
-                    f"- {t['ms']:.2f} ms ({t['share']}%) {t['kind']}: `{t['op'][:120]}`"
-                    + (f" from `{t['source']}`" if t.get("source") else "")
-                    for t in p["top"][:8]
-                ]
-        if ours.get("scatters") is not None:  # how the compiled step adds up its embeddings' gradients
-            lines += ["", f"flaxchat's scatters (element type, combiner): {', '.join(ours['scatters']) or 'none'}"]
-        if ours.get("by_source"):
-            lines += ["", "flaxchat's lines of the program by the time of their ops (ms a step, by kind):", ""]
-            lines += [
-                f"- {t['ms']:.2f} ms ({t['share']}%) `{t['source']}`: "
-                + ", ".join(f"{k} {ms:.2f}" for k, ms in t["kinds"].items())
-                for t in ours["by_source"]
-            ]
-    if lines:
-        lines = [
-            "",
-            "## Where the time goes",
-            "",
-            "`--profile`: a few timed steps under the profilers (jax.profiler, "
-            "and torch.profiler for nanochat), self time of every op by kind (`flaxchat.perf.trace`); on a GPU "
-            "device time, on a CPU each op's time on the thread that ran it. Traces in profile/.",
-        ] + lines
-    return lines
-
-
-def summary_markdown(report) -> str:
-    env, lines = report["env"], []
-    kind = env.get("device_kind", "?")
-    lines += [
-        f"# flaxchat GPU check ({report['mode']} mode): {env.get('device_count', '?')} x {kind}",
-        "",
-        f"{report['created']} · "
-        + ("all checks passed" if report["ok"] else "SOME CHECKS FAILED: " + ", ".join(report["failed"])),
-        "",
-        "## Environment",
-        "",
-        "| what | value |",
-        "| --- | --- |",
-        f"| backend | {env.get('backend')} ({env.get('device_count')} x {kind}) |",
-        f"| jax | {env.get('jax')} · python {env.get('python')} · {env.get('machine')} |",
-        f"| accelerator packages | {', '.join(env.get('packages', [])) or '–'} |",
-    ]
-    smi = env.get("nvidia_smi") or {}
-    if smi.get("gpus"):
-        lines.append(f"| nvidia-smi | {'; '.join(smi['gpus'])} · driver CUDA {smi.get('driver_cuda_version')} |")
-    if env.get("device_memory_gb"):
-        lines.append(
-            f"| JAX memory limit | {env['device_memory_gb']} GiB (XLA_PYTHON_CLIENT_MEM_FRACTION="
-            f"{env.get('env', {}).get('XLA_PYTHON_CLIENT_MEM_FRACTION')}) |"
-        )
-    t = report["tests"]
-    if t.get("not_run"):
-        lines += ["", "## Tests", "", "not run (`--only`)"]
-    else:
-        lines += [
-            "",
-            "## Tests",
-            "",
-            f"`{t.get('command', 'pytest -m gpu')}`: {t['passed']} passed, {t['failed']} "
-            f"failed, {t['errors']} errors, {t['skipped']} skipped ({fmt(t['seconds'], '.1f')} s)",
-        ]
-        if t["skipped_because"]:
-            lines += [""] + [f"- skipped {s}" for s in t["skipped_because"][:8]]
-    lines += [
-        "",
-        "## Training",
-        "",
-        "Random tokens unless the model says grain loader (batches of tokenized synthetic "
-        "stories from the data loader, with a vocabulary trained on them; the random-token row beside it has the "
-        "same shape), the real optimizer; median step after warm-up (`python -m scripts.bench --what train`). MFU "
-        "is against the peak named in the last column; compile s is the first step's tracing and compilation (a "
-        "warm $JAX_COMPILATION_CACHE_DIR cuts it).",
-        "",
-    ]
-    columns = [
-        "model",
-        "rows x seq",
-        "tok/s",
-        "MFU %",
-        "compile s",
-        "peak mem GiB",
-        "attention",
-        "peak FLOP/s (source)",
-    ]
-    nanochat = any(s["ok"] and "nanochat" in s["result"] for s in report["train"])
-    if nanochat:
-        lines += [
-            "nanochat: its own GPT, MuonAdamW and `torch.compile` on the same shape and batch, timed first in a "
-            "process of its own (`--nanochat DIR`); vs nanochat is flaxchat's tok/s over nanochat's.",
-            "",
-        ]
-        columns += ["nanochat tok/s", "nanochat compile s", "vs nanochat"]
-    lines += table(report["train"], columns, lambda r: train_row(r, nanochat))
-    lines += drift_lines(report["train"])
-    lines += profile_lines(report["train"])
-    if report.get("runs"):
-        lines += [
-            "",
-            "## Real runs",
-            "",
-            "nanochat's own `scripts/base_train.py`, then `scripts.pretrain`, with the same "
-            "flags on the same shards and tokenizer (`python -m scripts.bench --what run`); the median of the timed "
-            "steps (the first, which compiles, and the warm-up after it left out); vs nanochat is nanochat's "
-            "median step over flaxchat's.",
-            "",
-        ]
-        lines += table(
-            report["runs"],
-            [
-                "flags",
-                "timed steps",
-                "flaxchat ms a step (tok/s)",
-                "nanochat ms a step (tok/s)",
-                "vs nanochat",
-                "process s (flaxchat / nanochat)",
-            ],
-            run_row,
-        )
-    lines += [
-        "",
-        "## Generation",
-        "",
-        "KV-cache engine, random prompts, every row makes every token (`python -m scripts.bench --what generate`).",
-        "",
-    ]
-    if report["generate"] or "generate" in report.get("sections", SECTIONS):
-        lines += table(
-            report["generate"],
-            [
-                "model",
-                "batch",
-                "prompt + new",
-                "decode tok/s",
-                "time to first token ms",
-                "prefill tok/s",
-                "compile s",
-                "peak mem GiB",
-            ],
-            generate_row,
-        )
-    else:
-        lines.append("not run (`--only`)")
-    s = report["serve"]
-    lines += [
-        "",
-        "## Serving",
-        "",
-        "`python -m scripts.chat_web --random-init --load-test ...`: concurrent WebSocket "
-        "clients against the in-process server (continuous batching), median over rounds.",
-        "",
-    ]
-    if s.get("not_run"):
-        lines.append("not run (`--only`)")
-    elif s["ok"]:
-        r = s["result"]
-        lines += [
-            f"Model {r['model']}, {r['slots']} slots, {r['tokens_per_client']} tokens per client.",
-            "",
-            "| clients | tok/s (all clients) | vs 1 client | median time to first token s |",
-            "| --- | --- | --- | --- |",
-        ]
-        for n, v in r["median_tok_per_s"].items():
-            ttft = sorted(
-                x["ttft_median_s"] for x in r["runs"] if str(x["clients"]) == n and x["ttft_median_s"] is not None
-            )
-            lines.append(
-                f"| {n} | {fmt(v)} | {r['vs_one_client'][n]}x | {fmt(ttft[len(ttft) // 2] if ttft else None, '.3f')} |"
-            )
-    else:
-        lines.append("failed: see report.json")
-    return "\n".join(lines) + "\n"
-
-
-SECTIONS = ("tests", "train", "real", "generate", "serve")
+# Report: every step's output in one JSON and one markdown page (flaxchat.perf.gpu_report)
 
 
 def cmd_report(args):
-    out, sections = args.out, set(args.sections.split(","))
+    sections = set(args.sections.split(","))
     unknown = sections - set(SECTIONS)
     if unknown:
         sys.exit(f"error: --sections: unknown {', '.join(sorted(unknown))} (choose from {', '.join(SECTIONS)})")
-    env_path = os.path.join(out, "env.json")
-    env = json.load(open(env_path)) if os.path.exists(env_path) else {}
-    not_run = lambda name: {"name": name, "ok": True, "not_run": True}  # left out by --only
-    serve = read_step(out, "serve") if "serve" in sections else not_run("serve")
-    tests = read_tests(out, args.mode) if "tests" in sections else not_run("tests")
-    # the real pipeline's data and tokenizer: a failure there leaves its training rows out, so it fails the report
-    prepared = [
-        read_step(out, n, json_out=False)
-        for n in ("real_data", "real_tokenizer")
-        if os.path.exists(os.path.join(out, f"{n}.cmd"))
-    ]
-    report = {
-        "created": datetime.datetime.now().isoformat(timespec="seconds"),
-        "mode": args.mode,
-        "out": os.path.abspath(out),
-        "sections": [s for s in SECTIONS if s in sections],
-        "env": env,
-        "tests": tests,
-        "prepared": prepared,
-        "train": _steps(out, "train"),
-        "runs": _steps(out, "run"),
-        "generate": _steps(out, "generate"),
-        "serve": serve,
-    }
-    steps = [tests, *prepared, *report["train"], *report["runs"], *report["generate"], serve]
-    report["failed"] = [s["name"] for s in steps if not s["ok"]]
-    # every section asked for has its rows (the real pipeline's are training rows too)
-    report["ok"] = (
-        not report["failed"]
-        and (bool(report["train"]) or not sections & {"train", "real"})
-        and (bool(report["generate"]) or "generate" not in sections)
-    )
-    with open(os.path.join(out, "report.json"), "w") as f:
+    report = collect(args.out, args.mode, sections)
+    with open(os.path.join(args.out, "report.json"), "w") as f:
         json.dump(report, f, indent=2)
     md = summary_markdown(report)
-    with open(os.path.join(out, "summary.md"), "w") as f:
+    with open(os.path.join(args.out, "summary.md"), "w") as f:
         f.write(md)
     print(md)
     sys.exit(0 if report["ok"] else 1)
@@ -679,6 +271,12 @@ def dependency_closure(reqs) -> dict[str, str]:
     return found
 
 
+def pip_dry_run(*args) -> None:
+    """pip's resolver against PyPI, installing nothing (CalledProcessError if it finds no solution)."""
+    pip = [sys.executable, "-m", "pip", "--isolated", "--disable-pip-version-check", "install", "--dry-run"]
+    subprocess.run([*pip, "--ignore-installed", "--quiet", "--index-url", PYPI, *args], check=True)
+
+
 def cmd_lock(args):
     flavour = args.flavour
     tested = dependency_closure(project_requirements())
@@ -687,25 +285,8 @@ def cmd_lock(args):
         pins = os.path.join(tmp, "tested.txt")
         with open(pins, "w") as f:
             f.write("\n".join(f"{n}=={v}" for n, v in sorted(tested.items())) + "\n")
-        pip = [sys.executable, "-m", "pip", "--isolated", "--disable-pip-version-check"]
         report = os.path.join(tmp, "report.json")
-        subprocess.run(
-            pip
-            + [
-                "install",
-                "--dry-run",
-                "--ignore-installed",
-                "--quiet",
-                "--index-url",
-                PYPI,
-                "--report",
-                report,
-                "-c",
-                pins,
-                f"jax[{flavour}]=={jax_version}",
-            ],
-            check=True,
-        )
+        pip_dry_run("--report", report, "-c", pins, f"jax[{flavour}]=={jax_version}")
         resolved = {
             canonicalize_name(i["metadata"]["name"]): i["metadata"]["version"]
             for i in json.load(open(report))["install"]
@@ -739,22 +320,7 @@ def cmd_lock(args):
         )
         with open(path, "w") as f:
             f.write(header + body)
-        subprocess.run(
-            pip
-            + [
-                "install",
-                "--dry-run",
-                "--ignore-installed",
-                "--quiet",
-                "--index-url",
-                PYPI,
-                "-c",
-                path,
-                "-e",
-                f"{ROOT}[{flavour},dev]",
-            ],
-            check=True,
-        )
+        pip_dry_run("-c", path, "-e", f"{ROOT}[{flavour},dev]")
     print(f"wrote {path}: {len(tested)} tested + {len(extra)} CUDA {cuda} pins; a dry-run install resolved with it")
 
 

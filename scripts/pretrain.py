@@ -17,12 +17,9 @@ Outputs: $FLAXCHAT_BASE_DIR/base_checkpoints/d<depth>/ with checkpoints, metrics
 """
 
 import argparse
-import json
 import math
 import os
-import resource
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -35,17 +32,23 @@ from flaxchat.data.dataloader import make_loader, make_val_loader
 from flaxchat.data.tokenizer import get_token_bytes, get_tokenizer
 from flaxchat.eval.bpb import evaluate_bpb
 from flaxchat.eval.core import evaluate_core
-from flaxchat.eval.report import Report, metrics_logger, plot_training, read_jsonl
+from flaxchat.eval.report import Report, StepLog, metrics_logger, plot_training, read_jsonl, restart_metrics
 from flaxchat.generate.engine import generate
 from flaxchat.generate.reply import stop_tokens
 from flaxchat.model.config import GPTConfig, add_model_flags, config_from_flags, derive_training
 from flaxchat.model.gpt import GPT, add_kernel_flags
-from flaxchat.perf.machine import HUGE_PAGES_TUNABLE, cpu_bf16_instructions, huge_pages_active, peak_flops_per_device
-from flaxchat.perf.profiler import StepProfiler, profile_summary
-from flaxchat.perf.trace import format_summary
+from flaxchat.perf.machine import peak_flops_per_device, peak_memory_gb, speed_tips
+from flaxchat.perf.profiler import StepProfiler, save_profile_summary
 from flaxchat.train.checkpoint import Checkpointer, checkpoint_dir, git_commit, model_tag_arg
-from flaxchat.train.flags import add_batch_flags, add_dtype_flag, add_optimizer_flags, add_run_flag, add_schedule_flags
-from flaxchat.train.optim import Schedule, build_optimizer, optimizer_stats, skip_report
+from flaxchat.train.flags import (
+    add_batch_flags,
+    add_dtype_flag,
+    add_optimizer_flags,
+    add_run_flag,
+    add_schedule_flags,
+    optimizer_lrs,
+)
+from flaxchat.train.optim import Schedule, build_optimizer, optimizer_stats
 from flaxchat.train.step import FlatStep, InFlight, add_in_flight_flag, in_flight_depth
 
 SAMPLE_PROMPTS = [
@@ -148,13 +151,132 @@ def plan_training(args, abstract_model, vocab_size):
         target_flops=args.target_flops,
         target_param_data_ratio=args.target_param_data_ratio,
         total_batch_size=args.total_batch_size,
-        embedding_lr=args.embedding_lr,
-        unembedding_lr=args.unembedding_lr,
-        matrix_lr=args.matrix_lr,
+        **optimizer_lrs(args),
         scalar_lr=args.scalar_lr,
         weight_decay=args.weight_decay,
         scale_hparams=not args.no_hparam_scaling,
     )
+
+
+def micro_steps(parser, args, plan, dp: int) -> int:
+    """Micro-steps per optimizer step (gradient accumulation): the plan's batch over one micro-step's tokens, which
+    must divide it."""
+    tokens_per_micro = args.device_batch_size * dp * args.max_seq_len
+    if plan.total_batch_size % tokens_per_micro:
+        parser.error(
+            f"total batch size {plan.total_batch_size:,} tokens is not a multiple of one micro-step "
+            f"({args.device_batch_size} x {dp} devices x {args.max_seq_len} = {tokens_per_micro:,})"
+        )
+    return plan.total_batch_size // tokens_per_micro
+
+
+def optimizer_factory(args, plan):
+    """model -> MuonAdamW at the plan's learning rates and weight decay, on nanochat's schedule over the plan's
+    horizon."""
+    schedule = Schedule(plan.num_iterations, args.warmup_steps, args.warmdown_ratio, args.final_lr_frac)
+    return lambda model: build_optimizer(
+        model,
+        unembedding_lr=plan.unembedding_lr,
+        embedding_lr=plan.embedding_lr,
+        matrix_lr=plan.matrix_lr,
+        weight_decay=plan.weight_decay,
+        scalar_lr=plan.scalar_lr,
+        schedule=schedule,
+    )
+
+
+def start_or_resume(args, ckpt, make_model, make_optimizer, abstract_model, config, mesh):
+    """(model, optimizer, step, data loader states, loop state, the step resumed from or None): a fresh model born
+    sharded with its optimizer, or with --resume / --resume-from-step the checkpoint restored straight onto the
+    mesh (its model config must be the flags'). One line and exit where there is nothing to resume."""
+    loop = {"min_val_bpb": float("inf"), "smooth_train_loss": 0.0, "total_training_time": 0.0, "val_bpb": None}
+    if not (args.resume or args.resume_from_step >= 0):
+        model = sharding.create_sharded(make_model, mesh)
+        with jax.set_mesh(mesh):
+            optimizer = make_optimizer(model)
+        return model, optimizer, 0, None, loop, None
+    resume_step = args.resume_from_step if args.resume_from_step >= 0 else ckpt.latest_step()
+    if resume_step is None:
+        sys.exit(f"error: --resume: no checkpoint in {ckpt.directory} yet")
+    model, optimizer = abstract_model, nnx.eval_shape(make_optimizer, abstract_model)
+    try:
+        info = ckpt.restore(model, optimizer, step=resume_step, mesh=mesh)
+    except FileNotFoundError as e:
+        sys.exit(f"error: {e}")
+    saved_cfg = info["meta"].get("model_config")
+    if saved_cfg != config.to_dict():
+        sys.exit(f"error: checkpoint config {saved_cfg} differs from the flags' config {config.to_dict()}")
+    print0(f"resumed from step {info['step']} of {ckpt.directory}")
+    return model, optimizer, info["step"], info["data_states"], info["meta"]["loop_state"], resume_step
+
+
+def val_bpb(model, tokenizer, token_bytes, args, global_batch: int, mesh) -> float:
+    """Bits per byte over --eval-tokens tokens of the val shard."""
+    eval_steps = max(1, args.eval_tokens // (global_batch * args.max_seq_len))
+    val_loader = make_val_loader(tokenizer, global_batch, args.max_seq_len, mesh=mesh, data_dir=args.source)
+    try:
+        with jax.set_mesh(mesh):
+            return evaluate_bpb(model, val_loader, eval_steps, token_bytes, progress=eval_steps >= 20)
+    finally:
+        val_loader.close()
+
+
+def sample(model, tokenizer):
+    """Greedy continuations of SAMPLE_PROMPTS, every prompt a row of one jitted loop; a row ends at a stop token,
+    which is not printed."""
+    prompts = [tokenizer.encode(prompt, prepend="<|bos|>") for prompt in SAMPLE_PROMPTS]
+    stops = stop_tokens(tokenizer)
+    for prompt, new in zip(prompts, generate(model, prompts, 16, temperature=0.0, stop_tokens=stops)):
+        print0(tokenizer.decode(prompt + [t for t in new if t not in stops]))
+
+
+def checkpoint_meta(args, loop, user_config, total_batch_size, tokenizer_hash) -> dict:
+    """What a checkpoint keeps beside the weights: the flags, the batch, the tokenizer it was trained with, the
+    commit, and the loop state a resumed run continues from."""
+    return {
+        "val_bpb": loop["val_bpb"],
+        "user_config": user_config,
+        "total_batch_size": total_batch_size,
+        "device_batch_size": args.device_batch_size,
+        "max_seq_len": args.max_seq_len,
+        "tokenizer_hash": tokenizer_hash,
+        "git_commit": git_commit(),
+        "seed": args.seed,
+        "loop_state": loop,
+    }
+
+
+def report(model_tag, abstract_model, plan, loop, out_dir, rows) -> None:
+    """The run's last line (peak memory, training time, best val bpb) and the report card's pretraining section: the
+    model, the run's size, and from its metrics rows the final smoothed loss and the median tok/s and MFU of the
+    steady steps (the two that compile left out)."""
+    peak_mem, config = peak_memory_gb(), abstract_model.config
+    best = loop["min_val_bpb"] if math.isfinite(loop["min_val_bpb"]) else None  # None: --eval-every -1
+    print0(
+        f"peak memory: {peak_mem:.2f} GiB | training time: {loop['total_training_time'] / 60:.2f} min | "
+        f"min val bpb: {'not evaluated' if best is None else f'{best:.4f}'} | checkpoints: {out_dir}"
+    )
+    timed = [r for r in rows if "tok_per_s" in r][2:]
+    section = {
+        "model": model_tag,
+        "parameters": abstract_model.num_scaling_params()["total"],
+        "layers": config.n_layer,
+        "width": config.n_embd,
+        "heads": config.n_head,
+        "seq len": config.sequence_len,
+        "vocab": config.vocab_size,
+        "iterations": plan.num_iterations,
+        "total batch (tokens)": plan.total_batch_size,
+        "tokens trained": plan.num_iterations * plan.total_batch_size,
+        "devices": jax.device_count(),
+        "final train loss": rows and next((r["smooth_loss"] for r in reversed(rows) if "smooth_loss" in r), None),
+        "min val bpb": "not evaluated" if best is None else best,
+        "training time (min)": loop["total_training_time"] / 60,
+        "tokens/s (median)": float(np.median([r["tok_per_s"] for r in timed])) if timed else None,
+        "MFU % (median)": float(np.median([r["mfu"] for r in timed])) if timed else None,
+        "peak memory (GiB)": peak_mem,
+    }
+    Report().log("pretrain", section, charts=[os.path.join(out_dir, "training.png")])
 
 
 def main(argv=None):
@@ -198,74 +320,26 @@ def main(argv=None):
     except ValueError as e:
         parser.error(str(e))
     print0(plan.describe())
-    tokens_per_micro = args.device_batch_size * dp * args.max_seq_len
-    if plan.total_batch_size % tokens_per_micro:
-        parser.error(
-            f"total batch size {plan.total_batch_size:,} tokens is not a multiple of one micro-step "
-            f"({args.device_batch_size} x {dp} devices x {args.max_seq_len} = {tokens_per_micro:,})"
-        )
-    grad_accum = plan.total_batch_size // tokens_per_micro
-    global_batch = args.device_batch_size * dp
-    num_iterations = plan.num_iterations
+    global_batch, tokens_per_micro = args.device_batch_size * dp, args.device_batch_size * dp * args.max_seq_len
+    grad_accum, num_iterations = micro_steps(parser, args, plan, dp), plan.num_iterations
     print0(
         f"micro-batch: {global_batch} x {args.max_seq_len} = {tokens_per_micro:,} tokens | "
         f"grad accumulation: {grad_accum}"
         + abstract_model.forms.sub_batch_note(args.device_batch_size, args.max_seq_len, mesh)
     )
-    schedule = Schedule(num_iterations, args.warmup_steps, args.warmdown_ratio, args.final_lr_frac)
-    make_optimizer = lambda m: build_optimizer(
-        m,
-        unembedding_lr=plan.unembedding_lr,
-        embedding_lr=plan.embedding_lr,
-        matrix_lr=plan.matrix_lr,
-        weight_decay=plan.weight_decay,
-        scalar_lr=plan.scalar_lr,
-        schedule=schedule,
-    )
+    make_optimizer = optimizer_factory(args, plan)
 
     # -------------------------------------------------------------------------
-    # Model + optimizer: fresh (born sharded) or restored straight onto the mesh
+    # Model + optimizer: fresh (born sharded) or restored straight onto the mesh; the data
 
     model_tag = args.model_tag or f"d{args.depth}"
     out_dir = checkpoint_dir("base", model_tag)
     ckpt = Checkpointer(out_dir, keep=args.keep)
     metrics_path = os.path.join(out_dir, "metrics.jsonl")
-    resume_step = None
-    if args.resume or args.resume_from_step >= 0:
-        resume_step = args.resume_from_step if args.resume_from_step >= 0 else ckpt.latest_step()
-        if resume_step is None:
-            sys.exit(f"error: --resume: no checkpoint in {out_dir} yet")
-    data_states, loop = (
-        None,
-        {"min_val_bpb": float("inf"), "smooth_train_loss": 0.0, "total_training_time": 0.0, "val_bpb": None},
+    model, optimizer, step, data_states, loop, resume_step = start_or_resume(
+        args, ckpt, make_model, make_optimizer, abstract_model, config, mesh
     )
-    if resume_step is not None:
-        model = abstract_model
-        optimizer = nnx.eval_shape(make_optimizer, abstract_model)
-        try:
-            info = ckpt.restore(model, optimizer, step=resume_step, mesh=mesh)
-        except FileNotFoundError as e:
-            sys.exit(f"error: {e}")
-        saved_cfg = info["meta"].get("model_config")
-        if saved_cfg != config.to_dict():
-            sys.exit(f"error: checkpoint config {saved_cfg} differs from the flags' config {config.to_dict()}")
-        step, data_states, loop = info["step"], info["data_states"], info["meta"]["loop_state"]
-        print0(f"resumed from step {step} of {out_dir}")
-        if is_main_process():  # drop metrics logged after the checkpoint, they will be redone
-            rows = [r for r in read_jsonl(metrics_path) if r["step"] <= step]
-            with open(metrics_path, "w", encoding="utf-8") as f:
-                f.writelines(json.dumps(r) + "\n" for r in rows)
-    else:
-        model = sharding.create_sharded(make_model, mesh)
-        with jax.set_mesh(mesh):
-            optimizer = make_optimizer(model)
-        step = 0
-        if is_main_process() and os.path.exists(metrics_path):
-            os.remove(metrics_path)
-
-    # -------------------------------------------------------------------------
-    # Data
-
+    restart_metrics(metrics_path, resumed_from=resume_step)
     try:
         train_loader = make_loader(
             tokenizer, global_batch, args.max_seq_len, "train", mesh=mesh, state=data_states, data_dir=args.source
@@ -274,63 +348,15 @@ def main(argv=None):
         sys.exit(f"error: {e}")
 
     # -------------------------------------------------------------------------
-    # Logging helpers
+    # Training loop (runs num_iterations + 1 times so the last step can eval and save)
 
     flops_per_token = abstract_model.estimate_flops()
     peak, peak_source = peak_flops_per_device(dtype)
     print0(f"peak FLOP/s per device: {peak:.3e} ({peak_source})")
-    if jax.default_backend() == "cpu" and sys.platform.startswith("linux") and not huge_pages_active():
-        print0(
-            f"tip: GLIBC_TUNABLES={HUGE_PAGES_TUNABLE} in the environment makes CPU steps faster (pixi tasks and "
-            "the laptop demo set it; docs/cpu-speed.md)"
-        )
-    if jax.default_backend() == "cpu" and jnp.dtype(dtype) == jnp.float32 and cpu_bf16_instructions():
-        print0(
-            "tip: this CPU multiplies bf16 in hardware: --dtype bfloat16 (or FLAXCHAT_DTYPE=bfloat16) trains "
-            "faster than fp32 here (bf16 products, fp32 activations; docs/cpu-speed.md, 'bf16 on a CPU')"
-        )
+    for tip in speed_tips(dtype):
+        print0(tip)
     log = metrics_logger(metrics_path, args.run, "flaxchat", user_config)
-
-    def evaluate():
-        eval_steps = max(1, args.eval_tokens // tokens_per_micro)
-        val_loader = make_val_loader(tokenizer, global_batch, args.max_seq_len, mesh=mesh, data_dir=args.source)
-        try:
-            with jax.set_mesh(mesh):
-                return evaluate_bpb(model, val_loader, eval_steps, token_bytes, progress=eval_steps >= 20)
-        finally:
-            val_loader.close()
-
-    def sample():
-        prompts = [tokenizer.encode(prompt, prepend="<|bos|>") for prompt in SAMPLE_PROMPTS]
-        stops = stop_tokens(tokenizer)
-        # greedy, every prompt a row of one jitted loop; a row ends at a stop token, which is not printed
-        for prompt, new in zip(prompts, generate(model, prompts, 16, temperature=0.0, stop_tokens=stops)):
-            print0(tokenizer.decode(prompt + [t for t in new if t not in stops]))
-
     saved_once = resume_step is not None  # a resumed run keeps the checkpoints it continues
-
-    def save(step):
-        nonlocal saved_once
-        if not saved_once:
-            ckpt.replace_earlier_run()
-            saved_once = True
-        meta = {
-            "val_bpb": loop["val_bpb"],
-            "user_config": user_config,
-            "total_batch_size": plan.total_batch_size,
-            "device_batch_size": args.device_batch_size,
-            "max_seq_len": args.max_seq_len,
-            "tokenizer_hash": tokenizer.content_hash,
-            "git_commit": git_commit(),
-            "seed": args.seed,
-            "loop_state": loop,
-        }
-        metrics = {"val_bpb": loop["val_bpb"]} if loop["val_bpb"] is not None else None
-        ckpt.save(step, model, optimizer, data_state=train_loader.get_state(), meta=meta, metrics=metrics)
-
-    # -------------------------------------------------------------------------
-    # Training loop (runs num_iterations + 1 times so the last step can eval and save)
-
     bar = progress_bar(
         total=num_iterations, initial=step, desc="pretrain", disable=not is_main_process(), dynamic_ncols=True
     )
@@ -342,42 +368,16 @@ def main(argv=None):
     in_flight = InFlight(in_flight_depth(args.in_flight, jax.default_backend()))
 
     skipped = int(optimizer_stats(optimizer)["skipped_steps"])  # as restored: a resumed run counts on
+    peak_flops = peak * jax.device_count()
+    record = StepLog(log, bar, loop, plan.total_batch_size, flops_per_token, peak_flops, resume_step or 0, skipped)
+    last = {}  # the latest step's batches (the profile summary compiles the step for them)
 
-    def record(done):
-        """Log a finished step (InFlight's (outputs, info, seconds)); None: nothing finished."""
-        nonlocal skipped
-        if done is None:
-            return
-        (loss, stats), (i, epoch), dt = done
-        loss, lrm, skipped_now = float(loss), float(stats["lr_multiplier"]), int(stats["skipped_steps"])
-        ema = 0.9
-        loop["smooth_train_loss"] = ema * loop["smooth_train_loss"] + (1 - ema) * loss
-        smooth = loop["smooth_train_loss"] / (1 - ema ** (i + 1))
-        tok_per_s = plan.total_batch_size / dt
-        mfu = 100 * flops_per_token * plan.total_batch_size / dt / (peak * jax.device_count())
-        if i - (resume_step or 0) >= 2:  # the first steps compile; keep them out of the timing
-            loop["total_training_time"] += dt
-        log(
-            {
-                "step": i + 1,
-                "loss": loss,
-                "smooth_loss": smooth,
-                "lrm": lrm,
-                "dt": dt,
-                "tok_per_s": tok_per_s,
-                "mfu": mfu,
-                "skipped_steps": skipped_now,
-                "epoch": epoch,
-            }
-        )
-        bar.set_postfix(
-            loss=f"{smooth:.4f}", tok_s=f"{tok_per_s:,.0f}", mfu=f"{mfu:.1f}%", lrm=f"{lrm:.2f}", refresh=False
-        )
-        bar.update(1)
-        report = skip_report(i + 1, loss, skipped, skipped_now)
-        skipped = skipped_now
-        if report and is_main_process():
-            bar.write(report)
+    def dispatch():
+        """Read a step's batches (data loading is part of the step: the trace shows it) and dispatch the step."""
+        xs, ys = last["batch"] = tuple(zip(*(next(train_loader) for _ in range(grad_accum))))
+        with jax.set_mesh(mesh):
+            outputs = optimizer_step(xs, ys)  # (loss, optimizer_stats)
+        return outputs, (step, train_loader.epoch)
 
     while True:
         last_step = step == num_iterations
@@ -387,11 +387,10 @@ def main(argv=None):
         do_save = last_step or (
             step > 0 and step != resume_step and args.save_every > 0 and step % args.save_every == 0
         )
-        profiled = profiler.covers(step)
-        if do_eval or do_core or do_sample or do_save or last_step or profiled:
+        if do_eval or do_core or do_sample or do_save or last_step:
             record(in_flight.finish())
         if do_eval:
-            loop["val_bpb"] = evaluate()
+            loop["val_bpb"] = val_bpb(model, tokenizer, token_bytes, args, global_batch, mesh)
             loop["min_val_bpb"] = min(loop["min_val_bpb"], loop["val_bpb"])
             if is_main_process():
                 bar.write(f"step {step:05d} | val bpb {loop['val_bpb']:.4f}")
@@ -400,9 +399,14 @@ def main(argv=None):
             core = evaluate_core(model, tokenizer, max_per_task=args.core_metric_max_per_task)
             log({"step": step, "core_metric": core["core_metric"]})
         if do_sample:
-            sample()  # every process: the Engine's programs run on the global parameters
+            sample(model, tokenizer)  # every process: the Engine's programs run on the global parameters
         if do_save:
-            save(step)
+            if not saved_once:
+                ckpt.replace_earlier_run()
+                saved_once = True
+            meta = checkpoint_meta(args, loop, user_config, plan.total_batch_size, tokenizer.content_hash)
+            metrics = {"val_bpb": loop["val_bpb"]} if loop["val_bpb"] is not None else None
+            ckpt.save(step, model, optimizer, data_state=train_loader.get_state(), meta=meta, metrics=metrics)
         if is_main_process() and (last_step or do_eval):
             plot_training(
                 read_jsonl(metrics_path), os.path.join(out_dir, "training.png"), title=f"{model_tag} pretraining"
@@ -410,61 +414,20 @@ def main(argv=None):
         if last_step:
             break
 
-        started = time.perf_counter()
-        with profiler.step(step):  # data loading included: the trace shows the whole step
-            xs, ys = zip(*(next(train_loader) for _ in range(grad_accum)))
-            with jax.set_mesh(mesh):
-                outputs = optimizer_step(xs, ys)  # (loss, optimizer_stats)
-            done = in_flight.submit(outputs, (step, train_loader.epoch), started)
-            if profiled:  # a profiled step runs alone
-                record(done)
-                done = in_flight.finish()
-        record(done)
+        for done in profiler.dispatch(step, in_flight, dispatch):  # a profiled step runs alone
+            record(done)
         step += 1
+
+    # -------------------------------------------------------------------------
+    # The end: where profiled steps' time went, the last line, the report card's section
 
     bar.close()
     profiler.close()
     if profiler.written and is_main_process():  # where the profiled steps' time went, saved beside the trace
-        summary = profile_summary(profiler, optimizer_step, (xs, ys), mesh)
-        with open(os.path.join(profiler.directory, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=1)
-        print0(format_summary(summary, "the profiled steps: "), file=sys.stderr)
+        save_profile_summary(profiler, optimizer_step, last["batch"], mesh)
     ckpt.close()
     train_loader.close()
-    peak_mem = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    stats = jax.local_devices()[0].memory_stats() or {}
-    if "peak_bytes_in_use" in stats:
-        peak_mem = stats["peak_bytes_in_use"] / 2**30
-    best = loop["min_val_bpb"] if math.isfinite(loop["min_val_bpb"]) else None  # None: --eval-every -1
-    print0(
-        f"peak memory: {peak_mem:.2f} GiB | training time: {loop['total_training_time'] / 60:.2f} min | "
-        f"min val bpb: {'not evaluated' if best is None else f'{best:.4f}'} | checkpoints: {out_dir}"
-    )
-    rows = read_jsonl(metrics_path) if is_main_process() else []
-    timed = [r for r in rows if "tok_per_s" in r][2:]  # steady state: skip the compiling steps
-    Report().log(
-        "pretrain",
-        {
-            "model": model_tag,
-            "parameters": abstract_model.num_scaling_params()["total"],
-            "layers": config.n_layer,
-            "width": config.n_embd,
-            "heads": config.n_head,
-            "seq len": config.sequence_len,
-            "vocab": config.vocab_size,
-            "iterations": num_iterations,
-            "total batch (tokens)": plan.total_batch_size,
-            "tokens trained": num_iterations * plan.total_batch_size,
-            "devices": jax.device_count(),
-            "final train loss": rows and next((r["smooth_loss"] for r in reversed(rows) if "smooth_loss" in r), None),
-            "min val bpb": "not evaluated" if best is None else best,
-            "training time (min)": loop["total_training_time"] / 60,
-            "tokens/s (median)": float(np.median([r["tok_per_s"] for r in timed])) if timed else None,
-            "MFU % (median)": float(np.median([r["mfu"] for r in timed])) if timed else None,
-            "peak memory (GiB)": peak_mem,
-        },
-        charts=[os.path.join(out_dir, "training.png")],
-    )
+    report(model_tag, abstract_model, plan, loop, out_dir, read_jsonl(metrics_path) if is_main_process() else [])
     return loop
 
 

@@ -20,7 +20,6 @@ Outputs: $FLAXCHAT_BASE_DIR/chatrl_checkpoints/<tag>/ with checkpoints (model on
 """
 
 import argparse
-import math
 import os
 import sys
 import time
@@ -28,12 +27,11 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from flaxchat import sharding
 from flaxchat.common import compute_dtype, is_main_process, parse_args, print0, progress_bar
-from flaxchat.eval.chat import sample_problems
-from flaxchat.eval.report import metrics_logger, plot_panels, read_jsonl
+from flaxchat.eval.chat import evaluate_pass_at_k, sample_groups
+from flaxchat.eval.report import metrics_logger, plot_rl, read_jsonl, restart_metrics
 from flaxchat.generate.engine import Engine
 from flaxchat.generate.scheduler import auto_slots
 from flaxchat.train.checkpoint import (
@@ -44,14 +42,12 @@ from flaxchat.train.checkpoint import (
     load_model,
     model_tag_arg,
 )
-from flaxchat.train.flags import add_batch_flags, add_dtype_flag, add_optimizer_flags, add_run_flag
+from flaxchat.train.flags import add_batch_flags, add_dtype_flag, add_optimizer_flags, add_run_flag, optimizer_lrs
 from flaxchat.train.optim import build_optimizer
+from flaxchat.train.rl import group_advantages, rl_step, rollout_batches
 from tasks.common import hub_reachable
 from tasks.gsm8k import GSM8K
 from tasks.synthetic_chat import ArithmeticProblems
-
-SEQ_BUCKET = 32  # rollout batches are padded to a multiple of this many tokens: a few shapes, a few compiles
-
 
 # -----------------------------------------------------------------------------
 # CLI
@@ -150,101 +146,6 @@ def check_args(parser, args):
 
 
 # -----------------------------------------------------------------------------
-# Rewards, advantages, pass@k
-
-
-def group_advantages(rewards) -> np.ndarray:
-    """Reward minus the group mean (nanochat: no division by the standard deviation). Sums to zero."""
-    rewards = np.asarray(rewards, np.float32)
-    return rewards - rewards.mean()
-
-
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Chance that at least one of k samples drawn from n (c of them correct) is correct (Chen et al. 2021).
-
-    Averaged over problems this is the unbiased pass@k estimate; nanochat instead checks the first k of its
-    samples, which has the same expectation and more variance.
-    """
-    if k > n:
-        raise ValueError(f"pass@{k} needs at least {k} samples, got {n}")
-    if n - c < k:
-        return 1.0
-    return 1.0 - math.prod((n - c - i) / (n - i) for i in range(k))
-
-
-# -----------------------------------------------------------------------------
-# The policy-gradient step
-
-
-def policy_gradient_loss(model, inputs, targets, advantages):
-    """-sum(logp * advantage) / valid tokens of this micro-batch: DAPO's token-level normalisation."""
-    logp = -model(inputs, targets, loss_reduction="none")  # (B, T), 0 where the target is -1
-    num_valid = jnp.maximum(jnp.sum(targets >= 0), 1)
-    return -jnp.sum(logp * advantages[:, None]) / num_valid
-
-
-@nnx.jit(donate_argnums=1)
-def add_policy_gradient(model, grads, inputs, targets, advantages):
-    """grads + one micro-batch's policy gradient, and its loss."""
-    loss, g = nnx.value_and_grad(policy_gradient_loss)(model, inputs, targets, advantages)
-    return jax.tree.map(jnp.add, grads, g), loss
-
-
-_zeros_like = jax.jit(lambda tree: jax.tree.map(jnp.zeros_like, tree))
-
-
-@nnx.jit(donate_argnums=(0, 1, 2))
-def apply_policy_gradient(model, optimizer, grads, passes):
-    """One optimizer step on the gradients summed over `passes` micro-batches, averaged."""
-    optimizer.update(model, jax.tree.map(lambda g: g / passes, grads))
-
-
-def rl_step(model, optimizer, batches, mesh=None) -> float:
-    """One optimizer step on rollouts: batches is a list of micro-batches (inputs (B, T), targets (B, T),
-    advantages (B,)), each as wide as its own rollouts need (rollout_batches); returns the mean loss.
-
-    Each of the P micro-batches is normalised by its own valid-token count and the P gradients and losses are
-    averaged, as nanochat divides each pass by (valid tokens x passes). A micro-batch whose advantages are all zero
-    (a group whose samples all earned the same reward) has a zero loss and zero gradients, so it runs no pass at all;
-    it still counts in P. Each width compiles once (widths are multiples of SEQ_BUCKET). With a mesh, rows are
-    split over its data x fsdp devices.
-    """
-    put = (lambda a: a) if mesh is None else (lambda a: jax.device_put(a, sharding.batch_sharding(mesh, a.ndim)))
-
-    grads, losses = _zeros_like(nnx.state(model, nnx.Param)), []
-    for inputs, targets, advantages in batches:
-        if np.any(advantages):
-            grads, loss = add_policy_gradient(model, grads, put(inputs), put(targets), put(advantages))
-            losses.append(loss)
-    apply_policy_gradient(model, optimizer, grads, jnp.float32(len(batches)))
-    return sum(float(loss) for loss in losses) / len(batches)
-
-
-def rollout_batches(sequences, masks, advantages, pad_token, device_batch_size, bucket=SEQ_BUCKET):
-    """Rollouts (token lists with the Engine's masks) -> micro-batches of device_batch_size rollouts, in order, each
-    (inputs (B, T), targets (B, T), advantages (B,)) with T its longest rollout rounded up to `bucket`.
-
-    Targets are -1 where the mask is 0 (prompt, tool outputs, padding), so only sampled tokens are trained. With
-    nanochat's group sizes a micro-batch is one question's samples, padded to its own longest, as nanochat pads.
-    """
-    n = len(sequences)
-    if n % device_batch_size:
-        raise ValueError(f"{n} rollouts do not split into micro-batches of {device_batch_size}")
-    batches = []
-    for start in range(0, n, device_batch_size):
-        seqs, ms = sequences[start : start + device_batch_size], masks[start : start + device_batch_size]
-        width = -(-(max(len(s) for s in seqs) - 1) // bucket) * bucket
-        ids = np.full((len(seqs), width + 1), pad_token, np.int32)
-        mask = np.zeros((len(seqs), width + 1), np.int32)
-        for i, (seq, m) in enumerate(zip(seqs, ms)):
-            ids[i, : len(seq)], mask[i, : len(m)] = seq, m
-        targets = ids[:, 1:].copy()
-        targets[mask[:, 1:] == 0] = -1
-        batches.append((ids[:, :-1], targets, np.asarray(advantages[start : start + device_batch_size], np.float32)))
-    return batches
-
-
-# -----------------------------------------------------------------------------
 # Tasks, rollouts, evaluation
 
 
@@ -276,53 +177,43 @@ def rollout_rows(model, args) -> int:
     return args.sample_rows or auto_slots(model, most=most)[0]
 
 
-def sample_groups(engine, tokenizer, task, conversations, seeds, num_samples, rows, **sampling):
-    """num_samples answers to each question, several questions per Engine batch (at most `rows` rollouts, at
-    least one question): per question (sequences, masks, rewards)."""
-    return [
-        (sequences, masks, [task.reward(conversation, tokenizer.decode(s[len(prompt) :])) for s in sequences])
-        for conversation, prompt, sequences, masks in sample_problems(
-            engine, tokenizer, conversations, num_samples, rows, seeds, **sampling
-        )
-    ]
+def rollouts(engine, tokenizer, task, questions, step, args, rows):
+    """--num-samples answers to each of `questions` (indices into task), sampled `rows` at a time with the Engine:
+    (sequences, masks, rewards, advantages), one entry per rollout, question by question. Seeds follow the step and
+    the question, so a rerun samples the same rollouts."""
+    sequences, masks, rewards, advantages = [], [], [], []
+    sampling = dict(max_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k or None)
+    seeds = [hash((step, i)) & 0x7FFFFFFF for i in questions]
+    conversations = [task[i] for i in questions]
+    for seqs, ms, rs in sample_groups(
+        engine, tokenizer, task, conversations, seeds, args.num_samples, rows, **sampling
+    ):
+        sequences += seqs
+        masks += ms
+        rewards += rs
+        advantages += list(group_advantages(rs))
+    return sequences, masks, rewards, advantages
 
 
-def evaluate_pass_at_k(
-    engine, tokenizer, task, num_examples, k, max_new_tokens, temperature, top_k, seed=0, rows=64
-) -> dict:
-    """pass@1..k over the first num_examples problems of task (several problems per Engine batch, at most `rows`
-    samples), and the mean reward of all samples. Problem i samples with seed + i, as one call per problem would."""
-    n = min(num_examples, len(task))
-    counts = []
-    with progress_bar(total=n, desc="pass@k", leave=False, disable=not is_main_process()) as bar:
-        for conversation, prompt, seqs, _ in sample_problems(
-            engine,
-            tokenizer,
-            [task[i] for i in range(n)],
-            k,
-            rows,
-            [seed + i for i in range(n)],
-            max_tokens=max_new_tokens,
-            temperature=temperature,
-            top_k=top_k,
-        ):
-            counts.append(sum(task.evaluate(conversation, tokenizer.decode(s[len(prompt) :])) for s in seqs))
-            bar.update(1)
-    result = {f"pass@{j}": float(np.mean([pass_at_k(k, c, j) for c in counts])) for j in range(1, k + 1)}
-    result["eval_mean_reward"] = float(np.sum(counts) / (k * n))
+def evaluate(engine, tokenizer, task, args, k, rows) -> dict:
+    """pass@1..k over --eval-examples held-out problems (and greedy@1 with --eval-greedy 1)."""
+    result = evaluate_pass_at_k(
+        engine,
+        tokenizer,
+        task,
+        args.eval_examples,
+        k,
+        args.max_new_tokens,
+        args.eval_temperature,
+        args.top_k or None,
+        seed=10_000_019,
+        rows=rows,
+    )
+    if args.eval_greedy:
+        n = args.eval_examples
+        greedy = evaluate_pass_at_k(engine, tokenizer, task, n, 1, args.max_new_tokens, 0.0, None, rows=rows)
+        result["greedy@1"] = greedy["pass@1"]
     return result
-
-
-def plot_rl(rows, path, title=""):
-    """2x2 chart: mean reward, pass@1 and pass@k, LR multiplier, mean sampled length."""
-    k_keys = sorted({key for r in rows for key in r if key.startswith("pass@")}, key=lambda s: int(s[5:]))
-    panels = [
-        (["reward"], "mean reward (train rollouts)"),
-        ([k_keys[0], k_keys[-1]] if k_keys else [], "held-out pass@k"),
-        (["lrm"], "learning-rate multiplier"),
-        (["sequence_length"], "mean rollout length (tokens)"),
-    ]
-    return plot_panels(rows, path, panels, title)
 
 
 # -----------------------------------------------------------------------------
@@ -367,111 +258,53 @@ def main(argv=None):
         f"from {args.source} {model_tag} step {meta['step']}"
     )
     with jax.set_mesh(mesh):
-        optimizer = build_optimizer(
-            model,
-            unembedding_lr=args.unembedding_lr,
-            embedding_lr=args.embedding_lr,
-            matrix_lr=args.matrix_lr,
-            weight_decay=args.weight_decay,
-        )
+        optimizer = build_optimizer(model, **optimizer_lrs(args), weight_decay=args.weight_decay)
     lr_var = optimizer.opt_state.hyperparams["lr_multiplier"]
 
     out_dir = checkpoint_dir("rl", args.model_tag or model_tag)
     metrics_path = os.path.join(out_dir, "metrics.jsonl")
-    if is_main_process():
-        os.makedirs(out_dir, exist_ok=True)
-        if os.path.exists(metrics_path):
-            os.remove(metrics_path)
+    restart_metrics(metrics_path)
     ckpt = Checkpointer(out_dir, keep=2, keep_best=0)
     log = metrics_logger(metrics_path, args.run, "flaxchat-rl", user_config)
-
-    def evaluate(step):
-        result = evaluate_pass_at_k(
-            engine,
-            tokenizer,
-            eval_task,
-            args.eval_examples,
-            k,
-            args.max_new_tokens,
-            args.eval_temperature,
-            args.top_k or None,
-            seed=10_000_019,
-            rows=rows,
-        )
-        if args.eval_greedy:
-            greedy = evaluate_pass_at_k(
-                engine, tokenizer, eval_task, args.eval_examples, 1, args.max_new_tokens, 0.0, None, rows=rows
-            )
-            result["greedy@1"] = greedy["pass@1"]
-        say(
-            f"step {step} | "
-            + " | ".join(f"{key} {result[key]:.4f}" for key in ("pass@1", f"pass@{k}", "greedy@1") if key in result)
-        )
-        log({"step": step, **result})
-        return result
+    source = {"phase": args.source, "model_tag": model_tag, "step": meta["step"]}
 
     # -------------------------------------------------------------------------
     # Training loop: rollouts of examples_per_step questions, one policy-gradient step, evals and saves
 
     pad = tokenizer.encode_special("<|assistant_end|>")  # any token: padding is never a target
-    sampling = dict(max_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k or None)
     bar = progress_bar(total=num_steps, desc="rl", disable=not is_main_process(), dynamic_ncols=True)
-    say = bar.write if is_main_process() else (lambda _: None)
-    example, saved_once = 0, False
-    results = {}
+    results, saved_once = {}, False
     for step in range(num_steps + 1):
         if step % args.eval_every == 0 or step == num_steps:
-            results = evaluate(step)
+            results = evaluate(engine, tokenizer, eval_task, args, k, rows)
+            if is_main_process():
+                shown = [key for key in ("pass@1", f"pass@{k}", "greedy@1") if key in results]
+                bar.write(f"step {step} | " + " | ".join(f"{key} {results[key]:.4f}" for key in shown))
+            log({"step": step, **results})
         if step > 0 and (step % args.save_every == 0 or step == num_steps):
             if not saved_once:
                 ckpt.replace_earlier_run()
                 saved_once = True
-            ckpt.save(
-                step,
-                model,
-                meta={
-                    "user_config": user_config,
-                    "task": which,
-                    "git_commit": git_commit(),
-                    "source": {"phase": args.source, "model_tag": model_tag, "step": meta["step"]},
-                    **results,
-                },
-            )
+            about = {"user_config": user_config, "task": which, "git_commit": git_commit(), "source": source}
+            ckpt.save(step, model, meta={**about, **results})
         if step == num_steps:
             break
 
         t0 = time.perf_counter()
-        sequences, masks, advantages, rewards = [], [], [], []
-        indices = [(example + i) % len(train_task) for i in range(args.examples_per_step)]
-        example += args.examples_per_step
-        groups = sample_groups(
-            engine,
-            tokenizer,
-            train_task,
-            [train_task[i] for i in indices],
-            [hash((step, i)) & 0x7FFFFFFF for i in indices],
-            args.num_samples,
-            rows,
-            **sampling,
-        )
-        for seqs, ms, rs in groups:
-            sequences += seqs
-            masks += ms
-            rewards += rs
-            advantages += list(group_advantages(rs))
+        questions = [(step * args.examples_per_step + i) % len(train_task) for i in range(args.examples_per_step)]
+        sequences, masks, rewards, advantages = rollouts(engine, tokenizer, train_task, questions, step, args, rows)
         t_rollout = time.perf_counter() - t0
         batches = rollout_batches(sequences, masks, advantages, pad, args.device_batch_size)
         lrm = 1.0 - step / num_steps  # nanochat: linear ramp to zero
         lr_var[...] = jnp.asarray(args.init_lr_frac * lrm, lr_var.dtype)
         with jax.set_mesh(mesh):
             loss = rl_step(model, optimizer, batches, mesh)
-        dt = time.perf_counter() - t0
         row = {
             "step": step + 1,
             "reward": float(np.mean(rewards)),
             "loss": loss,
             "lrm": lrm,
-            "dt": dt,
+            "dt": time.perf_counter() - t0,
             "rollout_s": t_rollout,
             "sequence_length": float(np.mean([len(s) for s in sequences])),
             "skipped_batches": sum(not np.any(b[2]) for b in batches),
@@ -481,6 +314,10 @@ def main(argv=None):
             reward=f"{row['reward']:.3f}", len=f"{row['sequence_length']:.0f}", lrm=f"{lrm:.2f}", refresh=False
         )
         bar.update(1)
+
+    # -------------------------------------------------------------------------
+    # The end: the chart and pass@k before and after
+
     bar.close()
     ckpt.close()
     rows = read_jsonl(metrics_path)

@@ -28,7 +28,7 @@ import random
 import re
 import sys
 
-from flaxchat.data.stories import WORDS
+from flaxchat.data.story_world import WORDS
 from flaxchat.generate.engine import Engine
 from flaxchat.train.checkpoint import load_model
 from tasks.synthetic_chat import (

@@ -30,8 +30,9 @@ import zlib
 from collections.abc import Callable
 from importlib import resources
 
-from flaxchat.data import stories
-from flaxchat.data.stories import WORDS, split_index, tell_story
+from flaxchat.data import story_world
+from flaxchat.data.stories import split_index, tell_story
+from flaxchat.data.story_world import WORDS
 from tasks.common import Task, completion_text
 from tasks.gsm8k import extract_answer
 from tasks.word_problems import CHECK_NAMES, PEOPLE, Problem, make_problem, solution
@@ -63,11 +64,11 @@ INVENTED_SHARE = 0.15  # of story heroes and of the names, cities and pets users
 
 
 def invented_word(rng: random.Random) -> str:
-    """A made-up word (flaxchat.data.stories.invented_word) that is no value of the check: the model can only copy
+    """A made-up word (flaxchat.data.story_world.invented_word) that is no value of the check: the model can only copy
     it from the request ("a story about a blimket", "Call me Zoodra"), so it learns to take words from what it is
     told, not from memory."""
     while True:
-        word = stories.invented_word(rng)
+        word = story_world.invented_word(rng)
         if word not in _NOT_INVENTED:
             return word
 

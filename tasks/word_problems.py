@@ -26,7 +26,7 @@ import re
 from dataclasses import dataclass
 from importlib import resources
 
-from flaxchat.data.stories import WORDS
+from flaxchat.data.story_world import WORDS
 from flaxchat.generate.sandbox import use_calculator
 
 DATA = json.loads(resources.files("tasks").joinpath("word_problems.json").read_text(encoding="utf-8"))

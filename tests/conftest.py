@@ -192,6 +192,30 @@ def tiny_base_dir(tiny_corpus, tmp_path, monkeypatch):
     return base
 
 
+@pytest.fixture(scope="module")
+def tok(tiny_corpus):
+    """The tiny corpus's tokenizer (vocab 512); a test module that needs another defines its own `tok`."""
+    from flaxchat.data.tokenizer import Tokenizer
+
+    return Tokenizer.load(str(tiny_corpus / "tokenizer"))
+
+
+@pytest.fixture(scope="module")
+def scheduler(tok):
+    """One Scheduler per test module around a tiny random GPT (2 layers of width 64, 128 positions) over `tok`: 4
+    slots, decode chunks of 4 tokens; closed when the module's tests are done."""
+    from flax import nnx
+
+    from flaxchat.generate.scheduler import Scheduler
+    from flaxchat.model.config import GPTConfig
+    from flaxchat.model.gpt import GPT
+
+    config = GPTConfig(sequence_len=128, vocab_size=tok.get_vocab_size(), n_layer=2, n_head=2, n_kv_head=2, n_embd=64)
+    s = Scheduler(GPT(config, rngs=nnx.Rngs(0)), tok, slots=4, chunk=4)
+    yield s
+    s.close()
+
+
 # A stand-in for a nanochat checkout (tests run offline): nanochat/gpt.py with the interface scripts.nanochat_bench
 # uses (GPTConfig, GPT built on the meta device, init_weights, setup_optimizer, forward(idx, targets) -> loss,
 # COMPUTE_DTYPE), a one-layer model, and a note of the environment it ran in.

@@ -204,6 +204,7 @@ def test_nanochat_is_timed_before_us_each_round_on_the_same_shape(capsys, monkey
         "flaxchat/model/loss.py:",
         "flaxchat/model/attention.py:",
         "flaxchat/train/optim.py:",
+        "flaxchat/train/muon.py:",
     )
     assert any(t.get("source", "").startswith(modules) for t in ours["top"])  # and its source line
     assert theirs["steps"] == 2 and theirs["by_kind"]["matmul"]["ms"] > 0  # the stand-in's lm_head

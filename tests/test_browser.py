@@ -15,7 +15,6 @@ import pytest
 import websockets
 from flax import nnx
 
-from flaxchat.data.tokenizer import Tokenizer
 from flaxchat.generate.scheduler import Scheduler
 from flaxchat.model.config import GPTConfig
 from flaxchat.model.gpt import GPT, rms_norm
@@ -53,11 +52,6 @@ def scripted_model(tok, transitions: dict[int, int], seq_len=128, logit=30.0):
         w = w.at[transitions[a]].add(logit * dual[:, j])
     model.lm_head.weight[...] = w
     return model
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_corpus):
-    return Tokenizer.load(str(tiny_corpus / "tokenizer"))
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,6 @@ import pytest
 from flax import nnx
 
 import tasks.common as common
-from flaxchat.data.tokenizer import Tokenizer
 from flaxchat.eval import chat as chat_eval
 from flaxchat.generate.engine import Engine
 from tasks import offline
@@ -22,11 +21,6 @@ from tasks.common import Task, render_mc
 from tasks.gsm8k import GSM8K, extract_answer
 from tasks.humaneval import HumanEval
 from tasks.spellingbee import SpellingBee, load_words
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_corpus):
-    return Tokenizer.load(str(tiny_corpus / "tokenizer"))
 
 
 @pytest.fixture(scope="module")

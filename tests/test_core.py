@@ -25,15 +25,8 @@ import yaml
 from flax import nnx
 
 from flaxchat.data.downloads import check_archive
-from flaxchat.data.tokenizer import Tokenizer
 from flaxchat.eval import core as ce
 from tasks.core_bundle import CORE_TASKS, LM, MC, SCHEMA, write_bundle_config
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_corpus):
-    return Tokenizer.load(str(tiny_corpus / "tokenizer"))
-
 
 # -----------------------------------------------------------------------------
 # A mock model that knows the answers

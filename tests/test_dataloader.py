@@ -9,16 +9,15 @@ import pyarrow.parquet as pq
 import pytest
 
 from flaxchat.data.dataloader import (
-    BestFitPacker,
     batch_sharding,
     make_loader,
     make_val_loader,
     numpy_loader,
-    pack_documents,
     reader_for_rows,
     reader_shard,
 )
 from flaxchat.data.dataset import iter_documents, list_parquet_files, split_files, write_shards
+from flaxchat.data.packing import BestFitPacker, pack_documents
 from flaxchat.data.tokenizer import Tokenizer
 from flaxchat.perf.measure import measure_throughput
 

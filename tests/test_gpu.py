@@ -418,7 +418,7 @@ def test_gpu_check_only_names_its_sections():
 
 
 def test_summary_shows_whether_a_rows_steps_slow_down():
-    from scripts.gpu_check import drift_lines
+    from flaxchat.perf.gpu_report import drift_lines
 
     slowing = {"name": "train_d12_real_data", "ok": True, "result": {"times_s": [0.35] * 5 + [0.5] * 10 + [0.69] * 5}}
     short = {"name": "train_d2", "ok": True, "result": {"times_s": [0.1, 0.1]}}  # too few steps to say
@@ -431,7 +431,7 @@ def test_summary_shows_whether_a_rows_steps_slow_down():
 def test_a_gpu_row_without_native_atomics_says_so():
     """The real_llvm_atomics row: a GPU run whose XLA_FLAGS lack the LLVM option is labelled; CPU rows and rows
     with it are not."""
-    from scripts.gpu_check import train_row
+    from flaxchat.perf.gpu_report import train_row
 
     record = {
         "config": {"n_layer": 12, "window_pattern": "L", "sequence_len": 2048},

@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from flaxchat.data.stories import WORDS, generate_stories
+from flaxchat.data.stories import generate_stories
+from flaxchat.data.story_world import WORDS
 from tasks import heldout_chat as h
 from tasks import synthetic_chat as sc
 from tasks import word_problems as wp

@@ -8,31 +8,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
-from flaxchat.data.tokenizer import Tokenizer
 from flaxchat.generate.programs import DecodeSettings, controls, pad_prompts, programs
 from flaxchat.generate.sampling import token_logprobs, top_values
-from flaxchat.generate.scheduler import Scheduler
-from flaxchat.model.config import GPTConfig
-from flaxchat.model.gpt import GPT
 from flaxchat.serve.app import BackgroundServer, create_app
 from flaxchat.serve.server import ServeConfig
 
 TEXT = "the cat sat on the mat"
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_corpus):
-    return Tokenizer.load(str(tiny_corpus / "tokenizer"))
-
-
-@pytest.fixture(scope="module")
-def scheduler(tok):
-    config = GPTConfig(sequence_len=128, vocab_size=tok.get_vocab_size(), n_layer=2, n_head=2, n_kv_head=2, n_embd=64)
-    s = Scheduler(GPT(config, rngs=nnx.Rngs(1)), tok, slots=4, chunk=4)
-    yield s
-    s.close()
 
 
 @pytest.fixture(scope="module")

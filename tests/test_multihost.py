@@ -266,7 +266,8 @@ def test_two_process_sft_agrees_on_its_last_step(sft_base_dir, xla_flags):
     step. Both stop at the first process's end (MAX of last_step, as nanochat), train with one LR schedule, save
     the same checkpoint and run the reply check together; only process 0 prints and logs."""
     from flaxchat.data.tokenizer import get_tokenizer
-    from scripts.sft import build_mixtures, build_parser
+    from scripts.sft import build_parser
+    from tasks.mixtures import build_mixtures
 
     train, _, _ = build_mixtures(build_parser().parse_args(SFT[2:]))
     own = [epoch_steps(train, get_tokenizer(), (rank, 2)) for rank in range(2)]

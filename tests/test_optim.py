@@ -12,7 +12,7 @@ from flax import nnx
 from flaxchat.model import cpu
 from flaxchat.model.config import GPTConfig, derive_training
 from flaxchat.model.gpt import GPT
-from flaxchat.train import optim
+from flaxchat.train import muon, optim
 
 # -----------------------------------------------------------------------------
 # numpy references, written from nanochat's optim.py formulas
@@ -38,7 +38,7 @@ def np_equilibrate(x):
 
 def np_polar(x, steps=5):
     x = x / (np_fro(x) * 1.01 + 1e-6)
-    for a, b, c in optim.POLAR_EXPRESS_COEFFS[:steps]:
+    for a, b, c in muon.POLAR_EXPRESS_COEFFS[:steps]:
         if x.shape[-2] > x.shape[-1]:
             gram = np.swapaxes(x, -1, -2) @ x
             x = a * x + x @ (b * gram + c * gram @ gram)
@@ -101,17 +101,17 @@ def test_lerp_follows_torch_on_both_branches():
     rng = np.random.default_rng(0)
     a, b = rand(rng, 64), rand(rng, 64)
     for w in (0.0, 0.05, 0.5, 0.95, 1.0):
-        out = np.asarray(optim.lerp(jnp.asarray(a), jnp.asarray(b), jnp.float32(w)))
+        out = np.asarray(muon.lerp(jnp.asarray(a), jnp.asarray(b), jnp.float32(w)))
         np.testing.assert_allclose(out, np_lerp(a.astype(np.float64), b, w), atol=1e-6)
     # the two branches make both endpoints exact
-    assert np.array_equal(np.asarray(optim.lerp(jnp.asarray(a), jnp.asarray(b), jnp.float32(0.0))), a)
-    assert np.array_equal(np.asarray(optim.lerp(jnp.asarray(a), jnp.asarray(b), jnp.float32(1.0))), b)
+    assert np.array_equal(np.asarray(muon.lerp(jnp.asarray(a), jnp.asarray(b), jnp.float32(0.0))), a)
+    assert np.array_equal(np.asarray(muon.lerp(jnp.asarray(a), jnp.asarray(b), jnp.float32(1.0))), b)
 
 
 def test_nesterov_momentum_matches_numpy():
     rng = np.random.default_rng(1)
     g, buf = rand(rng, 32, 16), rand(rng, 32, 16)
-    u, new_buf = optim.nesterov_momentum(jnp.asarray(g), jnp.asarray(buf), 0.9)
+    u, new_buf = muon.nesterov_momentum(jnp.asarray(g), jnp.asarray(buf), 0.9)
     ref_u, ref_buf = np_nesterov(g.astype(np.float64), buf, 0.9)
     np.testing.assert_allclose(np.asarray(new_buf), ref_buf, atol=1e-6)
     np.testing.assert_allclose(np.asarray(u), ref_u, atol=1e-6)
@@ -120,7 +120,7 @@ def test_nesterov_momentum_matches_numpy():
 @pytest.mark.parametrize("shape", SHAPES)
 def test_equilibrate_rows_matches_numpy(shape):
     x = rand(np.random.default_rng(2), *shape)
-    out = np.asarray(optim.equilibrate_rows(jnp.asarray(x)))
+    out = np.asarray(muon.equilibrate_rows(jnp.asarray(x)))
     np.testing.assert_allclose(out, np_equilibrate(x.astype(np.float64)), rtol=1e-5, atol=1e-6)
     rows = np.linalg.norm(out, axis=-1)
     np.testing.assert_allclose(rows, np.broadcast_to(rows.mean(axis=-1, keepdims=True), rows.shape), rtol=1e-5)
@@ -129,7 +129,7 @@ def test_equilibrate_rows_matches_numpy(shape):
 @pytest.mark.parametrize("shape", SHAPES)
 def test_polar_express_matches_numpy_and_orthogonalises(shape):
     x = rand(np.random.default_rng(3), *shape)
-    out = np.asarray(optim.polar_express(jnp.asarray(x)))
+    out = np.asarray(muon.polar_express(jnp.asarray(x)))
     np.testing.assert_allclose(out, np_polar(x.astype(np.float64)), atol=2e-5)
     # with singular values spread over a decade (a random square matrix has some near 0, which
     # five iterations cannot lift), all come out near 1
@@ -137,14 +137,14 @@ def test_polar_express_matches_numpy_and_orthogonalises(shape):
     u = np.linalg.qr(rng.standard_normal((*shape[:-2], shape[-2], shape[-2])))[0][..., : min(shape[-2:])]
     v = np.linalg.qr(rng.standard_normal((*shape[:-2], shape[-1], shape[-1])))[0][..., : min(shape[-2:])]
     x = (u * np.linspace(0.1, 1.0, min(shape[-2:]))) @ np.swapaxes(v, -1, -2)
-    s = np.linalg.svd(np.asarray(optim.polar_express(jnp.asarray(x, jnp.float32))), compute_uv=False)
+    s = np.linalg.svd(np.asarray(muon.polar_express(jnp.asarray(x, jnp.float32))), compute_uv=False)
     assert s.min() > 0.7 and s.max() < 1.25, (s.min(), s.max())
 
 
 @pytest.mark.parametrize("shape", SHAPES)
 def test_renormalize_matches_numpy(shape):
     x = rand(np.random.default_rng(4), *shape, scale=0.3)
-    out = np.asarray(optim.renormalize(jnp.asarray(x)))
+    out = np.asarray(muon.renormalize(jnp.asarray(x)))
     np.testing.assert_allclose(out, np_renorm(x.astype(np.float64)), rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(np_fro(out.astype(np.float64)), min(shape[-2:]) ** 0.5, rtol=1e-5)
 
@@ -152,11 +152,11 @@ def test_renormalize_matches_numpy(shape):
 @pytest.mark.parametrize("shape", SHAPES)
 def test_normuon_matches_numpy_over_two_steps(shape):
     rng = np.random.default_rng(5)
-    v = np.zeros(optim.normuon_state_shape(shape), np.float32)
+    v = np.zeros(muon.normuon_state_shape(shape), np.float32)
     v_ref = v.astype(np.float64)
     for _ in range(2):
         g = rand(rng, *shape)
-        out, v = optim.normuon_variance_reduction(jnp.asarray(g), jnp.asarray(v), 0.9)
+        out, v = muon.normuon_variance_reduction(jnp.asarray(g), jnp.asarray(v), 0.9)
         ref, v_ref = np_normuon(g.astype(np.float64), v_ref, 0.9)
         np.testing.assert_allclose(np.asarray(v), v_ref, rtol=1e-5)
         np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-4, atol=1e-6)
@@ -167,7 +167,7 @@ def test_normuon_matches_numpy_over_two_steps(shape):
 def test_cautious_weight_decay_only_where_signs_agree():
     g = jnp.array([[1.0, -1.0], [2.0, 0.0]])
     p = jnp.array([[0.5, 0.5], [-1.0, 3.0]])
-    out = np.asarray(optim.cautious_weight_decay_update(g, p, 0.1, 0.5))
+    out = np.asarray(muon.cautious_weight_decay_update(g, p, 0.1, 0.5))
     # signs agree at [0,0] and [1,1] (0*3 >= 0): decay lr*wd*p there only
     np.testing.assert_allclose(out, [[-0.1 - 0.025, 0.1], [-0.2, -0.15]], atol=1e-7)
 
@@ -175,10 +175,10 @@ def test_cautious_weight_decay_only_where_signs_agree():
 def test_muon_chain_matches_numpy_over_two_steps():
     rng = np.random.default_rng(6)
     params = {"tall": rand(rng, 64, 16, scale=0.1), "wide": rand(rng, 16, 64, scale=0.1)}
-    tx = optim.muon(learning_rate=0.02, momentum=0.9, weight_decay=0.2)
+    tx = muon.muon(learning_rate=0.02, momentum=0.9, weight_decay=0.2)
     state, update = tx.init(params), jax.jit(tx.update)
     ref = {
-        k: (p.astype(np.float64), np.zeros(p.shape), np.zeros(optim.normuon_state_shape(p.shape)))
+        k: (p.astype(np.float64), np.zeros(p.shape), np.zeros(muon.normuon_state_shape(p.shape)))
         for k, p in params.items()
     }
     for _ in range(2):
@@ -315,7 +315,7 @@ def check_against_numpy_muon_adamw(model, optimizer, steps=2):
             kind, lr, betas, wd = groups[reference_group_of(k)]
             g = grads[k].astype(np.float64)
             if kind == "muon":
-                v = np.zeros(optim.normuon_state_shape(p.shape)) if v is None else v
+                v = np.zeros(muon.normuon_state_shape(p.shape)) if v is None else v
                 p, m, v, edge = np_muon_step(p, g, m, v, lr, 0.95, wd)
                 assert edge.mean() < 0.01
                 np.testing.assert_allclose(got[k][~edge], p[~edge], atol=2e-6, err_msg=k)
@@ -371,7 +371,7 @@ def test_polar_dtype_bfloat16_stays_close_to_float32():
     params, grads = {"w": rand(rng, 64, 32, scale=0.1)}, {"w": rand(rng, 64, 32)}
     updates = {}
     for dtype in (jnp.float32, jnp.bfloat16):
-        tx = optim.muon(0.02, polar_dtype=dtype)
+        tx = muon.muon(0.02, polar_dtype=dtype)
         updates[dtype] = np.asarray(jax.jit(tx.update)(grads, tx.init(params), params)[0]["w"])
         assert updates[dtype].dtype == np.float32  # back in the parameter dtype
     a, b = updates[jnp.float32], updates[jnp.bfloat16]
@@ -386,7 +386,7 @@ def test_bfloat16_polar_express_is_as_accurate_as_torch_bfloat16():
     def torch_reference(t):  # equilibrate + polar express, written with torch ops
         t = t * (t.float().norm() / t.size(0) ** 0.5 / t.float().norm(dim=1, keepdim=True).clamp_min(1e-6)).to(t.dtype)
         t = t / (t.norm() * 1.01 + 1e-6)
-        for a, b, c in optim.POLAR_EXPRESS_COEFFS:
+        for a, b, c in muon.POLAR_EXPRESS_COEFFS:
             if t.size(0) > t.size(1):
                 gram = t.mT @ t
                 t = a * t + t @ (b * gram + c * (gram @ gram))
@@ -396,7 +396,7 @@ def test_bfloat16_polar_express_is_as_accurate_as_torch_bfloat16():
         return t.float().numpy()
 
     forms = cpu.forms_for()  # as a model built here multiplies (on a CPU: bf16 products into fp32)
-    ours = jax.jit(lambda x: optim.polar_express(optim.equilibrate_rows(x), forms=forms).astype(jnp.float32))
+    ours = jax.jit(lambda x: muon.polar_express(muon.equilibrate_rows(x), forms=forms).astype(jnp.float32))
     rel = lambda a, b: np.linalg.norm(a - b) / np.linalg.norm(b)
     errors = []
     for seed in range(4):
@@ -658,7 +658,7 @@ def test_derive_training_rejects_bad_flags():
 
 
 def test_bfloat16_gram_matrices_are_bfloat16_products_of_the_same_sums():
-    """optim.gram_matrix splits the long side in two for bf16 on a CPU (one bf16 product instead of an fp32 one); the
+    """muon.gram_matrix splits the long side in two for bf16 on a CPU (one bf16 product instead of an fp32 one); the
     result is the plain Gram matrix, and the orthogonalisation compiles to bf16 products only."""
     from flaxchat.perf.hlo import dot_types
 
@@ -667,9 +667,9 @@ def test_bfloat16_gram_matrices_are_bfloat16_products_of_the_same_sums():
     for shape, tall in (((3, 32, 96), False), ((3, 96, 32), True)):
         x = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
         plain = mm(jnp.swapaxes(x, -1, -2), x) if tall else mm(x, jnp.swapaxes(x, -1, -2))
-        gram = optim.gram_matrix(x, tall, mm, cpu.forms_for())
+        gram = muon.gram_matrix(x, tall, mm, cpu.forms_for())
         np.testing.assert_allclose(np.asarray(gram.astype(jnp.float32)), np.asarray(plain), rtol=2**-7, atol=1e-3)
-        program = jax.jit(lambda x: optim.polar_express(x, forms=cpu.forms_for())).lower(x).compile().as_text()
+        program = jax.jit(lambda x: muon.polar_express(x, forms=cpu.forms_for())).lower(x).compile().as_text()
         assert {d[:2] for d in dot_types(program)} == {("bf16", "bf16")}
 
 
@@ -707,14 +707,14 @@ def test_long_fp32_matrices_orthogonalise_in_the_gram_form_with_fewer_products(m
 
     x = rand(np.random.default_rng(31), *shape)
     exact = np_polar(x.astype(np.float64))
-    ours = np.asarray(optim.polar_express(jnp.asarray(x)))
+    ours = np.asarray(muon.polar_express(jnp.asarray(x)))
     with monkeypatch.context() as m:  # the direct fp32 iteration of the same matrix (eager: no cached trace)
-        m.setattr(optim, "GRAM_FORM_MIN_ASPECT", float("inf"))
-        direct = optim.polar_express(jnp.asarray(x))
+        m.setattr(muon, "GRAM_FORM_MIN_ASPECT", float("inf"))
+        direct = muon.polar_express(jnp.asarray(x))
     direct_error = np.abs(np.asarray(direct, np.float64) - exact).max()
     assert np.abs(ours - exact).max() <= max(2 * direct_error, 1e-6)
     long, short = max(shape[-2:]), min(shape[-2:])
     count = math.prod(shape[:-2])
     direct_flops = count * 5 * (2 * 2 * long * short**2 + 2 * short**3)
-    flops = program_stats(jax.jit(optim.polar_express).lower(jnp.asarray(x)).compile().as_text())["matmul_flops"]
+    flops = program_stats(jax.jit(muon.polar_express).lower(jnp.asarray(x)).compile().as_text())["matmul_flops"]
     assert 0 < flops <= flops_ratio * direct_flops, (flops, direct_flops)

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from scripts.rl import group_advantages, pass_at_k, policy_gradient_loss, rl_step, rollout_batches
+from flaxchat.eval.chat import pass_at_k
+from flaxchat.train.rl import group_advantages, policy_gradient_loss, rl_step, rollout_batches
 from tasks.synthetic_chat import ArithmeticProblems
 
 
@@ -110,7 +111,7 @@ def test_rl_step_skips_zero_advantage_batches_with_the_same_update(monkeypatch):
     times the rate (a large rate, so that the move dwarfs the weights' rounding)."""
     import optax
 
-    import scripts.rl as rl
+    import flaxchat.train.rl as rl
     from flaxchat import sharding
     from flaxchat.model.config import GPTConfig
     from flaxchat.model.gpt import GPT
@@ -186,10 +187,10 @@ def test_rollouts_of_several_questions_share_a_batch(tiny_base_dir):
     """sample_groups and the pass@k eval put several questions in one Engine batch (at most `rows` rollouts,
     at least one question), and each question's samples are those a call of its own draws."""
     from flaxchat.data.tokenizer import get_tokenizer
+    from flaxchat.eval.chat import evaluate_pass_at_k, sample_groups
     from flaxchat.generate.engine import Engine
     from flaxchat.model.config import GPTConfig
     from flaxchat.model.gpt import GPT
-    from scripts.rl import evaluate_pass_at_k, sample_groups
 
     tokenizer = get_tokenizer()
     model = GPT(GPTConfig.from_depth(2, 32, 32, 128, "L", tokenizer.get_vocab_size()), rngs=nnx.Rngs(0))

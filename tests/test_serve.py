@@ -16,8 +16,7 @@ import pytest
 import websockets
 from flax import nnx
 
-from flaxchat.data.tokenizer import Tokenizer
-from flaxchat.generate.scheduler import Scheduler, auto_slots
+from flaxchat.generate.scheduler import auto_slots
 from flaxchat.model.config import GPTConfig
 from flaxchat.model.gpt import GPT
 from flaxchat.serve.app import BackgroundServer, create_app
@@ -29,19 +28,6 @@ from scripts.chat_web import build_model, get_args, load_test
 
 MAX_BYTES = 2048
 LIMITS = dict(max_new_tokens=100, default_max_tokens=12, max_message_bytes=MAX_BYTES)
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_corpus):
-    return Tokenizer.load(str(tiny_corpus / "tokenizer"))
-
-
-@pytest.fixture(scope="module")
-def scheduler(tok):
-    config = GPTConfig(sequence_len=128, vocab_size=tok.get_vocab_size(), n_layer=2, n_head=2, n_kv_head=2, n_embd=64)
-    s = Scheduler(GPT(config, rngs=nnx.Rngs(0)), tok, slots=4, chunk=4)
-    yield s
-    s.close()
 
 
 @pytest.fixture(scope="module")

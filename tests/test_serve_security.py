@@ -14,12 +14,7 @@ import httpx
 import openai
 import pytest
 import websockets
-from flax import nnx
 
-from flaxchat.data.tokenizer import Tokenizer
-from flaxchat.generate.scheduler import Scheduler
-from flaxchat.model.config import GPTConfig
-from flaxchat.model.gpt import GPT
 from flaxchat.serve.app import BackgroundServer, create_app, uvicorn_config
 from flaxchat.serve.limits import LOOPBACK_HOSTS, RateLimiter
 from flaxchat.serve.security import key_matches, origin_allowed
@@ -29,19 +24,6 @@ from scripts.chat_web import exposure, get_args
 
 LIMITS = dict(max_new_tokens=100, default_max_tokens=4, max_message_bytes=2048)
 KEY = "correct-horse-battery"
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_corpus):
-    return Tokenizer.load(str(tiny_corpus / "tokenizer"))
-
-
-@pytest.fixture(scope="module")
-def scheduler(tok):
-    config = GPTConfig(sequence_len=128, vocab_size=tok.get_vocab_size(), n_layer=2, n_head=2, n_kv_head=2, n_embd=64)
-    s = Scheduler(GPT(config, rngs=nnx.Rngs(0)), tok, slots=4, chunk=4)
-    yield s
-    s.close()
 
 
 @contextlib.contextmanager

@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from flaxchat.data.chat_data import SFTLoader, conversation_targets
-from scripts.sft import lr_multiplier, muon_momentum
+from flaxchat.train.sft import lr_multiplier, muon_momentum
 
 SFT_TINY = [
     "--mixture",
@@ -197,7 +197,7 @@ def test_schedules_follow_chat_sft():
 
 def test_optimizer_state_warm_start(tiny_base_dir, tiny_base_ckpt):
     from flaxchat.sharding import make_mesh
-    from scripts.sft import restore_base
+    from flaxchat.train.sft import restore_base
 
     install_base(tiny_base_ckpt, tiny_base_dir)
     saved = tiny_base_ckpt[1]
@@ -274,15 +274,16 @@ def test_the_default_offline_mixture_leaves_out_what_this_machine_lacks(tmp_path
     """A laptop without the offline packs or a word list still fine-tunes: the default parts it lacks are left out
     with a note; a part asked for by name is an error."""
     import tasks.spellingbee
-    from scripts.sft import build_parser, offline_mixture
+    from scripts.sft import build_parser
+    from tasks.mixtures import offline_mixture
 
     monkeypatch.setenv("FLAXCHAT_BASE_DIR", str(tmp_path))  # no eval_data/ packs here
     monkeypatch.setattr(tasks.spellingbee.offline, "SYSTEM_DICT", str(tmp_path / "no-dict"))
     tasks.spellingbee.load_words.cache_clear()
     try:
-        args = build_parser().parse_args(["--identity-size", "5", "--arithmetic-size", "5", "--story-size", "5"])
-        train, val = offline_mixture(args)
-        assert len(train) == 15
+        sizes = ["--identity-size", "5", "--arithmetic-size", "5", "--story-size", "5", "--multi-turn-size", "5"]
+        train, val = offline_mixture(build_parser().parse_args(sizes))
+        assert len(train) == 20
         out = capsys.readouterr().out
         assert "leaving out --spelling-size" in out and "leaving out --mc-epochs" in out
         with pytest.raises(FileNotFoundError, match="word list"):
@@ -307,7 +308,8 @@ def test_a_new_run_replaces_an_earlier_runs_checkpoints(tmp_path):
 
 
 def test_evaluation_sizes_follow_the_device_unless_set():
-    from scripts.sft import CPU_CHATCORE_CAT, CPU_EVAL_BATCHES, build_parser, sized_evaluation
+    from flaxchat.eval.chat import CPU_CHATCORE_CAT, CPU_EVAL_BATCHES, sized_evaluation
+    from scripts.sft import build_parser
 
     args = build_parser().parse_args(["--max-seq-len", "256"])
     line = sized_evaluation(args, 4, on_cpu=True)
@@ -321,28 +323,28 @@ def test_evaluation_sizes_follow_the_device_unless_set():
 
 
 def test_the_default_chatcore_leaves_out_tasks_without_data(monkeypatch, capsys):
-    import scripts.sft as sft
+    import flaxchat.eval.chat as chat_eval
+    from flaxchat.generate.sandbox import SandboxUnavailable
+    from scripts.sft import build_parser
 
     def run_chat_eval(name, *args, **kwargs):
         if name == "HumanEval":
-            raise sft.SandboxUnavailable("no operating-system sandbox can run here (test)")
+            raise SandboxUnavailable("no operating-system sandbox can run here (test)")
         if name != "MMLU":
             raise FileNotFoundError(f"{name} is not available")
         return {"accuracy": 0.5}
 
-    monkeypatch.setattr(sft, "Engine", lambda model, tokenizer: None)
-    monkeypatch.setattr(sft.chat_eval, "run_chat_eval", run_chat_eval)
+    monkeypatch.setattr(chat_eval, "Engine", lambda model, tokenizer: None)
+    monkeypatch.setattr(chat_eval, "run_chat_eval", run_chat_eval)
 
-    def args(*argv):
-        parsed = sft.build_parser().parse_args(argv)
-        parsed.chatcore_max_cat = parsed.chatcore_max_sample = 10  # main() sizes these to the device
-        return parsed
+    def chatcore(tasks=build_parser().get_default("chatcore_tasks")):  # scripts.sft's default: the five tasks
+        return chat_eval.run_chatcore(None, None, tasks, 10, 10, 8, "offline")
 
-    result = sft.run_chatcore(None, None, args(), "offline")
+    result = chatcore()
     assert result["chatcore_tasks"] == 1 and result["chatcore/MMLU"] == 0.5
     out = capsys.readouterr().out
     assert "leaving out GSM8K" in out and "leaving out HumanEval: no operating-system sandbox" in out
     with pytest.raises(FileNotFoundError, match="GSM8K is not available"):  # named: its data must be there
-        sft.run_chatcore(None, None, args("--chatcore-tasks", "GSM8K,MMLU"), "offline")
-    with pytest.raises(sft.SandboxUnavailable):  # named: it must run, in a real sandbox
-        sft.run_chatcore(None, None, args("--chatcore-tasks", "HumanEval,MMLU"), "offline")
+        chatcore("GSM8K,MMLU")
+    with pytest.raises(SandboxUnavailable):  # named: it must run, in a real sandbox
+        chatcore("HumanEval,MMLU")

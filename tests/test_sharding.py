@@ -20,7 +20,7 @@ from flaxchat.model.config import GPTConfig
 from flaxchat.model.gpt import GPT
 from flaxchat.model.loss import loss_sum, token_losses
 from flaxchat.perf.hlo import program_stats
-from flaxchat.train import optim
+from flaxchat.train import muon, optim
 from flaxchat.train.optim import Schedule, build_optimizer
 from flaxchat.train.step import compile_train_step, train_step
 
@@ -86,7 +86,7 @@ def test_fsdp_step_moves_weights_not_activations(capfd):
         groups = collections.Counter(
             (shape, tuple(sharding.stack_layouts(axes[path])))
             for path, shape in optim_matrices(model)
-            if np.prod(shape) >= optim.SHARE_OUT_MIN_SIZE
+            if np.prod(shape) >= muon.SHARE_OUT_MIN_SIZE
         )
     stacks = sum(-(-n // 8) * 8 * 4 * np.prod(shape) for (shape, _), n in groups.items())
     trip = 7 / 8 * stacks / 8  # an all-to-all of one device's eighth of the stacks, ring model
@@ -95,8 +95,8 @@ def test_fsdp_step_moves_weights_not_activations(capfd):
 
 def optim_matrices(model):
     """(path, shape) of every parameter Muon updates."""
-    leaves = jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param), is_leaf=optim.is_variable)[0]
-    paths = [(optim.path_names(path), tuple(v.shape)) for path, v in leaves]
+    leaves = jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param), is_leaf=muon.is_variable)[0]
+    paths = [(muon.path_names(path), tuple(v.shape)) for path, v in leaves]
     return [(path, shape) for path, shape in paths if optim.param_group(path) == "matrix"]
 
 

@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from flaxchat.data import stories as S
+from flaxchat.data import story_world as W
 from scripts import stories as stories_script
 
 _SENTENCE = re.compile(r'[^.!?]*[.!?]+"?')
@@ -98,7 +99,7 @@ def test_train_and_val_share_no_story(train_stories, val_stories):
 
     # ...and yet val is drawn like train: the same names and openings appear in both.
     def hero(story):
-        return next(m["name"] for p in S.INTRO_PATTERNS if (m := p.match(story)))
+        return next(m["name"] for p in W.INTRO_PATTERNS if (m := p.match(story)))
 
     train_heroes, val_heroes = {hero(t) for t in train_stories}, {hero(t) for t in val_stories}
     assert len(val_heroes) > 150 and len(val_heroes & train_heroes) > 150
@@ -108,17 +109,17 @@ def test_train_and_val_share_no_story(train_stories, val_stories):
 
 def test_each_opening_is_recognised_unambiguously(train_stories):
     for t in train_stories[:500]:
-        assert sum(bool(p.match(t)) for p in S.INTRO_PATTERNS) == 1, t[:80]
+        assert sum(bool(p.match(t)) for p in W.INTRO_PATTERNS) == 1, t[:80]
 
 
 def test_names_never_collide_with_other_words(train_stories):
-    names = set(S.WORDS.girl_names) | set(S.WORDS.boy_names)
-    assert len(names) == len(S.WORDS.girl_names) + len(S.WORDS.boy_names) >= 300  # hundreds, no duplicates
-    assert not names & set(S.WORDS.pet_names)
+    names = set(W.WORDS.girl_names) | set(W.WORDS.boy_names)
+    assert len(names) == len(W.WORDS.girl_names) + len(W.WORDS.boy_names) >= 300  # hundreds, no duplicates
+    assert not names & set(W.WORDS.pet_names)
     assert all(re.fullmatch(r"[A-Z][a-z]+", n) for n in names)  # what split_of reads as a hero's name
     # A name that is also a word ("Rose", "rose") would blur the split guarantee and confuse a reader.
     words = set(re.findall(r"\b[a-z]+\b", " ".join(train_stories)))  # lowercase: never a name
-    assert not {n.lower() for n in names | set(S.WORDS.pet_names)} & words
+    assert not {n.lower() for n in names | set(W.WORDS.pet_names)} & words
 
 
 def test_length_between_100_and_400_words(train_stories, val_stories):
@@ -181,9 +182,9 @@ def beat_problems(beats, where: str) -> list[str]:
 
 def test_every_plot_has_well_formed_beats():
     assert [plot.__name__ for plot in S.PLOTS] == [
-        name for name in S.PLOT_TEXT if name not in ("intros", "about", "about_creature")
+        name for name in W.PLOT_TEXT if name not in ("intros", "about", "about_creature")
     ]
-    bad = [p for plot in S.PLOTS for p in beat_problems(S.PLOT_TEXT[plot.__name__].beats, plot.__name__)]
+    bad = [p for plot in S.PLOTS for p in beat_problems(W.PLOT_TEXT[plot.__name__].beats, plot.__name__)]
     assert not bad, bad
 
 
@@ -221,11 +222,11 @@ def test_corpus_stats_counts():
 
 
 def test_verb_helpers():
-    assert S.past("fly a kite") == "flew a kite" and S.ing("fly a kite") == "flying a kite"
-    assert S.past("skip stones") == "skipped stones" and S.ing("ride the seesaw") == "riding the seesaw"
-    assert S.past("chase butterflies") == "chased butterflies" and S.ing("swim") == "swimming"
-    assert S.article("orange ball") == "an" and S.article("red ball") == "a"
-    assert all(S.article(t) == "a" for t in S.WORDS.traits)  # "a {trait} little girl" is hard-coded
+    assert W.past("fly a kite") == "flew a kite" and W.ing("fly a kite") == "flying a kite"
+    assert W.past("skip stones") == "skipped stones" and W.ing("ride the seesaw") == "riding the seesaw"
+    assert W.past("chase butterflies") == "chased butterflies" and W.ing("swim") == "swimming"
+    assert W.article("orange ball") == "an" and W.article("red ball") == "a"
+    assert all(W.article(t) == "a" for t in W.WORDS.traits)  # "a {trait} little girl" is hard-coded
 
 
 def test_bad_arguments_raise_clear_errors():

@@ -5,7 +5,8 @@ import re
 
 import pytest
 
-from flaxchat.data.stories import WORDS, split_of, tell_story
+from flaxchat.data.stories import split_of, tell_story
+from flaxchat.data.story_world import WORDS
 from flaxchat.generate.sandbox import use_calculator
 from tasks.common import TaskMixture
 from tasks.gsm8k import extract_answer

@@ -12,6 +12,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from flaxchat.common import get_base_dir, is_main_process, print0
 from flaxchat.train.checkpoint import git_commit
+from flaxchat.train.optim import skip_report
 
 
 def append_jsonl(path: str, row: dict) -> None:
@@ -32,6 +33,98 @@ TRAINING_PANELS = [
     (["lrm"], "learning-rate multiplier"),
     (["mfu"], "MFU (%)"),
 ]
+
+
+def restart_metrics(path: str, resumed_from: int | None = None) -> None:
+    """Before a run logs to `path` (main process only): a fresh run removes the rows an earlier run left there; a
+    resumed run keeps those up to the step it resumed from, as the steps after it are run and logged again."""
+    if not is_main_process():
+        return
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    if resumed_from is None:
+        if os.path.exists(path):
+            os.remove(path)
+        return
+    rows = [r for r in read_jsonl(path) if r["step"] <= resumed_from]
+    with open(path, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
+def step_metrics(loop: dict, done, tokens: int, flops_per_token: float, peak_flops: float, first: int) -> dict:
+    """A finished training step (InFlight's ((loss, optimizer stats), (step, epoch), seconds)) as its metrics row:
+    the loss and nanochat's smoothed loss (an EMA, bias-corrected), the LR multiplier, tok/s and MFU against
+    `peak_flops` (all devices'), the updates skipped so far. Updates the run's `loop` state: the EMA, and the
+    training time, which leaves out the two steps after `first` (the first step run, which compile)."""
+    (loss, stats), (i, epoch), dt = done
+    loss, ema = float(loss), 0.9
+    loop["smooth_train_loss"] = ema * loop["smooth_train_loss"] + (1 - ema) * loss
+    if i - first >= 2:  # the first steps compile; keep them out of the timing
+        loop["total_training_time"] += dt
+    return {
+        "step": i + 1,
+        "loss": loss,
+        "smooth_loss": loop["smooth_train_loss"] / (1 - ema ** (i + 1)),
+        "lrm": float(stats["lr_multiplier"]),
+        "dt": dt,
+        "tok_per_s": tokens / dt,
+        "mfu": 100 * flops_per_token * tokens / dt / peak_flops,
+        "skipped_steps": int(stats["skipped_steps"]),
+        "epoch": epoch,
+    }
+
+
+class StepLog:
+    """Logs a training loop's finished steps, each InFlight's ((loss, optimizer stats), (step, epoch), seconds) or
+    None (nothing finished): its step_metrics row to `log`, the progress bar's postfix, and a line when the optimizer
+    skipped the update (skipped: the count so far, as restored)."""
+
+    def __init__(self, log, bar, loop: dict, tokens: int, flops_per_token, peak_flops, first: int, skipped: int):
+        self.log, self.bar, self.loop, self.skipped = log, bar, loop, skipped
+        self.rates = (tokens, flops_per_token, peak_flops, first)
+
+    def __call__(self, done) -> None:
+        if done is None:
+            return
+        row = step_metrics(self.loop, done, *self.rates)
+        self.log(row)
+        shown = dict(loss=f"{row['smooth_loss']:.4f}", tok_s=f"{row['tok_per_s']:,.0f}", mfu=f"{row['mfu']:.1f}%")
+        self.bar.set_postfix(**shown, lrm=f"{row['lrm']:.2f}", refresh=False)
+        self.bar.update(1)
+        report = skip_report(row["step"], row["loss"], self.skipped, row["skipped_steps"])
+        self.skipped = row["skipped_steps"]
+        if report and is_main_process():
+            self.bar.write(report)
+
+
+class SFTStepLog:
+    """Logs scripts.sft's finished steps, each InFlight's (loss, (steps done, LR multiplier, progress, epoch),
+    seconds) or None (nothing finished): nanochat's smoothed loss (an EMA, bias-corrected), tok/s and MFU against
+    `peak_flops` (all devices') to `log` and the progress bar. Updates the run's `loop` state (the EMA, and the
+    training time, which leaves out the two steps after `first`, which compile). Without a horizon (num_iterations
+    <= 0) the bar's total is the steps of one epoch, estimated from the progress through the data."""
+
+    def __init__(self, log, bar, loop: dict, tokens: int, flops_per_token, peak_flops, first: int, num_iterations):
+        self.log, self.bar, self.loop, self.num_iterations = log, bar, loop, num_iterations
+        self.tokens, self.flops_per_token, self.peak_flops, self.first = tokens, flops_per_token, peak_flops, first
+
+    def __call__(self, done) -> None:
+        if done is None:
+            return
+        loss, (n, lrm, progress, epoch), dt = done  # n: steps done, this one included
+        loss, ema, loop = float(loss), 0.9, self.loop
+        loop["smooth"] = ema * loop["smooth"] + (1 - ema) * loss
+        debiased = loop["smooth"] / (1 - ema**n)
+        tok_per_s = self.tokens / dt
+        mfu = 100 * self.flops_per_token * self.tokens / dt / self.peak_flops
+        if n - self.first > 2:  # the first steps compile
+            loop["train_time"] += dt
+        row = {"step": n, "loss": loss, "smooth_loss": debiased, "lrm": lrm, "dt": dt, "tok_per_s": tok_per_s}
+        self.log({**row, "mfu": mfu, "epoch": epoch, "progress": progress})
+        if self.num_iterations <= 0 and progress > 0:
+            self.bar.total = max(n, round(n / progress))  # steps in one epoch, estimated as we go
+        shown = dict(loss=f"{debiased:.4f}", lrm=f"{lrm:.2f}", tok_s=f"{tok_per_s:,.0f}", epoch=epoch)
+        self.bar.set_postfix(**shown, refresh=False)
+        self.bar.update(1)
 
 
 def metrics_logger(metrics_path: str, run: str, project: str, config: dict):
@@ -86,6 +179,18 @@ def plot_panels(rows: list[dict], path: str, panels, title: str = "") -> str | N
 def plot_training(rows: list[dict], path: str, title: str = "") -> str | None:
     """Train loss, val bpb, learning-rate multiplier and MFU against step; None if nothing to plot."""
     return plot_panels(rows, path, TRAINING_PANELS, title)
+
+
+def plot_rl(rows, path, title=""):
+    """2x2 chart: mean reward, pass@1 and pass@k, LR multiplier, mean sampled length."""
+    k_keys = sorted({key for r in rows for key in r if key.startswith("pass@")}, key=lambda s: int(s[5:]))
+    panels = [
+        (["reward"], "mean reward (train rollouts)"),
+        ([k_keys[0], k_keys[-1]] if k_keys else [], "held-out pass@k"),
+        (["lrm"], "learning-rate multiplier"),
+        (["sequence_length"], "mean rollout length (tokens)"),
+    ]
+    return plot_panels(rows, path, panels, title)
 
 
 # -----------------------------------------------------------------------------

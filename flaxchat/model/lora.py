@@ -174,3 +174,53 @@ def merge_lora(model, config: LoraConfig) -> GPT:
             _merged(m.weight[...], m.weight_lora_a[...], m.weight_lora_b[...], config.scale)
         )
     return plain
+
+
+# -----------------------------------------------------------------------------
+# scripts.sft's LoRA flags
+
+
+def add_lora_flags(p) -> None:
+    """--lora-rank, --lora-alpha, --lora-targets, --lora-full and --lora-lr (lora_from_args reads them)."""
+    p.add_argument(
+        "--lora-rank",
+        type=int,
+        default=0,
+        help="train rank-R LoRA adapters (qwix) on the block matrices, "
+        "base frozen, instead of every weight (0 = full fine-tuning)",
+    )
+    p.add_argument(
+        "--lora-alpha", type=float, default=None, help="LoRA updates are scaled by alpha / rank (default: 2 x rank)"
+    )
+    p.add_argument(
+        "--lora-targets",
+        type=str,
+        default=DEFAULT_TARGETS,
+        help="matrices with adapters: a comma list of "
+        "c_q,c_k,c_v,c_proj,c_fc,ve_gate (c_proj: attention's and MLP's) or a regex over module paths such as "
+        "transformer/h/[0-3]/mlp/c_fc",
+    )
+    p.add_argument(
+        "--lora-full",
+        type=str,
+        default="lm_head",
+        help="also train these in full, next to the adapters: a "
+        "comma list of lm_head, wte, value_embeds, or none. A base model has never written the chat's special "
+        "tokens: with a frozen lm_head no reply learns to end",
+    )
+    p.add_argument(
+        "--lora-lr",
+        type=float,
+        default=1e-2,
+        help="AdamW LR of the adapters (and --lora-full), scaled by "
+        "--init-lr-frac and the schedule (tuned on the laptop demo's model; large models may want less)",
+    )
+
+
+def lora_from_args(args) -> LoraConfig | None:
+    """The LoraConfig of --lora-rank (None: 0, full fine-tuning), alpha 2 x rank unless --lora-alpha is given.
+    ValueError: a bad rank, alpha or --lora-full name."""
+    if not args.lora_rank:
+        return None
+    full = tuple(n.strip() for n in args.lora_full.split(",") if n.strip() not in ("", "none"))
+    return LoraConfig(args.lora_rank, args.lora_alpha or 2.0 * args.lora_rank, args.lora_targets, full)

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import os
+import platform
+import resource
 import sys
 import time
 
 import jax
 import jax.numpy as jnp
+
+from flaxchat.common import compute_dtype
 
 # Dense bf16 peak FLOP/s per device (datasheets, no sparsity). MFU on CPU uses a measured matmul peak instead.
 PEAK_FLOPS = {
@@ -28,6 +32,14 @@ PEAK_FLOPS = {
     "TPU v4": 275e12,
     "TPU v3": 123e12,
 }
+
+
+def peak_memory_gb() -> float:
+    """The most memory this process's first device held so far (GiB); on a CPU, the process's peak resident set."""
+    stats = jax.local_devices()[0].memory_stats() or {}
+    if "peak_bytes_in_use" in stats:
+        return stats["peak_bytes_in_use"] / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
 
 
 def measured_matmul_peak(n: int = 2048, dtype=jnp.float32, repeats: int = 5, out_dtype=None) -> float:
@@ -118,6 +130,23 @@ def huge_pages_active() -> bool:
     return sys.platform.startswith("linux") and _hugetlb(os.environ) in ("1", "2")
 
 
+def speed_tips(dtype) -> list[str]:
+    """What would make training faster on this CPU and is not on (a training script prints them): glibc's huge
+    pages where they are off, bf16 where the CPU multiplies it in hardware and the run computes in fp32."""
+    tips = []
+    if jax.default_backend() == "cpu" and sys.platform.startswith("linux") and not huge_pages_active():
+        tips.append(
+            f"tip: GLIBC_TUNABLES={HUGE_PAGES_TUNABLE} in the environment makes CPU steps faster (pixi tasks and "
+            "the laptop demo set it; docs/cpu-speed.md)"
+        )
+    if jax.default_backend() == "cpu" and jnp.dtype(dtype) == jnp.float32 and cpu_bf16_instructions():
+        tips.append(
+            "tip: this CPU multiplies bf16 in hardware: --dtype bfloat16 (or FLAXCHAT_DTYPE=bfloat16) trains "
+            "faster than fp32 here (bf16 products, fp32 activations; docs/cpu-speed.md, 'bf16 on a CPU')"
+        )
+    return tips
+
+
 MALLOC_LIBRARIES = ("tcmalloc", "jemalloc", "mimalloc")
 
 
@@ -136,6 +165,24 @@ def malloc_library(maps: str | None = None) -> str:
         if any(lib.startswith(("lib" + name, name)) for lib in libraries):
             return name
     return "system"
+
+
+def environment(dtype, mesh) -> dict:
+    """What a benchmark's record says about where it ran: devices, mesh, the compute dtype (--dtype, or
+    common.compute_dtype's choice), versions, huge pages, the malloc in use and XLA_FLAGS as the backend read them
+    (sharding.native_gpu_atomics)."""
+    return {
+        "device": jax.devices()[0].device_kind,
+        "backend": jax.default_backend(),
+        "num_devices": jax.device_count(),
+        "mesh": dict(mesh.shape),
+        "dtype": jnp.dtype(compute_dtype(dtype)).name,
+        "jax": jax.__version__,
+        "python": platform.python_version(),
+        "huge_pages": huge_pages_active(),
+        "allocator": malloc_library(),
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+    }
 
 
 class MachineLoad:

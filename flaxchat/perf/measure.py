@@ -1,7 +1,8 @@
 """Benchmark helpers behind scripts/bench.py: generation, speculative sampling and the data loader, timed.
 
 Each returns a JSON-able dict of rates and settings; the script prints it. They live here, apart from the
-library they time, so the generation core and the data loader carry no measurement code.
+library they time, so the generation core and the data loader carry no measurement code. bench_generate and
+bench_data take bench's parsed flags (`args`) and give the records it prints for --what generate and --what data.
 """
 
 from __future__ import annotations
@@ -12,11 +13,19 @@ import time
 
 import jax
 import numpy as np
+from flax import nnx
 
+from flaxchat.common import compute_dtype
 from flaxchat.data.dataloader import make_loader
+from flaxchat.data.tokenizer import get_tokenizer
 from flaxchat.generate.engine import generate
 from flaxchat.generate.programs import DecodeSettings, attention_span, controls, decode_chunk, pad_prompts, programs
 from flaxchat.generate.speculative import generate_speculative
+from flaxchat.model.config import config_from_flags
+from flaxchat.model.gpt import GPT
+from flaxchat.model.quantize import quantize_for_generation, weight_bytes
+from flaxchat.perf.machine import peak_memory_gb
+from flaxchat.train.checkpoint import load_named_model
 
 
 def measure_generation(
@@ -163,3 +172,48 @@ def measure_throughput(
         "num_batches": num_batches,
         "seconds": dt,
     }
+
+
+# -----------------------------------------------------------------------------
+# bench --what generate / data
+
+
+def bench_generate(args) -> dict:
+    """--checkpoint's model (or a random one of the flags' shape), --quantize'd, timed by measure_generation; with
+    --draft-model, speculative sampling from a text prompt against plain sampling (measure_speculative)."""
+    dtype = compute_dtype(args.dtype)
+    if args.checkpoint:
+        model = load_named_model(args.checkpoint, "sft", "--checkpoint", dtype=dtype)
+    else:
+        model = GPT(config_from_flags(args, args.vocab_size), rngs=nnx.Rngs(0), dtype=dtype)
+    model = quantize_for_generation(model, args.quantize)
+    info = {"quantize": args.quantize, "weight_mb": weight_bytes(model) / 2**20, "checkpoint": args.checkpoint}
+    if not args.draft_model:
+        out = measure_generation(
+            model, args.batch_size, args.prompt_len, args.max_new_tokens, temperature=args.temperature
+        )
+        return {"what": "generate", **out, **info, "peak_mem_gb": peak_memory_gb()}
+    source = args.checkpoint.rpartition(":")[0] or "sft"
+    draft = load_named_model(args.draft_model, source, "--draft-model", dtype=dtype)
+    draft = quantize_for_generation(draft, args.quantize)
+    tokenizer = get_tokenizer()  # a text prompt: how often the draft agrees depends on real text
+    prompt = [tokenizer.get_bos_token_id()] + tokenizer.encode("Once upon a time, there was a little")
+    out = measure_speculative(
+        model, draft, prompt, args.max_new_tokens, draft_steps=args.draft_steps, temperature=args.temperature
+    )
+    return {
+        "what": "generate",
+        "speculative": True,
+        "draft_model": args.draft_model,
+        **out,
+        **info,
+        "draft_weight_mb": weight_bytes(draft) / 2**20,
+        "peak_mem_gb": peak_memory_gb(),
+    }
+
+
+def bench_data(args) -> dict:
+    """The Grain loader's tokens per second over the base dir's tokenizer and shards (measure_throughput)."""
+    tokenizer = get_tokenizer()
+    out = measure_throughput(tokenizer, batch_size=args.device_batch_size, seq_len=args.max_seq_len)
+    return {"what": "data", "tok_per_s": out["tokens_per_s"], **out, "vocab_size": tokenizer.get_vocab_size()}

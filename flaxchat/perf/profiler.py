@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import sys
+import time
 
 import jax
 
 from flaxchat.common import print0
 from flaxchat.perf.hlo import op_kinds, op_sources, scatter_combiners
-from flaxchat.perf.trace import COMMAND_BUFFERS_OFF, summarize_trace
+from flaxchat.perf.trace import COMMAND_BUFFERS_OFF, format_summary, summarize_trace
 
 
 class StepProfiler:
@@ -78,6 +80,21 @@ class StepProfiler:
             self.close()
         return jax.profiler.StepTraceAnnotation("step", step_num=i) if self.active else contextlib.nullcontext()
 
+    def dispatch(self, i: int, in_flight, run) -> list:
+        """Step i through `in_flight` (train.step.InFlight), as the training loops run their steps: run() reads the
+        step's batches and dispatches it, returning (outputs, info); the step's clock starts before the read. A
+        profiled step runs alone (the step in flight is finished first, and this one waited for). Returns the steps
+        that finished meanwhile, InFlight's (outputs, info, seconds) each, the oldest first."""
+        profiled = self.covers(i)
+        finished = [in_flight.finish()] if profiled else []
+        started = time.perf_counter()
+        with self.step(i):
+            outputs, info = run()
+            finished.append(in_flight.submit(outputs, info, started))
+            if profiled:
+                finished.append(in_flight.finish())
+        return [done for done in finished if done is not None]
+
     def close(self) -> None:
         if self.active:
             jax.profiler.stop_trace()
@@ -97,4 +114,15 @@ def profile_summary(profiler, step, batch, mesh) -> dict | None:
     summary = summarize_trace(profiler.directory, kinds=op_kinds(hlo), module="train_step", sources=op_sources(hlo))
     # the embeddings' gradients: "f32 add" where the device adds atomically (hlo.scatter_combiners)
     summary["scatters"] = [f"{dtype} {' '.join(ops)}" for dtype, ops in scatter_combiners(hlo)]
+    return summary
+
+
+def save_profile_summary(profiler, step, batch, mesh) -> dict | None:
+    """profile_summary of a training run's profiled steps, saved as summary.json beside the trace and printed to
+    stderr; None if no trace was written."""
+    summary = profile_summary(profiler, step, batch, mesh)
+    if summary is not None:
+        with open(os.path.join(profiler.directory, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=1)
+        print0(format_summary(summary, "the profiled steps: "), file=sys.stderr)
     return summary

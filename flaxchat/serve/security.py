@@ -39,7 +39,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 
 from flaxchat.serve.limits import is_loopback
-from flaxchat.serve.openai import openai_error
+from flaxchat.serve.openai_schema import openai_error
 from flaxchat.serve.server import ChatServer, ClientError, error_event
 
 # -----------------------------------------------------------------------------

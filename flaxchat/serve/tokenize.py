@@ -5,8 +5,8 @@
     POST /detokenize      {"tokens"} -> {"prompt"}
     GET  /tokenizer_info  the tokenizer's settings under Hugging Face's config names
 
-Text reads special-token names as those tokens, as in /v1/completions (openai.py), so /tokenize counts exactly what
-a completion reads.
+Text reads special-token names as those tokens, as in /v1/completions (openai_schema.py), so /tokenize counts exactly
+what a completion reads.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from __future__ import annotations
 from fastapi import Request as HTTPRequest
 from pydantic import Field
 
-from flaxchat.serve.openai import (
+from flaxchat.serve.openai import holding_connection
+from flaxchat.serve.openai_schema import (
     ChatMessage,
     OpenAIModel,
     encode_prompt,
-    holding_connection,
     openai_error,
     openai_messages,
     read_request,

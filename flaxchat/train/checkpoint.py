@@ -421,9 +421,14 @@ def _load_lora(ckpt: Checkpointer, meta: dict, mesh, base_dir, dtype):
     return merge_lora(lora_model, lora), tokenizer, meta
 
 
-def merge_lora_checkpoint(model_tag: str, step: int | None, output_tag: str) -> str:
-    """Write the LoRA checkpoint sft/<model_tag> (latest or `step`) as an ordinary sft checkpoint of merged weights
-    under output_tag (replacing what was there); returns its directory."""
+def merge_lora_checkpoint(model_tag: str | None, step: int | None, output_tag: str | None) -> tuple[str, str]:
+    """Write the LoRA checkpoint sft/<model_tag> (default: the largest; latest or `step`) as an ordinary sft
+    checkpoint of merged weights under output_tag (default: <model_tag>-merged), replacing what was there; returns
+    (model_tag, its directory). scripts.sft --merge."""
+    model_tag = model_tag or find_model_tag("sft")
+    output_tag = output_tag or f"{model_tag}-merged"
+    if output_tag == model_tag:
+        raise ValueError("--merge writes a new checkpoint: --output-tag must differ from --model-tag")
     ckpt = Checkpointer(checkpoint_dir("sft", model_tag), async_save=False, read_only=True)
     try:
         meta = ckpt.read_meta(step)
@@ -446,4 +451,4 @@ def merge_lora_checkpoint(model_tag: str, step: int | None, output_tag: str) -> 
         },
     )
     out.close()
-    return out.directory
+    return model_tag, out.directory

@@ -41,6 +41,11 @@ def add_dtype_flag(parser) -> None:
     )
 
 
+def add_flag(parser, flag: str, type, default, what: str, note: str | None = None) -> None:
+    """One flag of a group: its help is `what` and default_note's tail."""
+    parser.add_argument(flag, type=type, default=default, help=what + default_note(default, note))
+
+
 def add_batch_flags(
     parser, device_batch_size, total_batch_size=ABSENT, *, device_help: str | None = None, total_note: str | None = None
 ) -> None:
@@ -54,12 +59,7 @@ def add_batch_flags(
         help=device_help or "sequences per device per micro-step" + default_note(device_batch_size),
     )
     if total_batch_size is not ABSENT:
-        parser.add_argument(
-            "--total-batch-size",
-            type=int,
-            default=total_batch_size,
-            help="tokens per optimizer step" + default_note(total_batch_size, total_note),
-        )
+        add_flag(parser, "--total-batch-size", int, total_batch_size, "tokens per optimizer step", total_note)
 
 
 def add_optimizer_flags(
@@ -75,39 +75,22 @@ def add_optimizer_flags(
 ) -> None:
     """MuonAdamW's learning rates (train.optim.build_optimizer's groups) and, given defaults, --scalar-lr,
     --weight-decay and --init-lr-frac (every LR scaled by it: fine-tuning starts below pretraining's rates)."""
-    parser.add_argument(
-        "--embedding-lr",
-        type=float,
-        default=embedding_lr,
-        help="AdamW LR for the token embedding" + default_note(embedding_lr),
-    )
-    parser.add_argument(
-        "--unembedding-lr",
-        type=float,
-        default=unembedding_lr,
-        help="AdamW LR for lm_head" + default_note(unembedding_lr),
-    )
-    parser.add_argument(
-        "--matrix-lr", type=float, default=matrix_lr, help="Muon LR for the block matrices" + default_note(matrix_lr)
-    )
+    add_flag(parser, "--embedding-lr", float, embedding_lr, "AdamW LR for the token embedding")
+    add_flag(parser, "--unembedding-lr", float, unembedding_lr, "AdamW LR for lm_head")
+    add_flag(parser, "--matrix-lr", float, matrix_lr, "Muon LR for the block matrices")
     if scalar_lr is not ABSENT:
-        parser.add_argument(
-            "--scalar-lr",
-            type=float,
-            default=scalar_lr,
-            help="AdamW LR for the per-layer scalars" + default_note(scalar_lr),
-        )
+        add_flag(parser, "--scalar-lr", float, scalar_lr, "AdamW LR for the per-layer scalars")
     if weight_decay is not ABSENT:
-        parser.add_argument(
-            "--weight-decay",
-            type=float,
-            default=weight_decay,
-            help="Muon cautious weight decay" + default_note(weight_decay, weight_decay_note),
-        )
+        add_flag(parser, "--weight-decay", float, weight_decay, "Muon cautious weight decay", weight_decay_note)
     if init_lr_frac is not ABSENT:
         parser.add_argument(
             "--init-lr-frac", type=float, default=init_lr_frac, help="every LR as a fraction of its base value"
         )
+
+
+def optimizer_lrs(args) -> dict:
+    """The learning rates of add_optimizer_flags' group, as train.optim.build_optimizer's keywords."""
+    return {"unembedding_lr": args.unembedding_lr, "embedding_lr": args.embedding_lr, "matrix_lr": args.matrix_lr}
 
 
 def add_schedule_flags(parser, *, warmdown_ratio, final_lr_frac, warmup_steps=ABSENT, warmup_ratio=ABSENT) -> None:
