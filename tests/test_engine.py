@@ -269,7 +269,7 @@ def test_tool_runs_per_row_in_a_batch_of_prompts(tok):
     engine = Engine(engine.model, tok, stream_chunk=4, compact=True)
     progs = programs(engine.model)[0]
     move, moves = progs.move, []
-    progs.move = lambda slots, src, dst: moves.append(src.tolist()) or move(slots, src, dst)
+    progs.move = lambda slots, src, dst, **kw: moves.append(src.tolist()) or move(slots, src, dst, **kw)
     try:
         crowded = engine.generate_batches([short, *enders, prompt], num_samples=2, max_tokens=40, temperature=0.0)
     finally:
@@ -307,7 +307,7 @@ def test_rows_still_going_are_packed_into_fewer_slots(model, tok):
     packed, plain = Engine(model, tok, stream_chunk=4, compact=True), Engine(model, tok, stream_chunk=4, compact=False)
     progs = programs(with_stacked_qkv(model))[0]  # the programs Engine runs
     move = progs.move
-    progs.move = lambda slots, src, dst: moves.append((src.tolist(), dst.tolist())) or move(slots, src, dst)
+    progs.move = lambda slots, src, dst, **kw: moves.append((src.tolist(), dst.tolist())) or move(slots, src, dst, **kw)
     try:
         got = list(packed.generate_many(prompts, **kwargs))
     finally:

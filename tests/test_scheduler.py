@@ -51,8 +51,11 @@ def tiny_config(tok, seq_len=64):
 
 @pytest.fixture(scope="module")
 def model(tok):
+    return perturbed(GPT(tiny_config(tok), rngs=nnx.Rngs(0)))
+
+
+def perturbed(model):
     """A random model with every parameter perturbed, so logits are far from uniform and greedy is stable."""
-    model = GPT(tiny_config(tok), rngs=nnx.Rngs(0))
     leaves, treedef = jax.tree.flatten(nnx.state(model, nnx.Param))
     keys = jax.random.split(jax.random.key(1), len(leaves))
     nnx.update(
@@ -281,7 +284,7 @@ def test_warmup_compiles_every_variant_and_shows_its_progress(model, tok, capsys
     rows = sorted({batch_rows(i, 4) for i in range(4)})
     spans = sorted({attention_span(n, s.capacity) for n in range(1, s.capacity + 1)})
     assert [k[1:] for k in keys if k[0] == "decode"] == [(n, span) for n in rows for span in spans] and len(rows) == 3
-    assert [k for k in keys if k[0] == "move"] == [("move", 1), ("move", 2), ("move", 4)]
+    assert [k[1:] for k in keys if k[0] == "move"] == [(m, span) for m in (1, 2, 4) for span in spans]
     buckets = [k[1] for k in keys if k[0] == "prefill"]  # a tail's bucket over each span that can hold it
     assert [k[1:] for k in keys if k[0] == "extend"] == [(T, span) for T in buckets for span in spans if span >= T]
     assert all(s.batch.runner.ahead.program(k) for k in keys)
@@ -344,7 +347,7 @@ def test_serves_with_the_widest_programs_until_the_background_has_compiled_the_r
             long, q_long = submit(s, prompts[1], 10, temperature=0.0)
             assert collect(q_short)[-1]["type"] == collect(q_long)[-1]["type"] == "done"
             assert short.tokens == expected[0][:3] and long.tokens == expected[1]
-            assert used[-1] == ("decode", 1, 32) and ("decode", 2, 32) in used and ("move", 1) in used
+            assert used[-1] == ("decode", 1, 32) and ("decode", 2, 32) in used and ("move", 1, 32) in used
             assert s.stats()["moved"] == 1
         finally:
             jax.monitoring.unregister_event_duration_listener(listener)
@@ -657,11 +660,16 @@ def test_kept_rows_are_taken_least_recently_used_first(model, tok):
         s.close()
 
 
-def test_a_live_row_moved_down_swaps_places_with_a_kept_row(model, tok):
+@pytest.mark.parametrize("capacity", [64, 256])
+def test_a_live_row_moved_down_swaps_places_with_a_kept_row(model, tok, capacity):
     """Compacting moves a long reply left in a high slot into a kept row's slot and the kept row up into its place:
-    the kept conversation's next turn still continues it."""
+    the kept conversation's next turn still continues it, and both replies are greedy's. With a longer cache a move
+    copies only the positions the rows hold (a span of 64 of 256)."""
+    model = model if capacity == 64 else perturbed(GPT(tiny_config(tok, seq_len=capacity), rngs=nnx.Rngs(0)))
     bos = tok.get_bos_token_id()
     prompts = [[bos] + tok.encode(t) for t in ("The cat", "12", "mat.", "3*7 is")]
+    if capacity == 256:  # rows that hold most of the span they are moved over, replies that read all of it
+        prompts = [[bos] + np.random.default_rng(0).integers(1, 256, n).tolist() for n in (24, 12, 36, 48)]
     s = Scheduler(model, tok, slots=4, chunk=4)
     jobs = [submit(s, p, n, temperature=0.0) for p, n in zip(prompts, (2, 2, 2, 20))]
     s.start()  # after every submit: slots 0-3 in order; the three short ones end and are kept
@@ -672,5 +680,6 @@ def test_a_live_row_moved_down_swaps_places_with_a_kept_row(model, tok):
         first, _ = jobs[0]
         req, q = submit(s, prompts[0] + first.tokens + [5], 3, temperature=0.0)
         assert collect(q)[-1]["type"] == "done" and s.stats()["prefix_hits"] == 1
+        assert req.tokens == greedy_reference(model, prompts[0] + first.tokens + [5], 3, stop_tokens(tok))
     finally:
         s.close()

@@ -216,7 +216,9 @@ class Batch:
         below = sorted((i for i in range(rows) if self.rows[i] is None), key=lambda i: (i in self.kept, i))
         free = below[: len(high)]
         swaps = [(dst, src) for src, dst in zip(high, free) if dst in self.kept]
-        if not high or not self.runner.move(high + [d for d, _ in swaps], free + [s for _, s in swaps]):
+        held = [len(self.rows[i].prompt) + self.rows[i].completion_tokens + 1 for i in high]
+        held += [len(self.kept[d][0]) for d, _ in swaps]  # the cache entries each moved row holds, at most
+        if not high or not self.runner.move(high + [d for d, _ in swaps], free + [s for _, s in swaps], max(held)):
             return
         for src, dst in zip(high, free):
             self.rows[dst], self.replies[dst] = self.rows[src], self.replies[src]

@@ -303,10 +303,20 @@ def _start(graphdef, params, tokens, lengths, *, copies: int, rows: int, capacit
     return _prefill(graphdef, params, slots, 0, tokens, lengths, copies=copies)
 
 
-def _move(slots: Slots, src, dst) -> Slots:
-    """Copy every per-row array's rows src (M,) to rows dst (M,) (all read before any is written): packing live rows
-    low. A repeated (src, dst) pair is harmless (it writes the same row twice)."""
-    return jax.tree.map(lambda x: x.at[dst].set(x[src]), slots)
+def _move(slots: Slots, src, dst, *, span: int) -> Slots:
+    """Copy rows src (M,) to rows dst (M,) (all read before any is written): packing live rows low. Of the cache,
+    only the first `span` positions (static: every moved row's content fits) are copied; a long cache's unused end
+    would cost more to copy than a decode step. A repeated (src, dst) pair is harmless (it writes the same row
+    twice)."""
+    rows = lambda x: x.at[dst].set(x[src])
+    c = slots.cache
+    cache = KVCache(
+        k=tuple(x.at[dst, :, :span].set(x[src, :, :span]) for x in c.k),  # (N, Hkv, S, D)
+        v=tuple(x.at[dst, ..., :span].set(x[src, ..., :span]) for x in c.v),  # (N, Hkv, D, S)
+        pos=rows(c.pos),
+        prev_embedding=rows(c.prev_embedding),
+    )
+    return Slots(cache, rows(slots.logits), rows(slots.forced), rows(slots.forced_len), rows(slots.forced_pos))
 
 
 def _extract(slots: Slots, *, rows: int, span: int) -> Slots:
@@ -425,7 +435,7 @@ class Programs:
         self.start = jit(functools.partial(_start, graphdef), static_argnames=("copies", "rows", "capacity"))
         self.prefill = jit(functools.partial(_prefill, graphdef), donate_argnames="slots", static_argnames="copies")
         self.extend = jit(functools.partial(_extend, graphdef), donate_argnames="slots", static_argnames="span")
-        self.move = jax.jit(_move, donate_argnames="slots")
+        self.move = jax.jit(_move, donate_argnames="slots", static_argnames="span")
         self.extract = jax.jit(_extract, static_argnames=("rows", "span"))
         self.flush = jax.jit(_flush, donate_argnames="slots")
         self.decode = jit(

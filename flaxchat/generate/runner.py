@@ -73,15 +73,17 @@ class Runner:
         self.state = run(self.params, self.state, np.int32(slot), np.int32(start), last, tokens, length[0])
         return True
 
-    def move(self, src: list[int], dst: list[int]) -> bool:
-        """Copy rows src to rows dst; False (nothing moved) while no program for that many moves is compiled."""
-        (count,), ready = self._variant("move", 1 << (len(src) - 1).bit_length())  # powers of two: few compiles
+    def move(self, src: list[int], dst: list[int], positions: int) -> bool:
+        """Copy rows src to rows dst, each holding at most `positions` cache entries; False (nothing moved) while no
+        program for that many moves over that span is compiled."""
+        need = (1 << (len(src) - 1).bit_length(), attention_span(positions, self.capacity))  # powers of two
+        (count, span), ready = self._variant("move", *need)
         if not ready and self.ahead is not None:
             return False
         self._settle()
         pad = count - len(src)
         src, dst = np.array(src + src[:1] * pad, np.int32), np.array(dst + dst[:1] * pad, np.int32)
-        self.state = ready.get("move", self.programs.move)(self.state, src, dst)
+        self.state = (ready.get("move") or functools.partial(self.programs.move, span=span))(self.state, src, dst)
         return True
 
     def decode(self, rows: list, pushes: dict[int, list[int]], limit: int):

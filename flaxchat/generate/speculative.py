@@ -259,7 +259,7 @@ class SpeculativeRunner:
         )
         self.first = [int(first)]  # the prefill's token: handed out by the next decode call
 
-    def move(self, src, dst) -> bool:
+    def move(self, src, dst, positions) -> bool:
         return False  # one row: nothing to pack
 
     def decode(self, rows: list, pushes: dict[int, list[int]], limit: int):

@@ -57,7 +57,7 @@ def batch_rows(highest_slot: int, slots: int) -> int:
 
 def variants(slots: int, capacity: int, extend: bool = True) -> list[tuple]:
     """Every program variant a runner of `slots` rows over a `capacity`-position cache may call, as keys:
-    ("prefill", bucket), ("decode", rows, span), ("move", count) and, with `extend` (prefix reuse), ("extend",
+    ("prefill", bucket), ("decode", rows, span), ("move", count, span) and, with `extend` (prefix reuse), ("extend",
     bucket, span): a tail's bucket over the cache positions it reaches."""
     buckets = sorted({bucket_length(1 << p, capacity) for p in range(capacity.bit_length())})
     rows = sorted({batch_rows(i, slots) for i in range(slots)})
@@ -65,7 +65,7 @@ def variants(slots: int, capacity: int, extend: bool = True) -> list[tuple]:
     # the runner's move counts: powers of two (compacting moves at most half the slots, and as many kept rows back)
     moves = [1 << p for p in range((slots - 1).bit_length() + 1)] if slots > 1 else []
     keys = [("prefill", T) for T in buckets] + [("decode", n, s) for n in rows for s in spans]
-    keys += [("move", m) for m in moves]
+    keys += [("move", m, s) for m in moves for s in spans]
     return keys + [("extend", T, s) for T in buckets for s in spans if s >= T and extend]
 
 
@@ -79,7 +79,8 @@ def lowerings(runner, key: tuple, shapes) -> dict:
     if kind == "prefill":
         return {"prefill": progs.prefill.lower(params, state, i32(), i32(1, size[0]), i32(1))}
     if kind == "move":
-        return {"move": progs.move.lower(state, i32(size[0]), i32(size[0]))}
+        count, span = size
+        return {"move": progs.move.lower(state, i32(count), i32(count), span=span)}
     if kind == "extend":
         T, span = size
         return {"extend": progs.extend.lower(params, state, i32(), i32(), i32(), i32(1, T), i32(), span=span)}
@@ -144,7 +145,7 @@ class Precompiler:
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             for (key, _), compiled in zip(now, pool.map(lambda job: self.compile(*job), now)):
                 self._ready[key] = compiled
-        cost = lambda key: math.prod(key[1:]) * (self.runner.capacity if key[0] == "move" else 1)
+        cost = lambda key: math.prod(key[1:])
         jobs = sorted((k for k in self.keys if k not in widest + single), key=cost) + (widest if quick else [])
         self.pending = len(jobs)
         self._thread = threading.Thread(target=self._run, args=(jobs, progress), name="flaxchat-compile", daemon=True)
