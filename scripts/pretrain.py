@@ -46,6 +46,7 @@ from flaxchat.train.flags import (
     add_optimizer_flags,
     add_run_flag,
     add_schedule_flags,
+    micro_steps,
     optimizer_lrs,
 )
 from flaxchat.train.optim import Schedule, build_optimizer, optimizer_stats
@@ -156,18 +157,6 @@ def plan_training(args, abstract_model, vocab_size):
         weight_decay=args.weight_decay,
         scale_hparams=not args.no_hparam_scaling,
     )
-
-
-def micro_steps(parser, args, plan, dp: int) -> int:
-    """Micro-steps per optimizer step (gradient accumulation): the plan's batch over one micro-step's tokens, which
-    must divide it."""
-    tokens_per_micro = args.device_batch_size * dp * args.max_seq_len
-    if plan.total_batch_size % tokens_per_micro:
-        parser.error(
-            f"total batch size {plan.total_batch_size:,} tokens is not a multiple of one micro-step "
-            f"({args.device_batch_size} x {dp} devices x {args.max_seq_len} = {tokens_per_micro:,})"
-        )
-    return plan.total_batch_size // tokens_per_micro
 
 
 def optimizer_factory(args, plan):
@@ -321,7 +310,7 @@ def main(argv=None):
         parser.error(str(e))
     print0(plan.describe())
     global_batch, tokens_per_micro = args.device_batch_size * dp, args.device_batch_size * dp * args.max_seq_len
-    grad_accum, num_iterations = micro_steps(parser, args, plan, dp), plan.num_iterations
+    grad_accum, num_iterations = micro_steps(parser, plan.total_batch_size, args, dp), plan.num_iterations
     print0(
         f"micro-batch: {global_batch} x {args.max_seq_len} = {tokens_per_micro:,} tokens | "
         f"grad accumulation: {grad_accum}"

@@ -66,6 +66,7 @@ from flaxchat.train.flags import (
     add_optimizer_flags,
     add_run_flag,
     add_schedule_flags,
+    micro_steps,
 )
 from flaxchat.train.sft import (
     checkpoint_meta,
@@ -201,18 +202,12 @@ def check_args(parser, args):
     check_mixture_args(parser, args)
 
 
-def micro_steps(parser, args, model, dp: int) -> int:
+def sft_micro_steps(parser, args, model, dp: int) -> int:
     """Gradient accumulation steps of one optimizer step (the inherited flags filled in); parser.error where a row
     is longer than the model's context or the total batch is no whole number of micro-steps."""
     if args.max_seq_len > model.config.sequence_len:
         parser.error(f"--max-seq-len {args.max_seq_len} exceeds the model's context {model.config.sequence_len}")
-    tokens_per_micro = args.device_batch_size * dp * args.max_seq_len
-    if args.total_batch_size % tokens_per_micro:
-        parser.error(
-            f"total batch size {args.total_batch_size:,} is not a multiple of one micro-step "
-            f"({args.device_batch_size} x {dp} devices x {args.max_seq_len} = {tokens_per_micro:,})"
-        )
-    return args.total_batch_size // tokens_per_micro
+    return micro_steps(parser, args.total_batch_size, args, dp)
 
 
 def val_bpb(model, val_ds, tokenizer, token_bytes, args, global_batch: int, mesh) -> float:
@@ -360,7 +355,7 @@ def main(argv=None):
 
     model_tag, model, base_inner, meta, base_step, tokenizer, token_bytes = load_base(parser, args, mesh, dtype, lora)
     inherit(args, meta)
-    grad_accum, global_batch = micro_steps(parser, args, model, dp), args.device_batch_size * dp
+    grad_accum, global_batch = sft_micro_steps(parser, args, model, dp), args.device_batch_size * dp
     print0(
         f"micro-batch: {global_batch} x {args.max_seq_len} | grad accumulation: {grad_accum}"
         + model.forms.sub_batch_note(args.device_batch_size, args.max_seq_len, mesh)

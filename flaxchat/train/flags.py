@@ -93,6 +93,18 @@ def optimizer_lrs(args) -> dict:
     return {"unembedding_lr": args.unembedding_lr, "embedding_lr": args.embedding_lr, "matrix_lr": args.matrix_lr}
 
 
+def micro_steps(parser, total_batch_size: int, args, dp: int) -> int:
+    """Micro-steps per optimizer step (gradient accumulation): the total batch over one micro-step's tokens
+    (--device-batch-size rows x dp devices x --max-seq-len), which must divide it (parser.error otherwise)."""
+    tokens_per_micro = args.device_batch_size * dp * args.max_seq_len
+    if total_batch_size % tokens_per_micro:
+        parser.error(
+            f"total batch size {total_batch_size:,} tokens is not a multiple of one micro-step "
+            f"({args.device_batch_size} x {dp} devices x {args.max_seq_len} = {tokens_per_micro:,})"
+        )
+    return total_batch_size // tokens_per_micro
+
+
 def add_schedule_flags(parser, *, warmdown_ratio, final_lr_frac, warmup_steps=ABSENT, warmup_ratio=ABSENT) -> None:
     """The LR schedule's flags: warmup in steps (pretraining knows its horizon) or as a share of the run (SFT
     follows its progress through the data), then the warmdown share and the final LR."""
