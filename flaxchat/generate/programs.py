@@ -273,11 +273,12 @@ def _prefill(graphdef, params, slots: Slots, start, tokens, lengths, *, copies: 
 def _extend(graphdef, params, slots: Slots, row, start, last, tokens, length, *, span: int) -> Slots:
     """Prefill a prompt's tail, tokens (1, T) padded (`length` real), after the first `start` cached positions of row
     `row`, whose token at start - 1 is `last` (prefix reuse: the row holds an earlier prompt and reply that begin
-    the same way). Only the row's first `span` positions (static, at least start + T) are read and written back: a
-    long cache's unused end would cost as much to copy as the tail's prefill. Entries past `start` are overwritten
-    or never read, as after `rewind`."""
+    the same way). Attention reads the row's first `span` positions (static, at least start + T); only the tail's T
+    new keys and values are written back: a long row costs as much to copy as the tail's prefill. Entries past
+    `start` are overwritten or never read, as after `rewind`."""
     model = nnx.merge(graphdef, params)
     cast_for_compute(model)
+    T = tokens.shape[1]
     one = lambda x: jax.lax.dynamic_slice_in_dim(x, row, 1)
     c = slots.cache
     cache = KVCache(
@@ -288,10 +289,16 @@ def _extend(graphdef, params, slots: Slots, row, start, last, tokens, length, *,
     )
     cache = rewind(model, cache, jnp.reshape(start, (1,)), jnp.reshape(last, (1,)))
     logits, cache = model.forward_cached(tokens, cache, logits_at=jnp.reshape(length - 1, (1,)))
-    cache = dataclasses.replace(cache, pos=jnp.reshape(start + length, (1,)).astype(jnp.int32))
-    put = lambda x, new: jax.lax.dynamic_update_slice(x, new.astype(x.dtype), (row,) + (0,) * (x.ndim - 1))
+    tail = lambda x, axis: jax.lax.dynamic_slice_in_dim(x, start, T, axis=axis)  # the T entries just written
+    into = lambda x, new, at: jax.lax.dynamic_update_slice(x, new.astype(x.dtype), at)
+    put = lambda x, new: into(x, new, (row,) + (0,) * (x.ndim - 1))
     zero = jnp.zeros((1,), jnp.int32)
-    cache = jax.tree.map(put, slots.cache, cache)
+    cache = KVCache(
+        k=tuple(into(x, tail(new, 2), (row, 0, start, 0)) for x, new in zip(c.k, cache.k)),
+        v=tuple(into(x, tail(new, 3), (row, 0, 0, start)) for x, new in zip(c.v, cache.v)),
+        pos=put(c.pos, jnp.reshape(start + length, (1,)).astype(jnp.int32)),
+        prev_embedding=put(c.prev_embedding, cache.prev_embedding),
+    )
     return Slots(
         cache, put(slots.logits, logits), slots.forced, put(slots.forced_len, zero), put(slots.forced_pos, zero)
     )
