@@ -472,8 +472,8 @@ def test_product_census_counts_every_product_the_compiled_step_runs():
         compiled = program_stats(train_step.lower(model, optimizer, *batch).compile().as_text())["matmul_flops"]
     assert census["gflop"] * 1e9 == pytest.approx(compiled, rel=0.05)
     assert census["calls"] >= census["distinct"] > 10 and census["alone_s"] > 0
-    sources = " ".join(p["source"] for p in census["top"])
-    assert "gpt.py" in sources or "loss.py" in sources or "optim.py" in sources
+    # each named by a line of the model's or the optimizer's code (a CPU's products run in model/cpu.py's forms)
+    assert census["top"] and all(p["source"].startswith(("flaxchat/model/", "flaxchat/train/")) for p in census["top"])
     lines = format_census({**census, "share_of_step": 0.5}, 2 * census["alone_s"]).splitlines()
     assert lines[0].startswith(f"the step's {census['calls']} products") and "(50%)" in lines[0]
     assert len(lines) == 2 + len(census["top"]) + len(census["by_line"])
