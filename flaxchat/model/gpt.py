@@ -172,8 +172,8 @@ class StackedWeight(nnx.Param):
 
 def with_stacked_qkv(model):
     """The model for generation: a copy sharing its arrays whose attention layers also hold q, k and v's weights
-    stacked (`c_qkv`). A decode program stacks them itself otherwise, once per call: on a CPU, for a d12 model, as
-    long as a decode step (docs/LOG.md, 2026-12-07), which short chunks (tokens streamed as they are made) pay often."""
+    stacked (`c_qkv`). A decode program stacks them itself otherwise, a copy of every attention weight once per
+    call, which short chunks (tokens streamed as they are made) would pay on every call."""
     model = nnx.merge(*nnx.split(model))
     for attn in [m for _, m in nnx.iter_graph(model) if isinstance(m, CausalSelfAttention)]:
         layers = (attn.c_q, attn.c_k, attn.c_v)
