@@ -431,7 +431,7 @@ class Programs:
     prefill(params, slots, start, tokens, lengths, copies=) -> Slots
     extend(params, slots, row, start, last, tokens, length, span=) -> Slots
     decode(params, slots, controls, limit, settings=) -> (Slots, Emitted)
-    extract(slots, rows=, span=) -> Slots;  flush(slots, part) -> Slots;  move(slots, src, dst) -> Slots
+    extract(slots, rows=, span=) -> Slots;  flush(slots, part) -> Slots;  move(slots, src, dst, span=) -> Slots
     score(params, tokens, top=) -> (logprobs (T,), top values (T, top), top ids (T, top))
     """
 
